@@ -1,0 +1,92 @@
+"""Array backends: numpy always, CuPy when installed and a GPU is chosen.
+
+Every layer asks `get_array_module(array)` once per method and then writes one code path for both,
+as Chainer does. Only this module imports CuPy, so a machine without it never sees an ImportError.
+"""
+import numpy
+
+try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
+    import cupy
+except Exception:  # pragma: no cover - depends on the machine
+    cupy = None
+
+_state = {"xp": numpy, "device": None}
+
+
+def gpu_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def set_mode_cpu():
+    _state["xp"] = numpy
+    _state["device"] = None
+
+
+def set_mode_gpu(device=0):
+    """Make CuPy the default array module for nets built from now on, on the given device."""
+    if not gpu_available():
+        raise RuntimeError("GPU mode asked for, but CuPy is not installed or sees no CUDA device: "
+                           "install the gpu extra (pip install -e '.[gpu]') or drop --gpu")
+    cupy.cuda.Device(device).use()
+    _state["xp"] = cupy
+    _state["device"] = device
+
+
+def default_xp():
+    """The array module new nets allocate with (numpy unless set_mode_gpu was called)."""
+    return _state["xp"]
+
+
+def get_array_module(*arrays):
+    """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent)."""
+    if cupy is not None:
+        return cupy.get_array_module(*arrays)
+    return numpy
+
+
+def to_numpy(array):
+    """A host numpy copy (or the array itself when it already is numpy)."""
+    if cupy is not None and isinstance(array, cupy.ndarray):
+        return cupy.asnumpy(array)
+    return numpy.asarray(array)
+
+
+def to_xp(array, xp):
+    """Move a host array to the module xp (no copy when it already lives there)."""
+    if xp is numpy:
+        return to_numpy(array)
+    return xp.asarray(array)
+
+
+def pinned_empty(shape, dtype):
+    """Host buffer for device<->host moves: page-locked on a GPU machine, plain numpy otherwise."""
+    if _state["xp"] is not numpy and cupy is not None:
+        import cupyx
+        return cupyx.empty_pinned(shape, dtype)
+    return numpy.empty(shape, dtype)
+
+
+class NullStream:
+    """Stand-in for a CUDA stream on the CPU, so callers write one code path."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def new_stream():
+    """A non-blocking CUDA stream on GPU, a no-op stream on CPU."""
+    if _state["xp"] is not numpy and cupy is not None:
+        return cupy.cuda.Stream(non_blocking=True)
+    return NullStream()

@@ -1,0 +1,101 @@
+"""Blob: the data and the gradient (diff) of one N-d array, as in Caffe and pycaffe."""
+import numpy
+
+
+class Blob:
+    """Holds `data` and `diff` arrays of one shape on one array module.
+
+    Reshaping keeps the storage when the element count does not grow, as Caffe's Blob does, so a net
+    allocates its buffers once and reuses them across iterations.
+    """
+
+    def __init__(self, shape=(), dtype=numpy.float32, xp=numpy):
+        self.xp = xp
+        self.dtype = numpy.dtype(dtype)
+        self._data = None
+        self._diff = None
+        self.reshape(*shape)
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"blob shape {shape} has a negative dimension")
+        if self._data is not None and self._data.shape == shape:
+            return
+        count = int(numpy.prod(shape)) if shape else 1
+        if self._data is None or self._data.size < count:
+            self._flat_data = self.xp.zeros(count, self.dtype)
+            self._flat_diff = self.xp.zeros(count, self.dtype)
+        self._data = self._flat_data[:count].reshape(shape)
+        self._diff = self._flat_diff[:count].reshape(shape)
+
+    def reshape_like(self, other):
+        self.reshape(other.shape)
+
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data[...] = value
+
+    @property
+    def diff(self):
+        return self._diff
+
+    @diff.setter
+    def diff(self, value):
+        self._diff[...] = value
+
+    def share_data(self, other):
+        """Point this blob's data at other's storage (Split and in-place views)."""
+        self._data = other._data
+
+    def share_diff(self, other):
+        self._diff = other._diff
+
+    def share(self, other):
+        """Share data and diff storage with another blob (weight sharing by `param { name }`)."""
+        self._flat_data, self._flat_diff = other._flat_data, other._flat_diff
+        self._data, self._diff = other._data, other._diff
+
+    @property
+    def shape(self):
+        return self._data.shape
+
+    @property
+    def count(self):
+        return int(self._data.size)
+
+    @property
+    def ndim(self):
+        return self._data.ndim
+
+    def _legacy(self, i):
+        shape = self.shape
+        if len(shape) > 4:
+            raise ValueError("num/channels/height/width are defined only for blobs of at most 4 axes")
+        padded = (1,) * 0 + tuple(shape) + (1,) * (4 - len(shape))
+        return padded[i]
+
+    num = property(lambda self: self._legacy(0))
+    channels = property(lambda self: self._legacy(1))
+    height = property(lambda self: self._legacy(2))
+    width = property(lambda self: self._legacy(3))
+
+    def canonical_axis(self, axis):
+        """Caffe's CanonicalAxisIndex: negative axes count from the end."""
+        n = self.ndim
+        if not -n <= axis < max(n, 1):
+            raise ValueError(f"axis {axis} out of range for a blob of {n} axes {self.shape}")
+        return axis + n if axis < 0 else axis
+
+    def count_range(self, start, end=None):
+        shape = self.shape[start:end]
+        return int(numpy.prod(shape)) if shape else 1
+
+    def __repr__(self):
+        return f"Blob(shape={self.shape}, dtype={self.dtype.name})"

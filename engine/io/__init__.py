@@ -1,0 +1,1 @@
+"""Readers and writers for Caffe's on-disk formats (weights, solver state, means, Datum)."""

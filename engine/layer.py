@@ -1,0 +1,142 @@
+"""The layer contract (Caffe's): setup once, then reshape, forward and backward every iteration.
+
+A layer owns its learnable parameter blobs (`self.blobs`); backward *adds* parameter gradients into
+their diffs (the solver clears them each iteration) and *overwrites* bottom diffs. Subclasses declare
+their blob counts as class attributes, which `setup` checks in one place, and register themselves
+with `@register("TypeName")` beside their class.
+"""
+import numpy
+
+from .blob import Blob
+from .errors import LayerError, ModelError
+from . import fillers
+
+TRAIN, TEST = 0, 1
+
+_REGISTRY = {}
+
+
+def register(type_name):
+    """Class decorator adding a layer type under the name prototxt files use (`type: "..."`)."""
+
+    def add(cls):
+        if type_name in _REGISTRY:
+            raise ValueError(f"layer type '{type_name}' is registered twice "
+                             f"({_REGISTRY[type_name].__module__} and {cls.__module__})")
+        cls.type = type_name
+        _REGISTRY[type_name] = cls
+        return cls
+
+    return add
+
+
+def layer_class(type_name, layer_name="?"):
+    from . import layers  # noqa: F401  (importing registers the built-in types)
+    try:
+        return _REGISTRY[type_name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ModelError(f"layer '{layer_name}': unknown layer type '{type_name}' "
+                         f"(known types: {known}); register a Python layer with "
+                         f"@engine.register('{type_name}') or fix the type") from None
+
+
+def registered_types():
+    from . import layers  # noqa: F401
+    return sorted(_REGISTRY)
+
+
+def create_layer(param, phase=TRAIN, dtype=numpy.float32, xp=numpy):
+    return layer_class(param.type, param.name)(param, phase, dtype, xp)
+
+
+class Layer:
+    """Base class. Override `layer_setup`, `reshape`, `forward`, `backward` (Caffe's four methods)."""
+
+    type = None
+    exact_bottoms = None   # an int, or None for "any"
+    min_bottoms = None
+    max_bottoms = None
+    exact_tops = None
+    min_tops = None
+    max_tops = None
+    equal_bottoms_tops = False
+    is_loss = False        # LossLayer: top[0] gets loss_weight 1 unless told otherwise
+    # InnerProduct-like layers set this and implement sufficient_factors() (see dist/sfb.py).
+    has_sufficient_factors = False
+
+    def __init__(self, param, phase=TRAIN, dtype=numpy.float32, xp=numpy):
+        self.param = param
+        self.name = param.name
+        self.phase = phase
+        self.dtype = numpy.dtype(dtype)
+        self.xp = xp
+        self.blobs = []                  # learnable (or stored) parameter blobs
+        self.param_propagate_down = []   # per blob: compute its gradient?
+        self.loss_weights = []
+
+    # ----- the contract -------------------------------------------------------------------------
+    def setup(self, bottom, top):
+        """Check blob counts, set up, shape the tops and record loss weights. Not for overriding."""
+        self._check_counts(bottom, top)
+        self.layer_setup(bottom, top)
+        self.reshape(bottom, top)
+        self._set_loss_weights(top)
+        while len(self.param_propagate_down) < len(self.blobs):
+            self.param_propagate_down.append(True)
+
+    def layer_setup(self, bottom, top):
+        """One-time set-up: read parameters, create learnable blobs."""
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError
+
+    def forward(self, bottom, top):
+        raise NotImplementedError
+
+    def backward(self, top, propagate_down, bottom):
+        """Gradients: bottom diffs overwritten where propagate_down[i]; parameter diffs accumulated."""
+
+    def allow_force_backward(self, bottom_index):
+        return True
+
+    # ----- helpers for subclasses ---------------------------------------------------------------
+    def error(self, message):
+        return LayerError(self, message)
+
+    def new_blob(self, shape=()):
+        return Blob(shape, self.dtype, self.xp)
+
+    def add_param(self, shape, filler_param=None, fill_value=None):
+        """Create a learnable blob, filled by a FillerParameter (or a constant)."""
+        blob = self.new_blob(shape)
+        if filler_param is not None:
+            blob.data[...] = fillers.fill(filler_param, blob.shape, self.xp, self.dtype)
+        elif fill_value is not None:
+            blob.data[...] = fill_value
+        self.blobs.append(blob)
+        return blob
+
+    def _check_counts(self, bottom, top):
+        def check(what, n, exact, lo, hi):
+            if exact is not None and n != exact:
+                raise self.error(f"takes {exact} {what} blob(s), got {n}")
+            if lo is not None and n < lo:
+                raise self.error(f"takes at least {lo} {what} blob(s), got {n}")
+            if hi is not None and n > hi:
+                raise self.error(f"takes at most {hi} {what} blob(s), got {n}")
+
+        check("bottom", len(bottom), self.exact_bottoms, self.min_bottoms, self.max_bottoms)
+        check("top", len(top), self.exact_tops, self.min_tops, self.max_tops)
+        if self.equal_bottoms_tops and len(bottom) != len(top):
+            raise self.error(f"needs as many tops as bottoms, got {len(bottom)} bottoms "
+                             f"and {len(top)} tops")
+
+    def _set_loss_weights(self, top):
+        weights = list(self.param.loss_weight)
+        if weights and len(weights) != len(top):
+            raise self.error(f"gives {len(weights)} loss_weight values for {len(top)} tops: "
+                             f"give one per top")
+        if not weights:
+            weights = [1.0 if (self.is_loss and i == 0) else 0.0 for i in range(len(top))]
+        self.loss_weights = weights

@@ -1,0 +1,150 @@
+"""Element-wise activations: ReLU (leaky), Sigmoid, TanH and PReLU.
+
+All run in place (top[0] is bottom[0], as Caffe files write them): then backward finds the *output* in
+bottom.data, so ReLU, Sigmoid and TanH take their derivatives from the output, and PReLU keeps a copy
+of its input as Caffe does.
+"""
+from ..layer import Layer, register
+
+
+class ElementwiseLayer(Layer):
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape)
+
+
+@register("ReLU")
+class ReLULayer(ElementwiseLayer):
+    """y = x for x > 0, negative_slope·x otherwise; dy/dx = 1 for x > 0, negative_slope otherwise."""
+
+    def layer_setup(self, bottom, top):
+        self.slope = float(self.param.relu_param.negative_slope)
+        self._positive = None   # input > 0, kept only when run in place with a negative slope
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        x, y = bottom[0].data, top[0].data
+        s = self.slope
+        if s == 0.0:
+            xp.maximum(x, 0, out=y)
+        elif 0.0 < s <= 1.0:
+            xp.maximum(x, x * self.dtype.type(s), out=y)   # max(x, s·x) is leaky ReLU for 0 < s <= 1
+        else:
+            if s < 0.0 and top[0] is bottom[0]:
+                # the output's sign no longer tells the input's: keep the mask for backward
+                self._positive = x > 0
+            y[...] = xp.where(x > 0, x, x * self.dtype.type(s))
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        xp = self.xp
+        # In place, bottom.data is the output, which is > 0 exactly where the input was (slope >= 0).
+        positive = (self._positive if (self.slope < 0.0 and top[0] is bottom[0])
+                    else bottom[0].data > 0)
+        dy, dx = top[0].diff, bottom[0].diff
+        if self.slope == 0.0:
+            xp.multiply(dy, positive, out=dx)
+        else:
+            dx[...] = xp.where(positive, dy, dy * self.dtype.type(self.slope))
+
+
+@register("Sigmoid")
+class SigmoidLayer(ElementwiseLayer):
+    """y = 1 / (1 + exp(−x)), computed as 0.5·tanh(0.5·x) + 0.5 (no overflow); dy/dx = y·(1 − y)."""
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        y = top[0].data
+        xp.multiply(bottom[0].data, 0.5, out=y)
+        xp.tanh(y, out=y)
+        y *= 0.5
+        y += 0.5
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data
+        d = 1 - y            # scratch
+        d *= y
+        self.xp.multiply(top[0].diff, d, out=bottom[0].diff)
+
+
+@register("TanH")
+class TanHLayer(ElementwiseLayer):
+    """y = tanh(x); dy/dx = 1 − y²."""
+
+    def forward(self, bottom, top):
+        self.xp.tanh(bottom[0].data, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data
+        d = y * y            # scratch
+        xp = self.xp
+        xp.subtract(1, d, out=d)
+        xp.multiply(top[0].diff, d, out=bottom[0].diff)
+
+
+@register("PReLU")
+class PReLULayer(ElementwiseLayer):
+    """y = x for x > 0, a_c·x otherwise, with a learned slope a per channel (axis 1), or one shared.
+
+    blobs[0] is (C,), or a 0-axis scalar with channel_shared (Caffe's shapes); default filler constant
+    0.25.
+    """
+
+    def layer_setup(self, bottom, top):
+        p = self.param.prelu_param
+        b = bottom[0]
+        if b.ndim < 2:
+            raise self.error(f"needs a bottom of at least 2 axes (N, C, ...), got shape "
+                             f"{tuple(b.shape)}")
+        self.channel_shared = bool(p.channel_shared)
+        self.channels = b.shape[1]
+        shape = () if self.channel_shared else (self.channels,)
+        if p.HasField("filler"):
+            self.add_param(shape, p.filler)
+        else:
+            self.add_param(shape, fill_value=0.25)
+        self._input = None   # copy of the input when run in place
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        if b.ndim < 2 or b.shape[1] != self.channels:
+            raise self.error(f"bottom shape {tuple(b.shape)} does not match the {self.channels} "
+                             f"channels (axis 1) the slopes were set up for")
+        top[0].reshape(b.shape)
+        if top[0] is b and (self._input is None or self._input.shape != b.shape):
+            self._input = self.xp.empty(b.shape, self.dtype)
+
+    def _slope(self, ndim):
+        a = self.blobs[0].data
+        return a if self.channel_shared else a.reshape((1, -1) + (1,) * (ndim - 2))   # 1×C×1×…
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        x = bottom[0].data
+        if top[0] is bottom[0]:
+            self._input[...] = x
+            x = self._input
+        top[0].data[...] = xp.where(x > 0, x, x * self._slope(x.ndim))
+
+    def backward(self, top, propagate_down, bottom):
+        xp = self.xp
+        x = self._input if top[0] is bottom[0] else bottom[0].data
+        dy = top[0].diff
+        negative = x <= 0
+        if self.param_propagate_down[0]:
+            # d/da_c = Σ over every axis but the channel of dy·x where x <= 0 (before dx overwrites dy)
+            t = dy * x
+            t *= negative
+            if self.channel_shared:
+                self.blobs[0].diff += t.sum()
+            else:
+                self.blobs[0].diff += t.sum(axis=tuple(i for i in range(x.ndim) if i != 1))
+        if propagate_down[0]:
+            bottom[0].diff[...] = xp.where(negative, dy * self._slope(x.ndim), dy)

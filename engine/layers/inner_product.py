@@ -1,0 +1,96 @@
+"""InnerProduct (fully connected): y = x·Wᵀ + b over the axes from `axis` on, as GEMMs in the blob dtype.
+
+Weight `blobs[0]` is (num_output, N_in) — or (N_in, num_output) with `transpose: true` — and the optional
+bias `blobs[1]` is (num_output,). With K samples (the product of the axes before `axis`) the top gradient
+G is K×M (M = num_output) and the input X is K×N (N = N_in); the weight gradient is Gᵀ·X, a sum of K
+rank-1 products: the layer's *sufficient factors*, which dist/sfb.py broadcasts instead of the gradient.
+"""
+from ..layer import Layer, register
+
+
+@register("InnerProduct")
+class InnerProductLayer(Layer):
+    exact_bottoms = 1
+    exact_tops = 1
+    has_sufficient_factors = True
+
+    def layer_setup(self, bottom, top):
+        p = self.param.inner_product_param
+        if p.num_output <= 0:
+            raise self.error("inner_product_param.num_output is not set: give the number of outputs "
+                             "(num_output > 0)")
+        self.num_output = int(p.num_output)
+        self.bias_term = bool(p.bias_term)
+        self.transpose = bool(p.transpose)
+        self.axis = self._axis(bottom[0])
+        self.n_in = bottom[0].count_range(self.axis)            # N: inputs per sample
+        shape = (self.n_in, self.num_output) if self.transpose else (self.num_output, self.n_in)
+        # An unset filler is FillerParameter's default: constant 0 (as in Caffe).
+        self.add_param(shape, p.weight_filler)
+        if self.bias_term:
+            self.add_param((self.num_output,), p.bias_filler)
+        self._grad_buffer = None                                # weight-shaped scratch, made lazily
+
+    def _axis(self, blob):
+        try:
+            return blob.canonical_axis(self.param.inner_product_param.axis)
+        except ValueError:
+            raise self.error(f"axis {self.param.inner_product_param.axis} is out of range for a "
+                             f"bottom of shape {tuple(blob.shape)}") from None
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        axis = self._axis(b)
+        n_in = b.count_range(axis)
+        if n_in != self.n_in:
+            raise self.error(f"bottom shape {tuple(b.shape)} gives {n_in} inputs per sample (axes "
+                             f"{axis}.. flattened), but the weights were set up for {self.n_in}: an "
+                             f"InnerProduct's input size is fixed at setup")
+        self.axis = axis
+        self.k = b.count_range(0, axis)                         # K: samples (rows of the GEMM)
+        top[0].reshape(tuple(b.shape[:axis]) + (self.num_output,))
+
+    # ----- the GEMMs ----------------------------------------------------------------------------
+    def forward(self, bottom, top):
+        xp = self.xp
+        x = bottom[0].data.reshape(self.k, self.n_in)           # K×N view
+        y = top[0].data.reshape(self.k, self.num_output)        # K×M view
+        w = self.blobs[0].data
+        xp.dot(x, w if self.transpose else w.T, out=y)          # K×M = X·Wᵀ (or X·W)
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        xp = self.xp
+        g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
+        w = self.blobs[0]
+        if self.param_propagate_down[0]:
+            if self._grad_buffer is None or self._grad_buffer.shape != w.shape:
+                self._grad_buffer = xp.empty(w.shape, self.dtype)
+            w.diff += self._weight_grad(g, x, self._grad_buffer)
+        if self.bias_term and self.param_propagate_down[1]:
+            self.blobs[1].diff += g.sum(axis=0)
+        if propagate_down[0]:
+            dx = bottom[0].diff.reshape(self.k, self.n_in)
+            xp.dot(g, w.data.T if self.transpose else w.data, out=dx)   # K×N = G·W (or G·Wᵀ)
+
+    # ----- sufficient factors (used by dist/sfb.py) ---------------------------------------------
+    def sufficient_factors(self, bottom, top):
+        """(G, X): top diff as a K×M view and bottom data as a K×N view (no copies).
+
+        The weight gradient of this batch is weight_grad_from_factors(G, X); the bias gradient G.sum(0).
+        """
+        g = top[0].diff.reshape(self.k, self.num_output)
+        x = bottom[0].data.reshape(self.k, self.n_in)
+        return g, x
+
+    def weight_grad_from_factors(self, G, X):
+        """Weight gradient in this layer's weight layout from (stacked) factors G (K×M) and X (K×N):
+        Gᵀ·X (M×N), or Xᵀ·G (N×M) with `transpose: true`. A new array."""
+        out = self.xp.empty(self.blobs[0].shape, self.xp.result_type(G.dtype, X.dtype))
+        return self._weight_grad(G, X, out)
+
+    def _weight_grad(self, g, x, out):
+        if self.transpose:
+            return self.xp.dot(x.T, g, out=out)                 # N×M = Xᵀ·G
+        return self.xp.dot(g.T, x, out=out)                     # M×N = Gᵀ·X

@@ -1,0 +1,373 @@
+"""Normalization layers: LRN, BatchNorm, Scale and Bias, with Caffe's exact formulas.
+
+LRN (lrn_layer.cpp), on 4-axis (N, C, H, W) blobs, n = local_size (odd):
+  ACROSS_CHANNELS  s = k + alpha/n * sum of x^2 over channels c-(n-1)/2 .. c+(n-1)/2 (zeros outside)
+  WITHIN_CHANNEL   s = 1 + alpha/n^2 * sum of x^2 over the n x n window centred on the pixel (zero
+                   padding; Caffe builds it from AVE pooling whose divisor is always n^2); k is ignored
+  y = x * s^(-beta)
+
+BatchNorm (batch_norm_layer.cpp): y = (x - mean) / sqrt(var + eps) per channel (axis 1), no affine
+part. blobs[0] and blobs[1] are running *sums* of batch means and of (m/(m-1))-corrected batch
+variances, blobs[2] (shape (1,)) is the running normalizer: each training forward does
+  blobs[2] = maf*blobs[2] + 1, blobs[0] = maf*blobs[0] + mean, blobs[1] = maf*blobs[1] + m/(m-1)*var
+with m = N*H*W. With use_global_stats (default: phase == TEST) mean = blobs[0]/blobs[2] and
+var = blobs[1]/blobs[2] (0 when blobs[2] == 0). The three blobs are never touched by the solver.
+
+Scale / Bias (scale_layer.cpp, bias_layer.cpp): y = x * scale (+ bias), the second operand spanning
+bottom[0]'s axes axis .. axis+num_axes-1 (num_axes -1: to the end, 0: a scalar) and broadcast over the
+others; it is a learned blob (one bottom) or bottom[1] (two bottoms, whose shape defines the axes).
+"""
+import numpy
+
+from ..layer import Layer, register
+
+
+def _buffer(holder, name, shape, dtype, xp, zero=False):
+    """A scratch array kept on `holder`, reallocated only when the shape changes."""
+    buf = getattr(holder, name, None)
+    if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
+        buf = (xp.zeros if zero else xp.empty)(tuple(shape), dtype)
+        setattr(holder, name, buf)
+    return buf
+
+
+# ------------------------------------------------------------------------------------------------
+@register("LRN")
+class LRNLayer(Layer):
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.lrn_param
+        self.size = int(p.local_size)
+        if self.size % 2 == 0 or self.size < 1:
+            raise self.error(f"local_size must be odd (and positive), got {self.size}")
+        self.alpha = float(p.alpha)
+        self.beta = float(p.beta)
+        self.k = float(p.k)
+        self.within = p.norm_region == p.WITHIN_CHANNEL
+        self.pre_pad = (self.size - 1) // 2
+
+    def reshape(self, bottom, top):
+        x = bottom[0]
+        if x.ndim != 4:
+            raise self.error(f"needs a 4-axis (num, channels, height, width) input, got shape {x.shape}")
+        if top[0] is bottom[0]:
+            raise self.error("does not work in place: give the top its own name")
+        top[0].reshape(x.shape)
+        n, c, h, w = x.shape
+        pad = self.size - 1
+        dt, xp = x.dtype, self.xp
+        self._scale = _buffer(self, "_scale_buf", x.shape, dt, xp)
+        self._pow = _buffer(self, "_pow_buf", x.shape, dt, xp)
+        if self.within:
+            # zero borders stay zero: only the interior is ever written
+            self._pad = _buffer(self, "_pad_buf", (n, c, h + pad, w + pad), dt, xp, zero=True)
+            self._rows = _buffer(self, "_rows_buf", (n, c, h, w + pad), dt, xp)
+        else:
+            self._pad = _buffer(self, "_pad_buf", (n, c + pad, h, w), dt, xp, zero=True)
+
+    def _window_sum(self, a, out):
+        """Sum of `a` over the LRN window (zero outside), written into out."""
+        n, p = self.size, self.pre_pad
+        pad = self._pad
+        if self.within:
+            h, w = a.shape[2], a.shape[3]
+            pad[:, :, p:p + h, p:p + w] = a
+            rows = self._rows
+            rows[...] = pad[:, :, 0:h]
+            for o in range(1, n):
+                rows += pad[:, :, o:o + h]
+            out[...] = rows[..., 0:w]
+            for o in range(1, n):
+                out += rows[..., o:o + w]
+        else:
+            c = a.shape[1]
+            pad[:, p:p + c] = a
+            out[...] = pad[:, 0:c]
+            for o in range(1, n):
+                out += pad[:, o:o + c]
+        return out
+
+    def _norm_factor(self):
+        return self.alpha / (self.size * self.size if self.within else self.size)
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        x = bottom[0].data
+        scale = self._scale
+        self._window_sum(x * x, scale)
+        scale *= self._norm_factor()
+        scale += 1.0 if self.within else self.k
+        xp.power(scale, -self.beta, out=self._pow)
+        xp.multiply(x, self._pow, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = bottom[0].data
+        dy = top[0].diff
+        # dx_j = dy_j s_j^-beta - 2 alpha' beta x_j sum_{c: j in W(c)} dy_c y_c / s_c (W symmetric)
+        ratio = dy * x
+        ratio *= self._pow
+        ratio /= self._scale
+        acc = self._window_sum(ratio, ratio)
+        acc *= x
+        acc *= -2.0 * self._norm_factor() * self.beta
+        out = bottom[0].diff
+        self.xp.multiply(dy, self._pow, out=out)
+        out += acc
+
+
+# ------------------------------------------------------------------------------------------------
+@register("BatchNorm")
+class BatchNormLayer(Layer):
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.batch_norm_param
+        self.maf = float(p.moving_average_fraction)
+        self.eps = float(p.eps)
+        self.use_global_stats = self.phase == 1  # TEST
+        if p.HasField("use_global_stats"):
+            self.use_global_stats = bool(p.use_global_stats)
+        x = bottom[0]
+        self.channels = 1 if x.ndim == 1 else x.shape[1]
+        c = self.channels
+        if len(self.blobs) == 3 and self.blobs[0].shape == (c,) and self.blobs[1].shape == (c,) \
+                and self.blobs[2].count == 1:
+            pass  # statistics already present (loaded or set up before): keep them
+        else:
+            self.blobs = []
+            for shape in ((c,), (c,), (1,)):
+                self.add_param(shape, fill_value=0)
+        # The statistics are not learnable: the solver must never update them (Caffe forces lr_mult 0
+        # and refuses a non-zero one, except for 3 ParamSpecs, which its upgrade step clears).
+        specs = self.param.param
+        given = len(specs)
+        for i in range(3):
+            if i >= len(specs):
+                specs.add().lr_mult = 0.0
+            elif given == 3:
+                specs[i].lr_mult = 0.0
+                specs[i].decay_mult = 0.0
+            elif specs[i].lr_mult != 0:
+                raise self.error("its mean/variance/normalizer blobs are statistics, not learnable "
+                                 f"parameters: param {{ lr_mult }} #{i} must be 0 (or drop the "
+                                 f"param specs), got {specs[i].lr_mult}")
+        self.param_propagate_down = [False] * 3
+
+    def reshape(self, bottom, top):
+        x = bottom[0]
+        c = 1 if x.ndim == 1 else x.shape[1]
+        if c != self.channels:
+            raise self.error(f"was set up for {self.channels} channels, input now has shape {x.shape}")
+        if top[0] is not bottom[0]:
+            top[0].reshape(x.shape)
+        n = x.shape[0]
+        s = x.count // (n * c) if n * c else 0
+        self._shape3 = (n, c, s)
+        self._x_norm = _buffer(self, "_x_norm_buf", self._shape3, x.dtype, self.xp)
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        x3 = bottom[0].data.reshape(self._shape3)
+        xn = self._x_norm
+        if self.use_global_stats:
+            norm = float(self.blobs[2].data.reshape(-1)[0])
+            factor = 0.0 if norm == 0 else 1.0 / norm
+            mean = self.blobs[0].data * factor
+            var = self.blobs[1].data * factor
+            xp.subtract(x3, mean[:, None], out=xn)
+        else:
+            mean = x3.mean(axis=(0, 2))
+            xp.subtract(x3, mean[:, None], out=xn)
+            m = self._shape3[0] * self._shape3[2]
+            var = xp.einsum("ncs,ncs->c", xn, xn) / m
+            b0, b1, b2 = (b.data for b in self.blobs)
+            b2 *= self.maf
+            b2 += 1
+            b0 *= self.maf
+            b0 += mean
+            b1 *= self.maf
+            b1 += var * (m / (m - 1.0) if m > 1 else 1.0)
+        self._inv_std = 1.0 / xp.sqrt(var + self.eps)
+        xn *= self._inv_std[:, None]
+        top[0].data[...] = xn.reshape(top[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        xp = self.xp
+        dy = top[0].diff.reshape(self._shape3)
+        out = bottom[0].diff.reshape(self._shape3)  # may be dy itself (in place)
+        inv = self._inv_std[:, None]
+        if self.use_global_stats:
+            xp.multiply(dy, inv, out=out)
+            return
+        # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial)
+        xn = self._x_norm
+        m = self._shape3[0] * self._shape3[2]
+        mean_dy = dy.mean(axis=(0, 2))
+        mean_dyy = xp.einsum("ncs,ncs->c", dy, xn) / m
+        xp.subtract(dy, mean_dy[:, None], out=out)
+        out -= xn * mean_dyy[:, None]
+        out *= inv
+
+
+# ------------------------------------------------------------------------------------------------
+def _operand_axis(layer, bottom0, operand_ndim, axis_param):
+    """Caffe: the operand starts at `axis`, or at 0 when it is a scalar (the axis is then moot)."""
+    try:
+        axis = 0 if operand_ndim == 0 else bottom0.canonical_axis(axis_param)
+    except ValueError as e:
+        raise layer.error(str(e)) from None
+    return axis
+
+
+def _check_operand(layer, bottom0, operand_shape, axis, what):
+    shape = bottom0.shape
+    if axis + len(operand_shape) > len(shape):
+        raise layer.error(f"the {what} of shape {tuple(operand_shape)} extends past bottom[0]'s shape "
+                          f"{shape} when applied from axis {axis}")
+    if tuple(shape[axis:axis + len(operand_shape)]) != tuple(operand_shape):
+        raise layer.error(f"the {what} of shape {tuple(operand_shape)} does not match bottom[0]'s "
+                          f"axes {axis}..{axis + len(operand_shape) - 1} of shape {shape}")
+    outer = int(numpy.prod(shape[:axis])) if axis else 1
+    dim = int(numpy.prod(operand_shape)) if len(operand_shape) else 1
+    inner = int(numpy.prod(shape[axis + len(operand_shape):]))
+    return outer, dim, inner
+
+
+def _learned_shape(layer, bottom0, axis_param, num_axes):
+    try:
+        axis = bottom0.canonical_axis(axis_param)
+    except ValueError as e:
+        raise layer.error(str(e)) from None
+    if num_axes < -1:
+        raise layer.error(f"num_axes must be >= 0, or -1 to extend to the end of bottom[0]; "
+                          f"got {num_axes}")
+    if num_axes >= 0 and axis + num_axes > bottom0.ndim:
+        raise layer.error(f"axis {axis_param} with num_axes {num_axes} extends past bottom[0]'s "
+                          f"shape {bottom0.shape}")
+    end = bottom0.ndim if num_axes == -1 else axis + num_axes
+    return tuple(bottom0.shape[axis:end])
+
+
+@register("Bias")
+class BiasLayer(Layer):
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.bias_param
+        self.axis_param = int(p.axis)
+        if len(bottom) == 1 and not self.blobs:
+            shape = _learned_shape(self, bottom[0], p.axis, p.num_axes)
+            # default filler: constant 0 (an empty FillerParameter is exactly that)
+            self.add_param(shape, p.filler)
+
+    def reshape(self, bottom, top):
+        bias = bottom[1] if len(bottom) > 1 else self.blobs[0]
+        self._axis = _operand_axis(self, bottom[0], bias.ndim, self.axis_param)
+        self._layout = _check_operand(self, bottom[0], bias.shape, self._axis, "bias")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        bias = bottom[1] if len(bottom) > 1 else self.blobs[0]
+        outer, dim, inner = self._layout
+        x3 = bottom[0].data.reshape(outer, dim, inner)
+        self.xp.add(x3, bias.data.reshape(1, dim, 1), out=top[0].data.reshape(x3.shape))
+
+    def backward(self, top, propagate_down, bottom):
+        outer, dim, inner = self._layout
+        dy = top[0].diff
+        if len(bottom) == 1:
+            if self.param_propagate_down[0]:
+                self.blobs[0].diff += dy.reshape(outer, dim, inner).sum(axis=(0, 2)).reshape(
+                    self.blobs[0].shape)
+        elif propagate_down[1]:
+            bottom[1].diff[...] = dy.reshape(outer, dim, inner).sum(axis=(0, 2)).reshape(
+                bottom[1].shape)
+        if propagate_down[0] and top[0] is not bottom[0]:
+            bottom[0].diff[...] = dy
+
+
+@register("Scale")
+class ScaleLayer(Layer):
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.scale_param
+        self.axis_param = int(p.axis)
+        self.bias_term = bool(p.bias_term)
+        n_expected = (1 if len(bottom) == 1 else 0) + (1 if self.bias_term else 0)
+        if len(self.blobs) == n_expected and n_expected > 0:
+            return  # parameters already present (loaded or set up before): keep them
+        self.blobs = []
+        if len(bottom) == 1:
+            shape = _learned_shape(self, bottom[0], p.axis, p.num_axes)
+            if p.HasField("filler"):
+                self.add_param(shape, p.filler)
+            else:
+                self.add_param(shape, fill_value=1.0)  # identity by default
+        if self.bias_term:
+            # Caffe builds an internal Bias layer with axis = scale axis and num_axes = bottom[1]'s
+            # axis count (two bottoms) or scale num_axes (one bottom); default filler constant 0.
+            num_axes = bottom[1].ndim if len(bottom) > 1 else p.num_axes
+            shape = _learned_shape(self, bottom[0], p.axis, num_axes)
+            self.add_param(shape, p.bias_filler)
+
+    def reshape(self, bottom, top):
+        scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
+        self._axis = _operand_axis(self, bottom[0], scale.ndim, self.axis_param)
+        self._layout = _check_operand(self, bottom[0], scale.shape, self._axis, "scale")
+        if self.bias_term:
+            bias = self.blobs[-1]
+            baxis = _operand_axis(self, bottom[0], bias.ndim, self.axis_param)
+            self._bias_layout = _check_operand(self, bottom[0], bias.shape, baxis, "bias")
+        if top[0] is bottom[0]:
+            self._temp = _buffer(self, "_temp_buf", bottom[0].shape, bottom[0].dtype, self.xp)
+        else:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
+        outer, dim, inner = self._layout
+        if top[0] is bottom[0]:
+            self._temp[...] = bottom[0].data  # backward needs the input
+        x3 = bottom[0].data.reshape(outer, dim, inner)
+        y3 = top[0].data.reshape(outer, dim, inner)
+        xp.multiply(x3, scale.data.reshape(1, dim, 1), out=y3)
+        if self.bias_term:
+            bo, bd, bi = self._bias_layout
+            y = top[0].data.reshape(bo, bd, bi)
+            y += self.blobs[-1].data.reshape(1, bd, 1)
+
+    def backward(self, top, propagate_down, bottom):
+        xp = self.xp
+        outer, dim, inner = self._layout
+        dy = top[0].diff
+        if self.bias_term and self.param_propagate_down[-1]:
+            bo, bd, bi = self._bias_layout
+            bias = self.blobs[-1]
+            bias.diff += dy.reshape(bo, bd, bi).sum(axis=(0, 2)).reshape(bias.shape)
+        one = len(bottom) == 1
+        scale = self.blobs[0] if one else bottom[1]
+        if (one and self.param_propagate_down[0]) or (not one and propagate_down[1]):
+            x = self._temp if top[0] is bottom[0] else bottom[0].data
+            grad = xp.einsum("odi,odi->d", dy.reshape(outer, dim, inner),
+                             x.reshape(outer, dim, inner)).reshape(scale.shape)
+            if one:
+                scale.diff += grad
+            else:
+                scale.diff[...] = grad
+        if propagate_down[0]:
+            xp.multiply(dy.reshape(outer, dim, inner), scale.data.reshape(1, dim, 1),
+                        out=bottom[0].diff.reshape(outer, dim, inner))

@@ -1,0 +1,425 @@
+"""Net: a stack of layers built from a NetParameter, run forward and backward layer by layer.
+
+`BackwardThrough(l)` runs the backward of layer l alone, so a caller can act between layers; this is
+the seam the distribution code uses to schedule the synchronisation of layer l while layers l-1..0
+are still computing (wait-free backpropagation). `Backward()` runs them all, calling every function
+in `after_backward` with the layer index right after each.
+"""
+import collections
+import os
+
+import numpy
+
+from . import backend
+from .blob import Blob
+from .errors import ModelError, PoseidonError
+from .layer import TRAIN, TEST, create_layer
+from .proto import caffe_pb2
+from . import prototxt
+
+
+class ParamSpec:
+    """How the solver treats one learnable blob: its multipliers and a readable name."""
+
+    __slots__ = ("name", "lr_mult", "decay_mult", "layer_index", "blob_index")
+
+    def __init__(self, name, lr_mult, decay_mult, layer_index, blob_index):
+        self.name, self.lr_mult, self.decay_mult = name, lr_mult, decay_mult
+        self.layer_index, self.blob_index = layer_index, blob_index
+
+    def __repr__(self):
+        return f"ParamSpec({self.name}, lr_mult={self.lr_mult}, decay_mult={self.decay_mult})"
+
+
+def parse_phase(phase):
+    if isinstance(phase, str):
+        try:
+            return {"TRAIN": TRAIN, "TEST": TEST}[phase.upper()]
+        except KeyError:
+            raise ModelError(f"phase must be TRAIN or TEST, got '{phase}'") from None
+    if phase not in (TRAIN, TEST):
+        raise ModelError(f"phase must be engine.TRAIN (0) or engine.TEST (1), got {phase!r}")
+    return int(phase)
+
+
+class Net:
+    """A network in one phase. pycaffe-like: `Net(model_file, phase, weights=None)`.
+
+    model: a prototxt path or a NetParameter. dtype: float32 normally, float64 for gradient checks.
+    xp: numpy or cupy (default: the mode set by engine.set_mode_cpu/gpu). shard: (rank, size) given
+    to data layers so that each of `size` workers reads its own part of the data.
+    """
+
+    def __init__(self, model, phase=TRAIN, weights=None, level=0, stages=(), dtype=numpy.float32,
+                 xp=None, shard=(0, 1), state=None):
+        self.source = model if isinstance(model, str) else None
+        param = prototxt.read_net(model) if isinstance(model, str) else self._copy(model)
+        self.phase = parse_phase(phase)
+        self.dtype = numpy.dtype(dtype)
+        self.xp = xp or backend.default_xp()
+        self.shard = tuple(shard)
+        net_state = caffe_pb2.NetState(phase=self.phase, level=level, stage=list(stages))
+        if param.HasField("state"):
+            merged = caffe_pb2.NetState()
+            merged.CopyFrom(param.state)
+            merged.MergeFrom(net_state)
+            merged.phase = self.phase
+            net_state = merged
+        if state is not None:
+            net_state.MergeFrom(state)
+            net_state.phase = self.phase
+        self.name = param.name
+        self.force_backward = param.force_backward
+        try:
+            filtered = prototxt.filter_net(param, net_state)
+            self.param = prototxt.insert_splits(filtered)
+            self._build()
+        except ModelError as e:
+            raise self._locate(e) from None
+        self.after_backward = []   # callbacks f(layer_index) run by Backward() after each layer
+        if weights:
+            self.copy_from(weights)
+
+    @staticmethod
+    def _copy(param):
+        out = caffe_pb2.NetParameter()
+        out.CopyFrom(param)
+        return prototxt.upgrade_net(out)
+
+    def _locate(self, error):
+        """Prefix an error with file:line of the layer it names, when the net came from a file."""
+        if not self.source:
+            return error
+        message = str(error)
+        for name, line in prototxt.layer_lines(self.source).items():
+            if f"layer '{name}'" in message:
+                return type(error)(f"{self.source}:{line}: {message}")
+        return type(error)(f"{self.source}: {message}")
+
+    # ----- construction ----------------------------------------------------------------------
+    def _build(self):
+        self.layers, self.layer_names = [], []
+        self.bottom_vecs, self.top_vecs, self.bottom_names, self.top_names = [], [], [], []
+        self.blobs = collections.OrderedDict()
+        self.blob_loss_weights = {}
+        self.inputs = []
+        consumed = set()
+        self.learnable_params, self.learnable_param_specs = [], []
+        self.param_owner = {}        # ParamSpec name -> (layer index, blob index)
+        self.params = collections.OrderedDict()
+        self.layer_param_specs = []  # per layer: list of ParamSpec (one per blob)
+
+        for li, lp in enumerate(self.param.layer):
+            if lp.name in self.layer_names:
+                raise ModelError(f"layer '{lp.name}': two layers share this name; names must be unique")
+            layer = create_layer(lp, self.phase, self.dtype, self.xp)
+            layer.shard = self.shard
+            bottoms = []
+            for name in lp.bottom:
+                if name not in self.blobs:
+                    raise ModelError(f"layer '{lp.name}': bottom '{name}' is not produced by any "
+                                     f"earlier layer")
+                bottoms.append(self.blobs[name])
+                consumed.add(name)
+            tops = []
+            for ti, name in enumerate(lp.top):
+                if ti < len(lp.bottom) and lp.bottom[ti] == name:
+                    tops.append(self.blobs[name])          # in place
+                elif name in self.blobs:
+                    raise ModelError(f"layer '{lp.name}': top '{name}' is produced by multiple "
+                                     f"sources; give it a new name (in place needs top i == bottom i)")
+                else:
+                    blob = Blob((), self.dtype, self.xp)
+                    self.blobs[name] = blob
+                    tops.append(blob)
+                    if lp.type == "Input":
+                        self.inputs.append(name)
+            layer.setup(bottoms, tops)
+            self._load_inline_blobs(layer, lp)
+            self.layers.append(layer)
+            self.layer_names.append(lp.name)
+            self.bottom_vecs.append(bottoms)
+            self.top_vecs.append(tops)
+            self.bottom_names.append(list(lp.bottom))
+            self.top_names.append(list(lp.top))
+            for name, weight in zip(lp.top, layer.loss_weights):
+                if weight:
+                    self.blob_loss_weights[name] = weight
+            self._append_params(li, layer, lp)
+        self.output_names = sorted(n for n in self.blobs if n not in consumed)
+        self.outputs = self.output_names
+        self.layer_dict = collections.OrderedDict(zip(self.layer_names, self.layers))
+        self._loss_tops = [(li, ti, w) for li, layer in enumerate(self.layers)
+                           for ti, w in enumerate(layer.loss_weights) if w]
+        self._plan_backward()
+
+    def _load_inline_blobs(self, layer, lp):
+        if not len(lp.blobs):
+            return
+        from .io.caffemodel import proto_to_array
+        if len(lp.blobs) != len(layer.blobs):
+            raise ModelError(f"layer '{lp.name}': gives {len(lp.blobs)} blobs, the layer has "
+                             f"{len(layer.blobs)}")
+        for blob, proto in zip(layer.blobs, lp.blobs):
+            array = proto_to_array(proto)
+            if array.size != blob.count:
+                raise ModelError(f"layer '{lp.name}': inline blob of shape {array.shape} does not "
+                                 f"fit parameter of shape {blob.shape}")
+            blob.data[...] = backend.to_xp(array.reshape(blob.shape), self.xp)
+
+    def _append_params(self, li, layer, lp):
+        specs = []
+        for bi, blob in enumerate(layer.blobs):
+            given = lp.param[bi] if bi < len(lp.param) else None
+            frozen = not layer.param_propagate_down[bi]
+            lr = given.lr_mult if given is not None and given.HasField("lr_mult") else (0.0 if frozen else 1.0)
+            decay = (given.decay_mult if given is not None and given.HasField("decay_mult")
+                     else (0.0 if frozen else 1.0))
+            share_name = given.name if given is not None else ""
+            spec = ParamSpec(share_name or f"{lp.name}[{bi}]", lr, decay, li, bi)
+            if share_name and share_name in self.param_owner:
+                oli, obi = self.param_owner[share_name]
+                owner = self.layers[oli].blobs[obi] if oli < len(self.layers) else None
+                strict = given.share_mode == caffe_pb2.ParamSpec.STRICT
+                if (strict and owner.shape != blob.shape) or owner.count != blob.count:
+                    raise ModelError(f"layer '{lp.name}': shared parameter '{share_name}' has shape "
+                                     f"{blob.shape} here but {owner.shape} in layer "
+                                     f"'{self.layer_names[oli]}'")
+                layer.blobs[bi] = owner if strict else self._view_of(owner, blob.shape)
+            else:
+                if share_name:
+                    self.param_owner[share_name] = (li, bi)
+                self.learnable_params.append(blob)
+                self.learnable_param_specs.append(spec)
+            layer.param_propagate_down[bi] = lr != 0
+            specs.append(spec)
+        self.layer_param_specs.append(specs)
+        if layer.blobs:
+            self.params[lp.name] = layer.blobs
+
+    @staticmethod
+    def _view_of(owner, shape):
+        view = Blob.__new__(Blob)
+        view.xp, view.dtype = owner.xp, owner.dtype
+        view._flat_data, view._flat_diff = owner._flat_data, owner._flat_diff
+        view._data = owner._data.reshape(shape)
+        view._diff = owner._diff.reshape(shape)
+        return view
+
+    def _plan_backward(self):
+        """Which layers and bottoms need gradients (Caffe's Net::Init bookkeeping)."""
+        n = len(self.layers)
+        blob_needs = {}
+        layer_needs = [False] * n
+        for li, layer in enumerate(self.layers):
+            needs = any(blob_needs.get(b, False) for b in self.bottom_names[li])
+            needs = needs or any(layer.param_propagate_down[bi] for bi in range(len(layer.blobs)))
+            layer_needs[li] = needs
+            for t in self.top_names[li]:
+                blob_needs[t] = needs
+        # prune layers that contribute to no loss
+        under_loss = set()
+        for li in reversed(range(n)):
+            contributes = any(t in under_loss or self.blob_loss_weights.get(t) for t in self.top_names[li])
+            if not contributes:
+                layer_needs[li] = False if not self.force_backward else layer_needs[li]
+            else:
+                under_loss.update(self.bottom_names[li])
+        self.layer_need_backward = layer_needs
+        self.bottom_need_backward = []
+        lp_list = self.param.layer
+        for li, layer in enumerate(self.layers):
+            flags = []
+            for bi, b in enumerate(self.bottom_names[li]):
+                need = blob_needs.get(b, False) and layer_needs[li] and (
+                    b in under_loss or self.force_backward)
+                if self.force_backward and layer.allow_force_backward(bi):
+                    need = True
+                if bi < len(lp_list[li].propagate_down):
+                    need = bool(lp_list[li].propagate_down[bi])
+                flags.append(need)
+            self.bottom_need_backward.append(flags)
+            if self.force_backward:
+                self.layer_need_backward[li] = True
+        self.layers_with_params = [li for li, layer in enumerate(self.layers) if layer.blobs]
+
+    # ----- running -----------------------------------------------------------------------------
+    def ForwardLayer(self, li):
+        layer = self.layers[li]
+        bottom, top = self.bottom_vecs[li], self.top_vecs[li]
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+
+    def Forward(self, start=0, end=None):
+        """Run layers start..end (inclusive); returns the weighted loss of the net."""
+        end = len(self.layers) - 1 if end is None else end
+        for li in range(start, end + 1):
+            self.ForwardLayer(li)
+        loss = 0.0
+        for li, ti, w in self._loss_tops:
+            top = self.top_vecs[li][ti]
+            top.diff[...] = w
+            loss += float(w * top.data.sum())
+        return loss
+
+    def BackwardThrough(self, l):
+        """The backward of layer l alone (no-op when it needs none)."""
+        if self.layer_need_backward[l]:
+            self.layers[l].backward(self.top_vecs[l], self.bottom_need_backward[l], self.bottom_vecs[l])
+
+    def Backward(self, start=None, end=0):
+        start = len(self.layers) - 1 if start is None else start
+        for li in range(start, end - 1, -1):
+            self.BackwardThrough(li)
+            for hook in self.after_backward:
+                hook(li)
+
+    def ForwardBackward(self):
+        loss = self.Forward()
+        self.Backward()
+        return loss
+
+    def ClearParamDiffs(self):
+        for blob in self.learnable_params:
+            blob.diff[...] = 0
+
+    def Reshape(self):
+        for li in range(len(self.layers)):
+            self.layers[li].reshape(self.bottom_vecs[li], self.top_vecs[li])
+
+    # ----- pycaffe-style API --------------------------------------------------------------------
+    def forward(self, blobs=None, start=None, end=None, **inputs):
+        """Set named inputs, run forward, return {output name: array} (plus any `blobs` asked for)."""
+        for name, value in inputs.items():
+            if name not in self.blobs:
+                raise PoseidonError(f"net '{self.name}' has no blob '{name}' (inputs: {self.inputs})")
+            value = backend.to_xp(numpy.asarray(value) if not hasattr(value, "shape") else value, self.xp)
+            if self.blobs[name].shape != value.shape:
+                self.blobs[name].reshape(value.shape)
+            self.blobs[name].data[...] = value
+        s = 0 if start is None else self.layer_names.index(start)
+        e = len(self.layers) - 1 if end is None else self.layer_names.index(end)
+        self.Forward(s, e)
+        names = list(self.output_names if end is None else self.top_names[e]) + list(blobs or [])
+        return {n: self.blobs[n].data for n in names}
+
+    def backward(self, diffs=None, start=None, end=None, **top_diffs):
+        for name, value in top_diffs.items():
+            self.blobs[name].diff[...] = backend.to_xp(numpy.asarray(value), self.xp)
+        s = len(self.layers) - 1 if start is None else self.layer_names.index(start)
+        e = 0 if end is None else self.layer_names.index(end)
+        self.Backward(s, e)
+        names = list(self.inputs) + list(diffs or [])
+        return {n: self.blobs[n].diff for n in names}
+
+    def reshape(self):
+        self.Reshape()
+
+    def share_with(self, other):
+        """Use other's parameter blobs for layers of the same name (test nets share the train net's)."""
+        for li, layer in enumerate(self.layers):
+            theirs = other.layer_dict.get(self.layer_names[li])
+            if theirs is None or not layer.blobs:
+                continue
+            if len(theirs.blobs) != len(layer.blobs):
+                raise ModelError(f"layer '{self.layer_names[li]}': {len(layer.blobs)} blobs here, "
+                                 f"{len(theirs.blobs)} in net '{other.name}'")
+            for bi, blob in enumerate(theirs.blobs):
+                if blob.shape != layer.blobs[bi].shape:
+                    raise ModelError(f"layer '{self.layer_names[li]}': parameter {bi} has shape "
+                                     f"{layer.blobs[bi].shape} here, {blob.shape} in the train net")
+                layer.blobs[bi] = blob
+            self.params[self.layer_names[li]] = layer.blobs
+
+    # ----- data cursors (exact resume) ----------------------------------------------------------
+    def data_cursors(self):
+        return {name: layer.get_cursor() for name, layer in self.layer_dict.items()
+                if hasattr(layer, "get_cursor")}
+
+    def set_data_cursors(self, cursors):
+        for name, cursor in (cursors or {}).items():
+            layer = self.layer_dict.get(name)
+            if layer is not None and hasattr(layer, "set_cursor"):
+                layer.set_cursor(cursor)
+
+    def shutdown(self):
+        for layer in self.layers:
+            if hasattr(layer, "shutdown"):
+                layer.shutdown()
+
+    # ----- weights ------------------------------------------------------------------------------
+    def to_proto(self, write_diff=False):
+        from .io.caffemodel import blob_to_proto
+        out = caffe_pb2.NetParameter(name=self.name)
+        for lp, layer in zip(self.param.layer, self.layers):
+            lout = out.layer.add()
+            lout.CopyFrom(lp)
+            lout.ClearField("blobs")
+            for blob in layer.blobs:
+                diff = backend.to_numpy(blob.diff) if write_diff else None
+                blob_to_proto(backend.to_numpy(blob.data), lout.blobs.add(), diff=diff)
+        return out
+
+    def save(self, path):
+        """Binary .caffemodel (Caffe's NetParameter with blobs), written atomically."""
+        from .io.caffemodel import write_net_proto
+        write_net_proto(self.to_proto(), path)
+
+    def save_hdf5(self, path):
+        from .io.caffemodel import write_net_hdf5
+        write_net_hdf5(path, collections.OrderedDict(
+            (name, [backend.to_numpy(b.data) for b in layer.blobs])
+            for name, layer in self.layer_dict.items() if layer.blobs))
+
+    def copy_from(self, path):
+        """Load weights by layer name from a .caffemodel (binary) or .h5 file, as Caffe does."""
+        from .io import caffemodel
+        if not os.path.exists(path):
+            raise ModelError(f"{path}: weights file does not exist")
+        if caffemodel.is_hdf5(path):
+            source = [(name, arrays) for name, arrays in caffemodel.read_net_hdf5(path).items()]
+            self._copy_arrays(path, source)
+            return
+        proto = prototxt.upgrade_net(caffemodel.read_net_proto(path))
+        self._copy_arrays(path, [(lp.name, list(lp.blobs)) for lp in proto.layer])
+
+    def _copy_arrays(self, path, source):
+        from .io.caffemodel import proto_to_array, shapes_match
+        for name, blobs in source:
+            layer = self.layer_dict.get(name)
+            if layer is None or not blobs:
+                continue
+            if len(blobs) != len(layer.blobs):
+                raise ModelError(f"{path}: layer '{name}' has {len(blobs)} blobs in the weights file "
+                                 f"but {len(layer.blobs)} in the net; check that the file matches "
+                                 f"the model")
+            for bi, (src, blob) in enumerate(zip(blobs, layer.blobs)):
+                if isinstance(src, caffe_pb2.BlobProto):
+                    if not shapes_match(src, blob.shape):
+                        raise ModelError(f"{path}: layer '{name}' parameter {bi} has shape "
+                                         f"{tuple(proto_to_array(src).shape)} in the weights file "
+                                         f"but {blob.shape} in the net")
+                    array = proto_to_array(src).reshape(blob.shape)
+                else:
+                    array = numpy.asarray(src)
+                    if array.size != blob.count:
+                        raise ModelError(f"{path}: layer '{name}' parameter {bi} has shape "
+                                         f"{array.shape} in the weights file but {blob.shape} in the net")
+                    array = array.reshape(blob.shape)
+                blob.data[...] = backend.to_xp(array.astype(self.dtype, copy=False), self.xp)
+
+    # ----- inspection ---------------------------------------------------------------------------
+    def param_counts(self):
+        """(learnable parameter count, stored statistics count) over unique blobs."""
+        learnable = stats = 0
+        seen = set()
+        for layer in self.layers:
+            for blob in layer.blobs:
+                if id(blob) in seen:
+                    continue
+                seen.add(id(blob))
+                if getattr(layer, "stores_statistics", False):
+                    stats += blob.count
+                else:
+                    learnable += blob.count
+        return learnable, stats

@@ -1,0 +1,99 @@
+"""Shared test machinery: build one layer from prototxt text, run it, and check its gradients.
+
+The gradient check is Caffe's exhaustive one in float64: the loss is a fixed random projection of
+the tops, sum(top * R); analytic gradients from backward are compared with central differences for
+every bottom element and every parameter element. Keep test blobs small (tens to hundreds of
+elements) so the check stays fast.
+"""
+import numpy
+from google.protobuf import text_format
+
+from engine import backend
+from engine.blob import Blob
+from engine.layer import TRAIN, create_layer
+from engine.proto import caffe_pb2
+
+
+def layer_param(text):
+    """A LayerParameter from prototxt text, e.g. 'type: "ReLU" relu_param { negative_slope: 0.1 }'."""
+    param = caffe_pb2.LayerParameter()
+    text_format.Parse(text, param)
+    if not param.name:
+        param.name = "under_test"
+    return param
+
+
+def make_layer(text, phase=TRAIN, dtype=numpy.float64, xp=numpy):
+    return create_layer(layer_param(text), phase, dtype, xp)
+
+
+def blobs_from(arrays, dtype=numpy.float64, xp=numpy):
+    blobs = []
+    for a in arrays:
+        b = Blob(numpy.shape(a), dtype, xp)
+        b.data[...] = xp.asarray(a)
+        blobs.append(b)
+    return blobs
+
+
+def run_forward(layer, bottom_arrays, n_tops=1, dtype=numpy.float64, xp=numpy):
+    """Set up the layer on copies of the arrays and run forward; returns (bottom, top) blobs."""
+    bottom = blobs_from(bottom_arrays, dtype, xp)
+    top = [Blob((), dtype, xp) for _ in range(n_tops)]
+    layer.setup(bottom, top)
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    return bottom, top
+
+
+def _objective(layer, bottom, top, weights):
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    return sum(float((backend.to_numpy(t.data) * w).sum()) for t, w in zip(top, weights))
+
+
+def check_gradient(layer, bottom_arrays, n_tops=1, check_bottoms=None, check_params=True,
+                   eps=1e-6, rtol=1e-4, atol=1e-6, seed=0, top_indices=None):
+    """Compare backward with central differences; raises AssertionError naming the worst element.
+
+    check_bottoms: indices of bottoms to check (default all); top_indices: tops in the objective.
+    """
+    rs = numpy.random.RandomState(seed)
+    bottom, top = run_forward(layer, bottom_arrays, n_tops)
+    top_indices = range(len(top)) if top_indices is None else top_indices
+    weights = [rs.standard_normal(t.shape) if i in top_indices else numpy.zeros(t.shape)
+               for i, t in enumerate(top)]
+    check_bottoms = range(len(bottom)) if check_bottoms is None else check_bottoms
+
+    # analytic
+    for p in layer.blobs:
+        p.diff[...] = 0
+    for t, w in zip(top, weights):
+        t.diff[...] = w
+    propagate = [i in check_bottoms for i in range(len(bottom))]
+    layer.backward(top, propagate, bottom)
+    analytic = [numpy.array(bottom[i].diff) for i in check_bottoms]
+    param_analytic = [numpy.array(p.diff) for p in layer.blobs] if check_params else []
+
+    targets = [(f"bottom[{i}]", bottom[i].data, a) for i, a in zip(check_bottoms, analytic)]
+    if check_params:
+        targets += [(f"param[{j}]", p.data, a) for j, (p, a) in
+                    enumerate(zip(layer.blobs, param_analytic))]
+    for label, data, grad in targets:
+        flat = data.reshape(-1)
+        gflat = grad.reshape(-1)
+        for k in range(flat.size):
+            keep = float(flat[k])
+            flat[k] = keep + eps
+            plus = _objective(layer, bottom, top, weights)
+            flat[k] = keep - eps
+            minus = _objective(layer, bottom, top, weights)
+            flat[k] = keep
+            numeric = (plus - minus) / (2 * eps)
+            scale = max(abs(numeric), abs(float(gflat[k])), 1.0)
+            if abs(numeric - float(gflat[k])) > atol + rtol * scale:
+                raise AssertionError(f"{layer.type} {label} element {k}: analytic "
+                                     f"{float(gflat[k]):.8g} vs numeric {numeric:.8g}")
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    return bottom, top

@@ -1,0 +1,167 @@
+"""InnerProduct: forward against a plain reference, float64 gradient checks, sufficient factors, errors."""
+import numpy
+import pytest
+
+from engine import rng
+from engine.blob import Blob
+from engine.errors import LayerError
+from tests.harness import check_gradient, make_layer, run_forward
+
+
+def ip(num_output=3, extra="", filler='weight_filler { type: "gaussian" std: 1 } '
+                                      'bias_filler { type: "gaussian" std: 1 }', dtype=numpy.float64):
+    rng.seed(7)
+    return make_layer(f'type: "InnerProduct" inner_product_param {{ num_output: {num_output} '
+                      f'{filler} {extra} }}', dtype=dtype)
+
+
+def reference(x, w, b, axis, transpose):
+    """Loops: y[m, o] = Σ_k x[m, k]·W[o, k] + b[o] (W[k, o] when transposed)."""
+    lead = x.shape[:axis]
+    xm = x.reshape(int(numpy.prod(lead)) if lead else 1, -1)
+    n_out = w.shape[1] if transpose else w.shape[0]
+    y = numpy.zeros((xm.shape[0], n_out))
+    for m in range(xm.shape[0]):
+        for o in range(n_out):
+            acc = 0.0
+            for k in range(xm.shape[1]):
+                acc += xm[m, k] * (w[k, o] if transpose else w[o, k])
+            y[m, o] = acc + (b[o] if b is not None else 0.0)
+    return y.reshape(lead + (n_out,))
+
+
+CONFIGS = [  # (bottom shape, extra param text, axis)
+    ((2, 3, 2, 2), "", 1),
+    ((2, 3, 2, 2), "axis: 2", 2),
+    ((2, 3, 4), "axis: -1", 2),
+    ((2, 3, 2, 2), "transpose: true", 1),
+    ((2, 3, 2, 2), "bias_term: false", 1),
+    ((2, 3, 2, 2), "axis: 2 transpose: true bias_term: false", 2),
+]
+
+
+@pytest.mark.parametrize("shape,extra,axis", CONFIGS)
+def test_forward_matches_reference(shape, extra, axis):
+    x = numpy.random.RandomState(0).standard_normal(shape)
+    layer = ip(extra=extra)
+    _, top = run_forward(layer, [x])
+    transpose = "transpose" in extra
+    bias = layer.blobs[1].data if "bias_term: false" not in extra else None
+    assert len(layer.blobs) == (1 if bias is None else 2)
+    n_in = int(numpy.prod(shape[axis:]))
+    assert layer.blobs[0].shape == ((n_in, 3) if transpose else (3, n_in))
+    assert top[0].shape == shape[:axis] + (3,)
+    numpy.testing.assert_allclose(top[0].data, reference(x, layer.blobs[0].data, bias, axis,
+                                                         transpose), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,extra,axis", CONFIGS)
+def test_gradient(shape, extra, axis):
+    x = numpy.random.RandomState(1).standard_normal(shape)
+    check_gradient(ip(extra=extra), [x])
+
+
+def test_fillers_and_defaults():
+    layer = ip(4, filler='weight_filler { type: "constant" value: 0.5 } '
+                         'bias_filler { type: "constant" value: -2 }')
+    run_forward(layer, [numpy.ones((2, 5))])
+    assert (layer.blobs[0].data == 0.5).all() and (layer.blobs[1].data == -2).all()
+    layer = ip(4, filler="")                    # unset fillers: constant 0, as in Caffe
+    _, top = run_forward(layer, [numpy.ones((2, 5))])
+    assert not layer.blobs[0].data.any() and not layer.blobs[1].data.any()
+    assert not top[0].data.any()
+    layer = ip(4, filler='weight_filler { type: "xavier" }')
+    run_forward(layer, [numpy.ones((2, 6))])
+    bound = numpy.sqrt(3.0 / 6)                 # fan_in = 6 for a (4, 6) weight
+    assert numpy.abs(layer.blobs[0].data).max() <= bound and layer.blobs[0].data.std() > 0
+
+
+def test_float32_stays_float32():
+    layer = ip(5, dtype=numpy.float32)
+    x = numpy.random.RandomState(2).standard_normal((4, 3, 2)).astype(numpy.float32)
+    bottom, top = run_forward(layer, [x], dtype=numpy.float32)
+    assert top[0].data.dtype == numpy.float32 and layer.blobs[0].data.dtype == numpy.float32
+    top[0].diff[...] = 1
+    layer.backward(top, [True], bottom)
+    assert bottom[0].diff.dtype == numpy.float32 and layer.blobs[0].diff.dtype == numpy.float32
+    ref = x.reshape(4, 6).astype(numpy.float64) @ layer.blobs[0].data.T.astype(numpy.float64)
+    numpy.testing.assert_allclose(top[0].data, ref + layer.blobs[1].data, rtol=1e-5, atol=1e-5)
+
+
+def _backward(layer, x, g):
+    bottom, top = run_forward(layer, [x])
+    for p in layer.blobs:
+        p.diff[...] = 0
+    top[0].diff[...] = g
+    layer.backward(top, [True], bottom)
+    return bottom, top
+
+
+@pytest.mark.parametrize("extra", ["", "transpose: true", "axis: 2", "axis: 2 transpose: true"])
+def test_sufficient_factors_give_the_weight_gradient_exactly(extra):
+    rs = numpy.random.RandomState(3)
+    x = rs.standard_normal((2, 3, 2, 2))
+    layer = ip(4, extra=extra)
+    assert layer.has_sufficient_factors is True
+    out_shape = (2, 4) if "axis: 2" not in extra else (2, 3, 4)
+    bottom, top = _backward(layer, x, rs.standard_normal(out_shape))
+    G, X = layer.sufficient_factors(bottom, top)
+    k = 2 if "axis: 2" not in extra else 6
+    assert G.shape == (k, 4) and X.shape == (k, 24 // k)
+    assert numpy.shares_memory(G, top[0].diff) and numpy.shares_memory(X, bottom[0].data)
+    dw = layer.weight_grad_from_factors(G, X)
+    assert dw.shape == layer.blobs[0].shape
+    numpy.testing.assert_array_equal(layer.blobs[0].diff, dw)
+    numpy.testing.assert_array_equal(layer.blobs[1].diff, G.sum(0))
+    expected = X.T @ G if "transpose" in extra else G.T @ X
+    numpy.testing.assert_allclose(dw, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("extra", ["", "transpose: true"])
+def test_stacked_factors_sum_the_gradients_of_several_batches(extra):
+    rs = numpy.random.RandomState(4)
+    layer = ip(3, extra=extra)
+    grads, factors = [], []
+    for _ in range(3):   # three "workers", each with its own batch
+        bottom, top = _backward(layer, rs.standard_normal((2, 5)), rs.standard_normal((2, 3)))
+        grads.append(layer.blobs[0].diff.copy())
+        factors.append(tuple(f.copy() for f in layer.sufficient_factors(bottom, top)))
+    G = numpy.concatenate([f[0] for f in factors])
+    X = numpy.concatenate([f[1] for f in factors])
+    numpy.testing.assert_allclose(layer.weight_grad_from_factors(G, X), sum(grads), rtol=1e-12,
+                                  atol=1e-12)
+
+
+def test_param_gradients_accumulate():
+    rs = numpy.random.RandomState(5)
+    layer = ip(3)
+    bottom, top = _backward(layer, rs.standard_normal((2, 4)), rs.standard_normal((2, 3)))
+    once = [p.diff.copy() for p in layer.blobs]
+    layer.backward(top, [False], bottom)
+    for p, g in zip(layer.blobs, once):
+        numpy.testing.assert_allclose(p.diff, 2 * g, rtol=1e-12)
+
+
+def test_param_propagate_down_respected():
+    rs = numpy.random.RandomState(6)
+    layer = ip(3)
+    bottom, top = run_forward(layer, [rs.standard_normal((2, 4))])
+    layer.param_propagate_down = [False, False]
+    top[0].diff[...] = 1
+    layer.backward(top, [True], bottom)
+    assert not layer.blobs[0].diff.any() and not layer.blobs[1].diff.any()
+    assert bottom[0].diff.any()
+
+
+def test_errors():
+    with pytest.raises(LayerError, match="num_output"):
+        run_forward(make_layer('type: "InnerProduct" inner_product_param { }'), [numpy.ones((2, 3))])
+    with pytest.raises(LayerError, match="axis 3 is out of range"):
+        run_forward(ip(extra="axis: 3"), [numpy.ones((2, 3))])
+    layer = ip()
+    bottom, top = run_forward(layer, [numpy.ones((2, 3, 2))])
+    bigger = Blob((2, 4, 2), numpy.float64)
+    with pytest.raises(LayerError, match=r"\(2, 4, 2\).*8 inputs.*set up for 6"):
+        layer.reshape([bigger], top)
+    layer.reshape([Blob((5, 3, 2), numpy.float64)], top)   # a new batch size is fine
+    assert top[0].shape == (5, 3)

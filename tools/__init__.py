@@ -1,0 +1,1 @@
+"""The `poseidon` command line (see tools/cli.py)."""

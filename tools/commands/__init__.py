@@ -1,0 +1,7 @@
+"""One module per `poseidon` subcommand; each has `add(subparsers)` setting `run`."""
+from . import data, mean, summary, test, timing, train
+
+
+def register_all(sub):
+    for module in (train, test, timing, summary, data, mean):
+        module.add(sub)

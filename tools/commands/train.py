@@ -1,0 +1,82 @@
+"""`poseidon train`: train from a solver file, on one process or on local/remote workers and servers.
+
+    poseidon train --solver S [--weights W | --snapshot SS] [--gpu N]
+    poseidon train --solver S --workers 4 --servers 2            # all processes on this machine
+    poseidon train --demo [--workers 2 --servers 1]                # the embedded digits demo
+
+With --workers/--servers (or --coordinator/--rank on each host) the run is distributed: see dist/.
+"""
+import os
+from pathlib import Path
+
+from engine.errors import PoseidonError
+
+from .common import add_gpu_option, apply_gpu, out, setup_logging
+
+DEMO_SOLVER = Path(__file__).resolve().parents[2] / "prototxt" / "digits_quick" / "solver.prototxt"
+
+
+def add(sub):
+    p = sub.add_parser("train", help="train a model from a solver file")
+    p.add_argument("--solver", help="solver prototxt")
+    p.add_argument("--demo", action="store_true",
+                   help="train the built-in digits demo (makes its LMDBs under --workdir)")
+    p.add_argument("--workdir", default="poseidon-demo", help="where --demo puts data and snapshots")
+    p.add_argument("--weights", help="comma-separated .caffemodel files to initialise from")
+    p.add_argument("--snapshot", help=".solverstate (or .h5) to resume from")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_gpu_option(p)
+    try:
+        from dist.options import add_dist_options
+    except ImportError:  # pragma: no cover - dist is part of the package
+        add_dist_options = None
+    if add_dist_options:
+        add_dist_options(p)
+    p.set_defaults(run=run)
+
+
+def _prepare_demo(args):
+    from engine.io.datasets import make_digits_lmdb
+    work = Path(args.workdir).resolve()
+    data = work / "data" / "digits"
+    if not (data / "train").exists():
+        out(f"Writing the digits demo set (scikit-learn) to {data}")
+        make_digits_lmdb(str(data), shards=1)
+    (work / "snapshots").mkdir(parents=True, exist_ok=True)
+    os.chdir(work)
+    return str(DEMO_SOLVER)
+
+
+def is_distributed(args):
+    return bool(getattr(args, "workers", None) or getattr(args, "servers", None)
+                or getattr(args, "coordinator", None))
+
+
+def run(args):
+    if args.demo:
+        args.solver = _prepare_demo(args)
+    if not args.solver:
+        raise PoseidonError("give --solver SOLVER.prototxt (or --demo for the built-in example)")
+    if args.weights and args.snapshot:
+        raise PoseidonError("give either --weights or --snapshot, not both")
+    if is_distributed(args):
+        from dist.launch import launch
+        return launch(args)
+    setup_logging()
+    apply_gpu(args)
+    from engine.solvers import get_solver
+    solver = get_solver(args.solver, progress=not args.no_progress)
+    if args.weights:
+        for path in args.weights.split(","):
+            solver.net.copy_from(path)
+    solver.solve(resume_file=args.snapshot)
+    report_final(solver)
+    return 0
+
+
+def report_final(solver):
+    results = getattr(solver, "last_test_results", None)
+    if results:
+        for name, value in results.items():
+            if "accuracy" in name:
+                out(f"Final test {name}: {value:.4f}")
