@@ -96,9 +96,7 @@ def clipped_offset(i, j, out_h, out_w, in_h, in_w, geom):
 
 def _clip_axis(offset, stride, n_out, n_in):
     # output cells r in [r0, r1) with 0 <= r*stride + offset < n_in
-    r0 = max(0, -(offset // stride)) if offset < 0 else 0
-    if r0 * stride + offset < 0:
-        r0 += 1
+    r0 = max(0, -(offset // stride))
     last = n_in - 1 - offset          # r*stride <= last
     if last < 0:
         return None

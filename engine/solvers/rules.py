@@ -1,0 +1,334 @@
+"""The update rule: one parameter's (value, gradient, state, iteration) -> new value and state.
+
+This is the one place the solver's arithmetic lives. A single process, a KV-store server holding a
+slice of a parameter and a worker applying sufficient factors all call `rule.update` on their arrays,
+so every path gives the same numbers. The rule is elementwise, so a slice of a parameter updated on
+a server equals the same slice of the whole parameter updated locally.
+
+    rule = make_rule(solver_param)                 # "SGD", "Nesterov", "AdaGrad", "RMSProp",
+    state = rule.init_state(w.shape, xp, w.dtype)  # "AdaDelta" or "Adam" (or legacy solver_type)
+    rule.update(w, g, state, it, lr_mult, decay_mult, grad_scale)
+
+`update` follows Caffe's SGDSolver::ApplyUpdate for one parameter (sgd_solver.cpp and the
+nesterov/adagrad/rmsprop/adadelta/adam solvers):
+  1. g *= grad_scale      (the caller's global clip_gradients factor times 1/iter_size)
+  2. regularize           L2: g += weight_decay*decay_mult * w ; L1: g += weight_decay*decay_mult * sign(w)
+  3. the type's rule      with local_rate = rate(it) * lr_mult, giving the step u
+  4. w -= u
+Scalars are taken in the value's dtype, as Caffe's Dtype. No arrays are allocated per call: the
+gradient array is used as scratch (its content afterwards is unspecified) and the temporaries come
+from a per-thread buffer reused across calls (`release_scratch()` frees it).
+"""
+import math
+import threading
+
+import numpy
+
+from ..backend import get_array_module
+from ..errors import ModelError
+from ..proto import caffe_pb2
+from . import lr_policy
+
+# Deprecated SolverParameter.solver_type enum -> type string (upgrade_proto.cpp UpgradeSolverType).
+LEGACY_TYPES = {0: "SGD", 1: "Nesterov", 2: "AdaGrad", 3: "RMSProp", 4: "AdaDelta", 5: "Adam"}
+
+_RULES = {}
+
+
+def _register(cls):
+    _RULES[cls.type] = cls
+    return cls
+
+
+def rule_types():
+    return sorted(_RULES)
+
+
+def solver_type(solver_param):
+    """The solver's type string, upgrading the deprecated `solver_type` enum as Caffe does."""
+    has = solver_param.HasField
+    if has("solver_type"):
+        if has("type"):
+            raise ModelError("solver: the old solver_type field (enum) and the new type field "
+                             "(string) cannot both be given; keep only type: \"...\"")
+        return LEGACY_TYPES[solver_param.solver_type]
+    return solver_param.type
+
+
+def make_rule(solver_param):
+    """The update rule the solver parameters ask for (a picklable object)."""
+    name = solver_type(solver_param)
+    try:
+        cls = _RULES[name]
+    except KeyError:
+        raise ModelError(f"solver: unknown solver type '{name}' (known types: "
+                         f"{', '.join(rule_types())}); the names are case-sensitive") from None
+    return cls(solver_param)
+
+
+# ----- gradient clipping (Caffe's SGDSolver::ClipGradients) ---------------------------------------
+def global_norm_sq(grads):
+    """Sum of squares over every array in grads (a Python float); the distributed code sums the
+    partial values of its shards and passes the total to clip_factor / clip_scale(norm_sq=...)."""
+    total = 0.0
+    for g in grads:
+        xp = get_array_module(g)
+        flat = g.reshape(-1)
+        total = total + xp.vdot(flat, flat)
+    return float(total)
+
+
+def clip_factor(clip_gradients, norm_sq):
+    """min(1, clip / ||g||) as Caffe applies it: 1.0 when clip < 0 or the norm is within bounds."""
+    if clip_gradients < 0:
+        return 1.0
+    norm = math.sqrt(norm_sq)
+    return clip_gradients / norm if norm > clip_gradients else 1.0
+
+
+def clip_scale(solver_param, grads, norm_sq=None):
+    """The factor every gradient is multiplied by for solver_param.clip_gradients, over ALL grads."""
+    clip = solver_param.clip_gradients
+    if clip < 0:
+        return 1.0
+    return clip_factor(clip, global_norm_sq(grads) if norm_sq is None else norm_sq)
+
+
+# ----- per-thread scratch buffers -------------------------------------------------------------------
+_local = threading.local()
+
+
+def _scratch(like, slot=0):
+    """A buffer shaped like `like` (same module, dtype, device), reused across calls in this thread."""
+    cache = getattr(_local, "buffers", None)
+    if cache is None:
+        cache = _local.buffers = {}
+    device = getattr(like, "device", None)
+    key = (type(like), like.dtype.str, str(getattr(device, "id", device)), slot)
+    buf = cache.get(key)
+    if buf is None or buf.size < like.size:
+        xp = get_array_module(like)
+        buf = cache[key] = xp.empty(max(like.size, 1), like.dtype)
+    return buf[:like.size].reshape(like.shape)
+
+
+def release_scratch():
+    """Free this thread's scratch buffers (they grow to the largest parameter updated)."""
+    _local.buffers = {}
+
+
+# ----- the rules -----------------------------------------------------------------------------------
+class UpdateRule:
+    """Base: regularization and the learning rate; subclasses give `_step` (Caffe's
+    ComputeUpdateValue followed by Blob::Update)."""
+
+    type = None
+    num_state = 1
+
+    def __init__(self, solver_param):
+        param = caffe_pb2.SolverParameter()
+        param.CopyFrom(solver_param)
+        for big in ("net_param", "train_net_param", "test_net_param"):
+            param.ClearField(big)   # keep the rule small to pickle to servers
+        self.param = param
+        lr_policy.check(param)
+        self.momentum = float(param.momentum)
+        self.weight_decay = float(param.weight_decay)
+        self.regularization = param.regularization_type
+        if self.weight_decay != 0 and self.regularization not in ("L1", "L2"):
+            raise ModelError(f"solver: unknown regularization_type '{self.regularization}'; "
+                             f"use \"L2\" (the default) or \"L1\"")
+        self.delta = float(param.delta)
+        self.check()
+
+    def check(self):
+        """Per-type parameter checks (Caffe's solver constructors)."""
+
+    def __repr__(self):
+        return f"<{self.type} update rule, lr_policy {self.param.lr_policy}>"
+
+    def init_state(self, shape, xp=numpy, dtype=numpy.float32):
+        """The zero history arrays of one parameter (Caffe's history_, in its order)."""
+        return [xp.zeros(shape, dtype) for _ in range(self.num_state)]
+
+    def rate(self, it):
+        """Learning rate at iteration it (updates done so far), from lr_policy."""
+        return lr_policy.checked_rate(self.param, it)
+
+    def current_step(self, it):
+        """What Caffe's SolverState.current_step holds after iteration it's rate."""
+        return lr_policy.current_step(self.param, it)
+
+    def update(self, value, grad, state, it, lr_mult=1.0, decay_mult=1.0, grad_scale=1.0,
+               rate=None):
+        """Apply one update to `value` and `state` in place. `grad` is the raw accumulated gradient
+        and is used as scratch: its content afterwards is unspecified. `rate` (optional) is
+        rate(it), for callers that already computed it."""
+        s = value.dtype.type
+        if grad_scale != 1:
+            grad *= s(grad_scale)
+        local_decay = s(self.weight_decay) * s(decay_mult)
+        if local_decay:
+            t = _scratch(value)
+            if self.regularization == "L2":
+                get_array_module(value).multiply(value, local_decay, out=t)
+            else:
+                get_array_module(value).sign(value, out=t)
+                t *= local_decay
+            grad += t
+        local_rate = s(self.rate(it) if rate is None else rate) * s(lr_mult)
+        self._step(value, grad, state, it, local_rate, s)
+
+    def _step(self, value, g, state, it, local_rate, s):
+        raise NotImplementedError
+
+
+@_register
+class SGD(UpdateRule):
+    """h = momentum*h + lr*g ; w -= h   (no dampening)."""
+
+    type = "SGD"
+
+    def _step(self, value, g, state, it, local_rate, s):
+        h = state[0]
+        h *= s(self.momentum)
+        g *= local_rate
+        h += g
+        value -= h
+
+
+@_register
+class Nesterov(UpdateRule):
+    """h_old = h ; h = momentum*h + lr*g ; w -= (1+momentum)*h - momentum*h_old."""
+
+    type = "Nesterov"
+
+    def _step(self, value, g, state, it, local_rate, s):
+        xp = get_array_module(value)
+        h = state[0]
+        m = s(self.momentum)
+        u = _scratch(value)
+        xp.copyto(u, h)                       # u = h_old
+        h *= m
+        g *= local_rate
+        h += g                                # h = m*h_old + lr*g
+        u *= -m
+        xp.multiply(h, s(1) + m, out=g)
+        u += g                                # u = (1+m)*h - m*h_old
+        value -= u
+
+
+@_register
+class AdaGrad(UpdateRule):
+    """h += g^2 ; w -= lr * g / (sqrt(h) + delta)."""
+
+    type = "AdaGrad"
+
+    def check(self):
+        if self.momentum != 0:
+            raise ModelError("solver: momentum cannot be used with AdaGrad; remove momentum "
+                             "from the solver file")
+
+    def _step(self, value, g, state, it, local_rate, s):
+        xp = get_array_module(value)
+        h = state[0]
+        u = _scratch(value)
+        xp.multiply(g, g, out=u)
+        h += u
+        xp.sqrt(h, out=u)
+        u += s(self.delta)
+        xp.divide(g, u, out=u)
+        u *= local_rate
+        value -= u
+
+
+@_register
+class RMSProp(UpdateRule):
+    """h = rms_decay*h + (1-rms_decay)*g^2 ; w -= lr * g / (sqrt(h) + delta)."""
+
+    type = "RMSProp"
+
+    def check(self):
+        if self.momentum != 0:
+            raise ModelError("solver: momentum cannot be used with RMSProp; remove momentum "
+                             "from the solver file")
+        if not 0 <= self.param.rms_decay < 1:
+            raise ModelError(f"solver: rms_decay should lie in [0, 1), got {self.param.rms_decay}")
+
+    def _step(self, value, g, state, it, local_rate, s):
+        xp = get_array_module(value)
+        h = state[0]
+        decay = s(self.param.rms_decay)
+        u = _scratch(value)
+        xp.multiply(g, g, out=u)
+        h *= decay
+        u *= s(1) - decay
+        h += u
+        xp.sqrt(h, out=u)
+        u += s(self.delta)
+        xp.divide(g, u, out=u)
+        u *= local_rate
+        value -= u
+
+
+@_register
+class AdaDelta(UpdateRule):
+    """hg = m*hg + (1-m)*g^2 ; u = g*sqrt((hu+delta)/(hg+delta)) ; hu = m*hu + (1-m)*u^2 ;
+    w -= lr*u   (m = momentum; state = [hg, hu])."""
+
+    type = "AdaDelta"
+    num_state = 2
+
+    def _step(self, value, g, state, it, local_rate, s):
+        xp = get_array_module(value)
+        hg, hu = state
+        m = s(self.momentum)
+        delta = s(self.delta)
+        t1 = _scratch(value, 0)
+        t2 = _scratch(value, 1)
+        xp.multiply(g, g, out=t1)
+        hg *= m
+        t1 *= s(1) - m
+        hg += t1                              # history of gradients
+        xp.add(hu, delta, out=t1)
+        xp.add(hg, delta, out=t2)
+        t1 /= t2
+        xp.sqrt(t1, out=t1)
+        g *= t1                               # the update, before the learning rate
+        xp.multiply(g, g, out=t1)
+        hu *= m
+        t1 *= s(1) - m
+        hu += t1                              # history of updates
+        g *= local_rate
+        value -= g
+
+
+@_register
+class Adam(UpdateRule):
+    """m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; t = it+1 ;
+    w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps)   (b1 = momentum, b2 = momentum2,
+    eps = delta; state = [m, v])."""
+
+    type = "Adam"
+    num_state = 2
+
+    def _step(self, value, g, state, it, local_rate, s):
+        xp = get_array_module(value)
+        m, v = state
+        b1 = s(self.momentum)
+        b2 = s(self.param.momentum2)
+        t = int(it) + 1
+        correction = s(math.sqrt(1.0 - math.pow(float(b2), t)) / (1.0 - math.pow(float(b1), t)))
+        u = _scratch(value)
+        m *= b1
+        xp.multiply(g, s(1) - b1, out=u)
+        m += u
+        xp.multiply(g, g, out=u)
+        v *= b2
+        u *= s(1) - b2
+        v += u
+        xp.sqrt(v, out=u)
+        u += s(self.delta)
+        xp.divide(m, u, out=u)
+        u *= local_rate * correction
+        value -= u

@@ -1,0 +1,183 @@
+"""Net construction: upgrades, filtering, splits, in-place layers, sharing, weights, clear errors."""
+import numpy
+import pytest
+
+from engine import TEST, TRAIN, ModelError
+from engine.net import Net
+from engine.prototxt import parse_net_text
+from engine.proto import caffe_pb2
+
+from .conftest import SHARED_MODELS
+
+SMALL = """
+name: "small"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 4 dim: 6 } shape { dim: 4 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "acc"
+        include { phase: TEST } }
+"""
+
+
+def small_net(phase=TRAIN, text=SMALL, **kw):
+    return Net(parse_net_text(text), phase, dtype=numpy.float64, **kw)
+
+
+def test_phase_filtering_and_outputs():
+    train, test = small_net(TRAIN), small_net(TEST)
+    assert "acc" not in train.layer_names and "acc" in test.layer_names
+    assert train.output_names == ["loss"]
+    assert test.output_names == ["acc", "loss"]          # alphabetical, as Caffe numbers them
+    assert small_net("TRAIN").phase == TRAIN
+
+
+def test_split_inserted_with_caffe_names():
+    net = small_net(TEST)
+    assert "ip2_ip2_0_split" in net.layer_names
+    assert "ip2_ip2_0_split_0" in net.blobs and "ip2_ip2_0_split_1" in net.blobs
+    assert "label_data_1_split" in net.layer_names
+
+
+def test_in_place_shares_blob():
+    net = small_net()
+    i = net.layer_names.index("relu1")
+    assert net.top_vecs[i][0] is net.bottom_vecs[i][0]
+
+
+def test_gradients_of_whole_net_match_finite_differences():
+    net = small_net()
+    rs = numpy.random.RandomState(0)
+    net.blobs["data"].data[...] = rs.standard_normal((4, 6))
+    net.blobs["label"].data[...] = [0, 1, 2, 1]
+    net.ClearParamDiffs()
+    net.Forward()
+    net.Backward()
+    w = net.params["ip1"][0]
+    analytic = w.diff.copy()
+    eps = 1e-6
+    for idx in [(0, 0), (2, 3), (4, 5)]:
+        keep = w.data[idx]
+        w.data[idx] = keep + eps
+        plus = net.Forward()
+        w.data[idx] = keep - eps
+        minus = net.Forward()
+        w.data[idx] = keep
+        assert abs((plus - minus) / (2 * eps) - analytic[idx]) < 1e-6
+
+
+def test_backward_through_calls_each_layer_once_and_hooks_fire():
+    net = small_net()
+    seen = []
+    net.after_backward.append(seen.append)
+    net.Forward()
+    net.Backward()
+    assert seen == list(reversed(range(len(net.layers))))
+
+
+def test_param_sharing_by_name():
+    text = SMALL.replace('top: "ip1"\n        inner_product_param',
+                         'top: "ip1"\n        param { name: "w" } inner_product_param')
+    text += """
+layer { name: "ip1b" type: "InnerProduct" bottom: "data" top: "ip1b" param { name: "w" }
+        inner_product_param { num_output: 5 bias_term: false } }
+layer { name: "sil" type: "EuclideanLoss" bottom: "ip1b" bottom: "ip1" top: "l2" }
+"""
+    net = small_net(TRAIN, text)
+    assert net.params["ip1"][0] is net.params["ip1b"][0]
+    assert sum(b is net.params["ip1"][0] for b in net.learnable_params) == 1
+
+
+def test_save_and_copy_from_roundtrip(tmp_path):
+    a, b = small_net(), small_net()
+    path = str(tmp_path / "w.caffemodel")
+    a.save(path)
+    b.copy_from(path)
+    for name in a.params:
+        for x, y in zip(a.params[name], b.params[name]):
+            numpy.testing.assert_allclose(x.data, y.data, rtol=1e-7)
+
+
+def test_weights_with_wrong_shape_name_the_layer(tmp_path):
+    a = small_net()
+    path = str(tmp_path / "w.caffemodel")
+    a.save(path)
+    other = small_net(TRAIN, SMALL.replace("num_output: 5", "num_output: 7"))
+    with pytest.raises(ModelError, match="ip1"):
+        other.copy_from(path)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ('layer { name: "a" type: "NoSuchType" top: "x" }', "unknown layer type 'NoSuchType'"),
+    ('layer { name: "a" type: "ReLU" bottom: "nope" top: "x" }', "bottom 'nope'"),
+    ('layer { name: "a" type: "Input" top: "x" input_param { shape { dim: 2 } } }\n'
+     'layer { name: "b" type: "Input" top: "x" input_param { shape { dim: 2 } } }',
+     "multiple sources"),
+])
+def test_bad_nets_give_clear_errors(text, pattern):
+    with pytest.raises(ModelError, match=pattern):
+        small_net(TRAIN, text)
+
+
+def test_errors_from_files_name_file_and_line(tmp_path):
+    path = tmp_path / "bad.prototxt"
+    path.write_text('name: "x"\nlayer { name: "in" type: "Input" top: "d" '
+                    'input_param { shape { dim: 2 dim: 3 } } }\n'
+                    'layer { name: "odd" type: "Bogus" bottom: "d" top: "e" }\n')
+    with pytest.raises(ModelError, match=r"bad.prototxt:3: .*odd.*Bogus"):
+        Net(str(path), TEST)
+    path.write_text('name: "x"\nlayer { name: "in" type: "Input" top: "d"\n  input_parm { } }\n')
+    with pytest.raises(ModelError, match=r"bad.prototxt:3:\d+: .*input_parm"):
+        Net(str(path), TEST)
+
+
+def test_v1_upgrade_and_net_level_input():
+    text = """
+name: "v1"
+input: "data"
+input_dim: 2 input_dim: 3 input_dim: 4 input_dim: 4
+layers { name: "conv" type: CONVOLUTION bottom: "data" top: "conv" blobs_lr: 2 weight_decay: 0
+         convolution_param { num_output: 2 kernel_size: 3 } }
+layers { name: "relu" type: RELU bottom: "conv" top: "conv" }
+"""
+    net = Net(parse_net_text(text), TEST)
+    assert net.layer_names[0] == "input" and net.blobs["data"].shape == (2, 3, 4, 4)
+    assert net.blobs["conv"].shape == (2, 2, 2, 2)
+    spec = net.learnable_param_specs[0]
+    assert spec.lr_mult == 2 and spec.decay_mult == 0
+
+
+def test_stage_and_level_rules():
+    text = """
+layer { name: "in" type: "Input" top: "d" input_param { shape { dim: 1 dim: 2 } } }
+layer { name: "a" type: "ReLU" bottom: "d" top: "a" include { stage: "deploy" } }
+layer { name: "b" type: "ReLU" bottom: "d" top: "b" include { min_level: 2 } }
+layer { name: "c" type: "ReLU" bottom: "d" top: "c" exclude { phase: TEST } }
+"""
+    assert Net(parse_net_text(text), TEST).layer_names == ["in"]
+    assert Net(parse_net_text(text), TEST, stages=["deploy"], level=3).layer_names == ["in", "a", "b"]
+    assert Net(parse_net_text(text), TRAIN).layer_names == ["in", "c"]
+
+
+DEPLOYS = ["cifar10/cifar10_quick.prototxt", "bvlc_alexnet/deploy.prototxt",
+           "bvlc_googlenet/deploy.prototxt", "vgg/VGG_ILSVRC_19_layers_deploy.prototxt",
+           "resnet/ResNet-152-deploy.prototxt", "inception/deploy_inception-v3.prototxt"]
+TOTALS = {"cifar10/cifar10_quick.prototxt": 145578, "bvlc_alexnet/deploy.prototxt": 60965224,
+          "bvlc_googlenet/deploy.prototxt": 6998552,
+          "vgg/VGG_ILSVRC_19_layers_deploy.prototxt": 143667240,
+          "resnet/ResNet-152-deploy.prototxt": 60192808,
+          "inception/deploy_inception-v3.prototxt": 23834568}
+
+
+@pytest.mark.skipif(not SHARED_MODELS.exists(), reason="../shared/caffe-models is not present")
+@pytest.mark.parametrize("name", DEPLOYS)
+def test_real_deploy_files_build_with_caffe_parameter_counts(name):
+    net = Net(str(SHARED_MODELS / name), TEST)
+    learnable, _ = net.param_counts()
+    assert learnable == TOTALS[name]
+    net.shutdown()
