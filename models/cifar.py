@@ -1,11 +1,11 @@
-"""CIFAR-10 quick (Caffe's examples/cifar10 "quick" net) and the same architecture for the digits demo.
+"""CIFAR-10 quick (Caffe's examples/cifar10 "quick" net) and its twin for the digits demo set.
 
 cifar10_quick: conv(32,5x5,pad 2) -> MAX pool 3/2 -> ReLU -> conv(32) -> ReLU -> AVE pool 3/2 ->
 conv(64) -> ReLU -> AVE pool 3/2 -> ip(64) -> ip(10); 145,578 learnable parameters. Note the first
 block pools before its ReLU, as Caffe's file does.
 
-digits_quick: the identical architecture for the embedded demo set (32x32x3 digit images, 10 classes)
-read from data/digits/{train,test} with pixel scale 1/256 instead of a mean file.
+digits_quick: the identical architecture for the embedded demo set (32x32x3 digit images, 10
+classes) read from data/digits/{train,test} with pixel scale 1/256 instead of a mean file.
 """
 
 from models.builder import NetBuilder

@@ -4,9 +4,9 @@
 branches, 3x3 AVE pool pad 1), reduction A, four B modules with asymmetric 1x7/7x1 convolutions
 (pad 0x3 / 3x0), reduction B, two C modules (1x3/3x1 splits; the second pools with MAX, as that file
 does), global AVE pool, dropout 0.2, 1000-way classifier. Every convolution: bias_term false,
-BatchNorm (eps 0.001) and Scale(bias_term: true), ReLU. 23,834,568 learnable parameters (no auxiliary
-head). The paper benchmarks it at batch 32 per node. train_val reads data/ilsvrc12 with inputs scaled
-to [-1, 1] (mean 128, scale 1/128).
+BatchNorm (eps 0.001) and Scale(bias_term: true), ReLU. 23,834,568 learnable parameters (no
+auxiliary head). The paper benchmarks it at batch 32 per node. train_val reads data/ilsvrc12 with
+inputs scaled to [-1, 1] (mean 128, scale 1/128).
 """
 
 from models.builder import NetBuilder

@@ -1,12 +1,13 @@
 """ResNet-50/101/152 (bottleneck) in the layout of KaimingHe/deep-residual-networks.
 
 Every convolution has ``bias_term: false`` and is followed by BatchNorm and Scale(bias_term: true);
-each stage's first block has a projection shortcut (branch1, 1x1) and puts the stride on branch2a, as
-Kaiming's files do; blocks end with an Eltwise SUM and a ReLU. Depths differ only in block counts:
-50 = (3, 4, 6, 3), 101 = (3, 4, 23, 3), 152 = (3, 8, 36, 3). Learnable parameters (conv weights +
-Scale gamma/beta + fc; BatchNorm statistics not counted): 25,557,032 / 44,549,160 / 60,192,808.
-Deploy nets use ``use_global_stats: true``; train_val leaves it out (Caffe then uses batch statistics
-in TRAIN and the stored ones in TEST) and pins the statistics' lr_mult to 0.
+each stage's first block has a projection shortcut (branch1, 1x1) and puts the stride on branch2a,
+as Kaiming's files do; blocks end with an Eltwise SUM and a ReLU. Depths differ only in block
+counts: 50 = (3, 4, 6, 3), 101 = (3, 4, 23, 3), 152 = (3, 8, 36, 3). Learnable parameters (conv
+weights + Scale gamma/beta + fc; BatchNorm statistics not counted): 25,557,032 / 44,549,160 /
+60,192,808.
+Deploy nets use ``use_global_stats: true``; train_val leaves it out (Caffe then uses batch
+statistics in TRAIN and the stored ones in TEST) and pins the statistics' lr_mult to 0.
 """
 
 import string

@@ -2,21 +2,22 @@
 
 Paths in the generated ``solver.prototxt`` files:
 
-* ``net: "train_val.prototxt"`` is relative to the solver file's own folder. Caffe resolves ``net``
-  relative to the working directory only; this project's engine first tries the working directory and,
-  when the file is not found there, resolves ``net`` relative to the directory holding the solver
-  file, so ``poseidon train --solver prototxt/<model>/solver.prototxt`` works from the repository root
-  and from inside the model's folder.
+* ``net: "train_val.prototxt"`` is relative to the solver file's own folder. Caffe resolves
+  ``net`` relative to the working directory only; this project's engine first tries the working
+  directory and, when the file is not found there, resolves ``net`` relative to the directory
+  holding the solver file, so ``poseidon train --solver prototxt/<model>/solver.prototxt`` works
+  from the repository root and from inside the model's folder.
 * ``snapshot_prefix`` is ``snapshots/<model>`` (relative to the working directory, as in Caffe).
 * Data sources in the train_val files are ``data/<dataset>/{train,test}`` relative to the working
   directory.
 
 Settings are Caffe's reference ones (cifar10_quick, AlexNet, GoogLeNet quick solver) or those of the
-model's paper translated to Caffe policies (VGG, ResNet, Inception-v3). The ImageNet schedules count
-iterations of a global batch of 256 (AlexNet: one process at 256; VGG, ResNet and Inception-v3: e.g.
-8 workers x the per-node batch 32 of the train_val files); GoogLeNet's quick schedule is rescaled from
-batch 32 to the per-node 128 the Poseidon paper uses. digits_quick is tuned to pass 95% test accuracy on the embedded demo
-set within ~1,000 iterations; fc_heavy is a benchmark net with no test phase.
+model's paper translated to Caffe policies (VGG, ResNet, Inception-v3). The ImageNet schedules
+count iterations of a global batch of 256 (AlexNet: one process at 256; VGG, ResNet and
+Inception-v3: e.g. 8 workers x the per-node batch 32 of the train_val files); GoogLeNet's quick
+schedule is rescaled from batch 32 to the per-node 128 the Poseidon paper uses. digits_quick is
+tuned to pass 95% test accuracy on the embedded demo set within ~1,000 iterations; fc_heavy is a
+benchmark net with no test phase.
 """
 
 from engine.proto import caffe_pb2
