@@ -73,7 +73,8 @@ class _ArrayUnpickler(pickle.Unpickler):
     _ALLOWED = {"_reconstruct", "ndarray", "dtype", "scalar", "_frombuffer"}
 
     def find_class(self, module, name):
-        if module.split(".")[0] == "numpy" and name in self._ALLOWED:
+        if ((module.split(".")[0] == "numpy" and name in self._ALLOWED)
+                or (module, name) == ("_codecs", "encode")):   # protocol-2 bytes
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"CIFAR-10 batch refers to {module}.{name}; only numpy "
                                      f"arrays are allowed")

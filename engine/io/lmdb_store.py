@@ -34,6 +34,7 @@ than readers is an error.
 import json
 import os
 import shutil
+import threading
 import warnings
 
 import lmdb
@@ -197,17 +198,54 @@ def _key_text(key):
     return key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else str(key)
 
 
+# LMDB allows one open environment per database file and process: readers of the same files
+# (a train and a test net, or several ranks in one process) share it, each with its own
+# transaction. Keyed by the data file's identity, so a database re-created at the same path is
+# opened afresh.
+_ENVS = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _file_id(path):
+    st = os.stat(os.path.join(path, "data.mdb"))
+    return (st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(path)
+
+
+def _acquire_env(path):
+    with _ENVS_LOCK:
+        key = _file_id(path)
+        entry = _ENVS.get(key)
+        if entry is None:
+            env = lmdb.open(path, readonly=True, lock=False, readahead=False, subdir=True,
+                            max_readers=1024, max_dbs=0)
+            entry = _ENVS[key] = [env, 0]
+        entry[1] += 1
+        return key, entry[0]
+
+
+def _release_env(key):
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _ENVS[key]
+            entry[0].close()
+
+
 class _Shard:
-    """One open LMDB: a read-only environment, one long read transaction and a cursor."""
+    """One open LMDB: a (shared) read-only environment, one long read transaction and a cursor."""
 
     def __init__(self, path, source):
         self.path = path
+        self.env = None
         try:
-            self.env = lmdb.open(path, readonly=True, lock=False, readahead=False, subdir=True,
-                                 max_readers=4, max_dbs=0)
-        except lmdb.Error as e:
+            self._key, env = _acquire_env(path)
+        except (lmdb.Error, OSError) as e:
             raise DataError(f"data source '{source}': '{path}' is not a readable LMDB "
                             f"database ({e}); re-create it with `poseidon data …`") from None
+        self.env = env
         self.txn = self.env.begin(buffers=False)
         self.length = int(self.txn.stat()["entries"])
         self.cur = self.txn.cursor()
@@ -224,8 +262,8 @@ class _Shard:
     def close(self):
         if self.env is not None:
             self.txn.abort()
-            self.env.close()
             self.env = None
+            _release_env(self._key)
 
 
 def inspect_source(source):
@@ -282,8 +320,8 @@ class ShardedReader:
                                 f"{self.size} or a multiple) or run fewer workers")
             if len(paths) % self.size:
                 warnings.warn(f"data source '{self.source}' holds {len(paths)} shards, not a "
-                              f"multiple of the {self.size} readers: readers 0..{len(paths) % self.size - 1} "
-                              f"get one shard more, epochs differ between readers and the "
+                              f"multiple of the {self.size} readers: the first "
+                              f"{len(paths) % self.size} reader(s) get one shard more, epochs differ between readers and the "
                               f"distributed batches are not those of one reader", stacklevel=2)
             paths = paths[self.rank::self.size]
         self._shards = []
@@ -478,7 +516,8 @@ def decode_batch(records, source="?", color=None):
                 raise DataError(f"record '{_key_text(key)}' of '{source}' is a corrupt Datum: "
                                 f"shape {shape} but {nbytes} data bytes and {nfloats} float_data "
                                 f"values; re-create the database")
-            arr = datum.data if nbytes == size else numpy.asarray(datum.float_data, numpy.float32)
+            arr = (datum.data if nbytes == size
+                   else numpy.asarray(datum.float_data, numpy.float32).reshape(shape))
         if shape0 is None:
             shape0, key0 = shape, key
         elif shape != shape0:
