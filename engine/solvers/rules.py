@@ -147,6 +147,16 @@ class UpdateRule:
     def __repr__(self):
         return f"<{self.type} update rule, lr_policy {self.param.lr_policy}>"
 
+    def __getstate__(self):   # pickled as bytes: the generated message class is not importable by name
+        state = self.__dict__.copy()
+        state["param"] = self.param.SerializeToString()
+        return state
+
+    def __setstate__(self, state):
+        param = caffe_pb2.SolverParameter()
+        param.ParseFromString(state["param"])
+        self.__dict__.update(state, param=param)
+
     def init_state(self, shape, xp=numpy, dtype=numpy.float32):
         """The zero history arrays of one parameter (Caffe's history_, in its order)."""
         return [xp.zeros(shape, dtype) for _ in range(self.num_state)]
