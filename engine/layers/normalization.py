@@ -31,6 +31,18 @@ def _buffer(holder, name, shape, dtype, xp, zero=False):
     return buf
 
 
+def _reduce(a3):
+    """Sum of an (outer, dim, inner) array over outer and inner: shape (dim,)."""
+    return a3.sum(axis=2).sum(axis=0)
+
+
+def _reduce_product(xp, a3, b3):
+    """_reduce(a3 * b3); einsum (no temporary) is fastest on numpy, multiply-then-sum on CuPy."""
+    if xp is numpy:
+        return numpy.einsum("odi,odi->d", a3, b3)
+    return (a3 * b3).sum(axis=2).sum(axis=0)
+
+
 # ------------------------------------------------------------------------------------------------
 @register("LRN")
 class LRNLayer(Layer):
@@ -124,6 +136,7 @@ class LRNLayer(Layer):
 class BatchNormLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
+    stores_statistics = True   # its blobs are running statistics, not learnable parameters
 
     def layer_setup(self, bottom, top):
         p = self.param.batch_norm_param
@@ -181,10 +194,10 @@ class BatchNormLayer(Layer):
             var = self.blobs[1].data * factor
             xp.subtract(x3, mean[:, None], out=xn)
         else:
-            mean = x3.mean(axis=(0, 2))
-            xp.subtract(x3, mean[:, None], out=xn)
             m = self._shape3[0] * self._shape3[2]
-            var = xp.einsum("ncs,ncs->c", xn, xn) / m
+            mean = _reduce(x3) / m
+            xp.subtract(x3, mean[:, None], out=xn)
+            var = _reduce_product(xp, xn, xn) / m
             b0, b1, b2 = (b.data for b in self.blobs)
             b2 *= self.maf
             b2 += 1
@@ -209,8 +222,8 @@ class BatchNormLayer(Layer):
         # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial)
         xn = self._x_norm
         m = self._shape3[0] * self._shape3[2]
-        mean_dy = dy.mean(axis=(0, 2))
-        mean_dyy = xp.einsum("ncs,ncs->c", dy, xn) / m
+        mean_dy = _reduce(dy) / m
+        mean_dyy = _reduce_product(xp, dy, xn) / m
         xp.subtract(dy, mean_dy[:, None], out=out)
         out -= xn * mean_dyy[:, None]
         out *= inv
@@ -287,11 +300,10 @@ class BiasLayer(Layer):
         dy = top[0].diff
         if len(bottom) == 1:
             if self.param_propagate_down[0]:
-                self.blobs[0].diff += dy.reshape(outer, dim, inner).sum(axis=(0, 2)).reshape(
+                self.blobs[0].diff += _reduce(dy.reshape(outer, dim, inner)).reshape(
                     self.blobs[0].shape)
         elif propagate_down[1]:
-            bottom[1].diff[...] = dy.reshape(outer, dim, inner).sum(axis=(0, 2)).reshape(
-                bottom[1].shape)
+            bottom[1].diff[...] = _reduce(dy.reshape(outer, dim, inner)).reshape(bottom[1].shape)
         if propagate_down[0] and top[0] is not bottom[0]:
             bottom[0].diff[...] = dy
 
@@ -357,13 +369,13 @@ class ScaleLayer(Layer):
         if self.bias_term and self.param_propagate_down[-1]:
             bo, bd, bi = self._bias_layout
             bias = self.blobs[-1]
-            bias.diff += dy.reshape(bo, bd, bi).sum(axis=(0, 2)).reshape(bias.shape)
+            bias.diff += _reduce(dy.reshape(bo, bd, bi)).reshape(bias.shape)
         one = len(bottom) == 1
         scale = self.blobs[0] if one else bottom[1]
         if (one and self.param_propagate_down[0]) or (not one and propagate_down[1]):
             x = self._temp if top[0] is bottom[0] else bottom[0].data
-            grad = xp.einsum("odi,odi->d", dy.reshape(outer, dim, inner),
-                             x.reshape(outer, dim, inner)).reshape(scale.shape)
+            grad = _reduce_product(xp, dy.reshape(outer, dim, inner),
+                                   x.reshape(outer, dim, inner)).reshape(scale.shape)
             if one:
                 scale.diff += grad
             else:

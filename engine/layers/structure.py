@@ -386,12 +386,13 @@ class EltwiseLayer(Layer):
         else:
             a, b = bottom[0].data, bottom[1].data
             mask = self._mask
-            # Caffe: a > b picks bottom 0, otherwise (ties included) bottom 1
-            mask[...] = xp.where(a > b, 0, 1)
+            # Caffe: a > b picks bottom 0, otherwise (ties included) bottom 1; a later bottom
+            # wins only when strictly greater than the running maximum.
+            xp.less_equal(a, b, out=mask)
             xp.maximum(a, b, out=y)
             for k, blob in enumerate(bottom[2:], 2):
                 d = blob.data
-                mask[...] = xp.where(d > y, k, mask)
+                xp.copyto(mask, k, where=d > y)
                 xp.maximum(y, d, out=y)
 
     def backward(self, top, propagate_down, bottom):
