@@ -400,7 +400,8 @@ class Solver:
                 k += 1
 
     def test_all(self):
-        return [self.test(i) for i in range(len(self.test_nets))]
+        self.last_test_results = [self.test(i) for i in range(len(self.test_nets))]
+        return self.last_test_results
 
     def test(self, i):
         """test_iter[i] forward passes of test net i; logs and returns {output blob: mean value}

@@ -22,9 +22,9 @@ def apply_gpu(args, local_rank=0):
     backend.set_mode_gpu(ids[local_rank % len(ids)])
 
 
-def setup_logging(prefix=""):
-    from engine.solvers.solver import configure_logging
-    configure_logging(prefix)
+def setup_logging():
+    from engine.solvers.solver import log_to_stderr
+    log_to_stderr()
 
 
 def positive_int(text):

@@ -75,8 +75,7 @@ def run(args):
 
 
 def report_final(solver):
-    results = getattr(solver, "last_test_results", None)
-    if results:
+    for i, results in enumerate(getattr(solver, "last_test_results", None) or []):
         for name, value in results.items():
             if "accuracy" in name:
-                out(f"Final test {name}: {value:.4f}")
+                out(f"Final test {name} (net #{i}): {float(value):.4f}")
