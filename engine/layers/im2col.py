@@ -75,37 +75,6 @@ def col2im(col, dst, geom):
     return dst
 
 
-def clipped_offset(i, j, out_h, out_w, in_h, in_w, geom):
-    """For pooling without a padded copy: which output cells kernel offset (i, j) reaches inside
-    the real image, and where.
-
-    Output cell r's window starts at row r*s - p; offset i meets row r*s - p + i*d. Returns
-    (out_index, in_index) — slices of the output plane and of the input plane of equal shape — or
-    None when the offset lands in padding / past the image for every output cell.
-    """
-    rows = _clip_axis(i * geom.dh - geom.ph, geom.sh, out_h, in_h)
-    cols = _clip_axis(j * geom.dw - geom.pw, geom.sw, out_w, in_w)
-    if rows is None or cols is None:
-        return None
-    (r0, r1, h0), (c0, c1, w0) = rows, cols
-    out_index = (Ellipsis, slice(r0, r1), slice(c0, c1))
-    in_index = (Ellipsis, slice(h0, h0 + (r1 - r0 - 1) * geom.sh + 1, geom.sh),
-                slice(w0, w0 + (c1 - c0 - 1) * geom.sw + 1, geom.sw))
-    return out_index, in_index
-
-
-def _clip_axis(offset, stride, n_out, n_in):
-    # output cells r in [r0, r1) with 0 <= r*stride + offset < n_in
-    r0 = max(0, -(offset // stride))
-    last = n_in - 1 - offset          # r*stride <= last
-    if last < 0:
-        return None
-    r1 = min(n_out, last // stride + 1)
-    if r1 <= r0:
-        return None
-    return r0, r1, r0 * stride + offset
-
-
 class BufferCache:
     """Scratch arrays kept across iterations, reallocated only when their shape or type changes.
 

@@ -1,0 +1,278 @@
+"""Convolution and Deconvolution: forward against direct-loop references, float64 gradient checks,
+parameter parsing and clear errors."""
+import numpy
+import pytest
+
+from engine import rng
+from engine.blob import Blob
+from engine.errors import LayerError
+from engine.layers.conv import _ConvCore
+from tests.harness import check_gradient, make_layer, run_forward
+
+@pytest.fixture(autouse=True, params=["one_gemm", "per_sample_gemm"])
+def gemm_path(request, monkeypatch):
+    """Run every test through both GEMM layouts (small planes normally take the one-GEMM path)."""
+    monkeypatch.setattr(_ConvCore, "PER_SAMPLE_MIN_PLANE",
+                        1 if request.param == "per_sample_gemm" else 10 ** 9)
+    return request.param
+
+
+FILLERS = ('weight_filler { type: "gaussian" std: 1 } '
+           'bias_filler { type: "gaussian" std: 1 }')
+
+
+def conv(extra, num_output=4, kind="Convolution", dtype=numpy.float64, fillers=FILLERS):
+    rng.seed(11)
+    return make_layer(f'type: "{kind}" convolution_param {{ num_output: {num_output} {extra} '
+                      f'{fillers} }}', dtype=dtype)
+
+
+def ref_conv(x, w, b, kh, kw, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, group=1):
+    """Direct loops: y[n,o,r,c] = b[o] + sum_{ci,i,j} w[o,ci,i,j] x[n, g*Cg+ci, r*sh-ph+i*dh, ..]
+    (zero outside the image)."""
+    n, c, h, wd = x.shape
+    o = w.shape[0]
+    cg, og = c // group, o // group
+    out_h = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    out_w = (wd + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    y = numpy.zeros((n, o, out_h, out_w))
+    for s in range(n):
+        for oc in range(o):
+            g = oc // og
+            for r in range(out_h):
+                for q in range(out_w):
+                    acc = 0.0 if b is None else b[oc]
+                    for ci in range(cg):
+                        for i in range(kh):
+                            for j in range(kw):
+                                hh = r * sh - ph + i * dh
+                                ww = q * sw - pw + j * dw
+                                if 0 <= hh < h and 0 <= ww < wd:
+                                    acc += w[oc, ci, i, j] * x[s, g * cg + ci, hh, ww]
+                    y[s, oc, r, q] = acc
+    return y
+
+
+def ref_deconv(x, w, b, kh, kw, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, group=1):
+    """Direct scatter: each input pixel adds x * w[c, o] into the output at r*s - p + i*d."""
+    n, c, h, wd = x.shape
+    og = w.shape[1]
+    cg = c // group
+    o = og * group
+    out_h = sh * (h - 1) + dh * (kh - 1) + 1 - 2 * ph
+    out_w = sw * (wd - 1) + dw * (kw - 1) + 1 - 2 * pw
+    y = numpy.zeros((n, o, out_h, out_w))
+    for s in range(n):
+        for ci in range(c):
+            g = ci // cg
+            for r in range(h):
+                for q in range(wd):
+                    for oo in range(og):
+                        for i in range(kh):
+                            for j in range(kw):
+                                hh = r * sh - ph + i * dh
+                                ww = q * sw - pw + j * dw
+                                if 0 <= hh < out_h and 0 <= ww < out_w:
+                                    y[s, g * og + oo, hh, ww] += x[s, ci, r, q] * w[ci, oo, i, j]
+    if b is not None:
+        y += b.reshape(1, -1, 1, 1)
+    return y
+
+
+# (name, bottom shape, num_output, prototxt extra, reference keyword arguments)
+CONV_CONFIGS = [
+    ("basic", (2, 3, 5, 5), 4, "kernel_size: 3", dict(kh=3, kw=3)),
+    ("pad_stride", (2, 3, 5, 5), 4, "kernel_size: 3 pad: 1 stride: 2",
+     dict(kh=3, kw=3, sh=2, sw=2, ph=1, pw=1)),
+    ("group2", (2, 4, 5, 5), 6, "kernel_size: 3 pad: 1 group: 2",
+     dict(kh=3, kw=3, ph=1, pw=1, group=2)),
+    ("dilation2", (2, 3, 5, 5), 4, "kernel_size: 3 pad: 2 dilation: 2",
+     dict(kh=3, kw=3, ph=2, pw=2, dh=2, dw=2)),
+    ("separate_hw", (2, 3, 6, 5), 4,
+     "kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 0 stride_h: 2 stride_w: 1",
+     dict(kh=3, kw=2, sh=2, sw=1, ph=1, pw=0)),
+    ("repeated_hw", (2, 3, 6, 5), 4,
+     "kernel_size: 3 kernel_size: 2 pad: 1 pad: 0 stride: 2 stride: 1 dilation: 1 dilation: 2",
+     dict(kh=3, kw=2, sh=2, sw=1, ph=1, pw=0, dh=1, dw=2)),
+    ("no_bias", (2, 3, 5, 5), 4, "kernel_size: 3 pad: 1 bias_term: false",
+     dict(kh=3, kw=3, ph=1, pw=1)),
+    ("pointwise_group", (2, 4, 3, 4), 6, "kernel_size: 1 group: 2", dict(kh=1, kw=1, group=2)),
+    ("pad_beyond_kernel", (2, 3, 4, 4), 2, "kernel_size: 1 pad: 1", dict(kh=1, kw=1, ph=1, pw=1)),
+    ("stride_dilation_group", (2, 4, 7, 6), 2,
+     "kernel_size: 2 stride: 2 dilation: 2 pad: 1 group: 2",
+     dict(kh=2, kw=2, sh=2, sw=2, ph=1, pw=1, dh=2, dw=2, group=2)),
+]
+CONV_IDS = [c[0] for c in CONV_CONFIGS]
+
+
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", CONV_CONFIGS, ids=CONV_IDS)
+def test_conv_forward(name, shape, num_output, extra, kw):
+    x = numpy.random.RandomState(0).standard_normal(shape)
+    layer = conv(extra, num_output)
+    _, top = run_forward(layer, [x])
+    w = layer.blobs[0].data
+    b = layer.blobs[1].data if "bias_term: false" not in extra else None
+    assert len(layer.blobs) == (1 if b is None else 2)
+    assert w.shape == (num_output, shape[1] // kw.get("group", 1), kw["kh"], kw["kw"])
+    expected = ref_conv(x, w, b, **kw)
+    assert top[0].shape == expected.shape
+    numpy.testing.assert_allclose(top[0].data, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", CONV_CONFIGS, ids=CONV_IDS)
+def test_conv_gradient(name, shape, num_output, extra, kw):
+    x = numpy.random.RandomState(1).standard_normal(shape)
+    check_gradient(conv(extra, num_output), [x])
+
+
+def test_conv_float32_matches_float64():
+    x = numpy.random.RandomState(2).standard_normal((3, 4, 9, 9))
+    extra = "kernel_size: 3 pad: 1 stride: 1"
+    _, top64 = run_forward(conv(extra, 5), [x])
+    layer = conv(extra, 5, dtype=numpy.float32)
+    bottom, top32 = run_forward(layer, [x], dtype=numpy.float32)
+    assert top32[0].data.dtype == numpy.float32
+    numpy.testing.assert_allclose(top32[0].data, top64[0].data, rtol=1e-4, atol=1e-4)
+    top32[0].diff[...] = 1
+    layer.backward(top32, [True], bottom)
+    assert layer.blobs[0].diff.dtype == numpy.float32
+    assert bottom[0].diff.dtype == numpy.float32 and bottom[0].diff.any()
+
+
+def _blob(a, dtype):
+    b = Blob(a.shape, dtype)
+    b.data[...] = a
+    return b
+
+
+def test_conv_two_bottoms_share_weights():
+    rs = numpy.random.RandomState(3)
+    x1, x2 = rs.standard_normal((2, 2, 4, 4)), rs.standard_normal((2, 2, 4, 4))
+    layer = conv("kernel_size: 3 pad: 1", 3)
+    _, top = run_forward(layer, [x1, x2], n_tops=2)
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    for x, t in zip((x1, x2), top):
+        numpy.testing.assert_allclose(t.data, ref_conv(x, w, b, 3, 3, ph=1, pw=1), rtol=1e-10,
+                                      atol=1e-10)
+    check_gradient(conv("kernel_size: 3 pad: 1", 3), [x1, x2], n_tops=2)
+
+
+def test_conv_param_grads_accumulate():
+    x = numpy.random.RandomState(4).standard_normal((2, 3, 5, 5))
+    layer = conv("kernel_size: 3", 2)
+    bottom, top = run_forward(layer, [x])
+    top[0].diff[...] = 1
+    for p in layer.blobs:
+        p.diff[...] = 0
+    layer.backward(top, [False], bottom)
+    once = [p.diff.copy() for p in layer.blobs]
+    layer.backward(top, [False], bottom)
+    for p, d in zip(layer.blobs, once):
+        numpy.testing.assert_allclose(p.diff, 2 * d)
+
+
+def test_conv_default_filler_is_zero_and_reshape_follows_input():
+    layer = make_layer('type: "Convolution" convolution_param { num_output: 2 kernel_size: 3 }')
+    _, top = run_forward(layer, [numpy.ones((1, 1, 4, 4))])
+    assert not layer.blobs[0].data.any() and not top[0].data.any()
+    bottom = [_blob(numpy.ones((3, 1, 7, 6)), numpy.float64)]
+    layer.reshape(bottom, top)
+    assert top[0].shape == (3, 2, 5, 4)
+
+
+# ----- deconvolution ------------------------------------------------------------------------------
+DECONV_CONFIGS = [
+    ("basic", (2, 3, 4, 4), 2, "kernel_size: 3", dict(kh=3, kw=3)),
+    ("stride2_pad1", (2, 3, 4, 4), 2, "kernel_size: 3 stride: 2 pad: 1",
+     dict(kh=3, kw=3, sh=2, sw=2, ph=1, pw=1)),
+    ("group_dilation", (2, 4, 4, 3), 6, "kernel_size: 3 dilation: 2 pad: 1 group: 2",
+     dict(kh=3, kw=3, ph=1, pw=1, dh=2, dw=2, group=2)),
+    ("separate_hw_no_bias", (2, 3, 3, 4), 2,
+     "kernel_h: 2 kernel_w: 3 stride_h: 2 stride_w: 1 pad_h: 0 pad_w: 1 bias_term: false",
+     dict(kh=2, kw=3, sh=2, sw=1, ph=0, pw=1)),
+    ("pointwise", (2, 3, 3, 3), 4, "kernel_size: 1", dict(kh=1, kw=1)),
+    ("upsample4", (1, 2, 3, 3), 2, "kernel_size: 8 stride: 4 pad: 2 group: 2",
+     dict(kh=8, kw=8, sh=4, sw=4, ph=2, pw=2, group=2)),
+]
+
+
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", DECONV_CONFIGS,
+                         ids=[c[0] for c in DECONV_CONFIGS])
+def test_deconv_forward(name, shape, num_output, extra, kw):
+    x = numpy.random.RandomState(5).standard_normal(shape)
+    layer = conv(extra, num_output, kind="Deconvolution")
+    _, top = run_forward(layer, [x])
+    w = layer.blobs[0].data
+    assert w.shape == (shape[1], num_output // kw.get("group", 1), kw["kh"], kw["kw"])
+    b = layer.blobs[1].data if "bias_term: false" not in extra else None
+    expected = ref_deconv(x, w, b, **kw)
+    assert top[0].shape == expected.shape
+    numpy.testing.assert_allclose(top[0].data, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", DECONV_CONFIGS,
+                         ids=[c[0] for c in DECONV_CONFIGS])
+def test_deconv_gradient(name, shape, num_output, extra, kw):
+    if name == "upsample4":
+        shape = (1, 2, 2, 2)
+    x = numpy.random.RandomState(6).standard_normal(shape)
+    check_gradient(conv(extra, num_output, kind="Deconvolution"), [x])
+
+
+def test_deconv_is_transpose_of_conv():
+    """<conv(x), y> == <x, deconv(y)> with the same weights (and no bias)."""
+    rs = numpy.random.RandomState(7)
+    extra = "kernel_size: 3 stride: 2 pad: 1 bias_term: false"
+    c = conv(extra, 3)
+    x = rs.standard_normal((2, 2, 7, 7))
+    _, cy = run_forward(c, [x])
+    y = rs.standard_normal(cy[0].shape)
+    d = make_layer(f'type: "Deconvolution" convolution_param {{ num_output: 2 {extra} }}')
+    bottom = [_blob(y, numpy.float64)]
+    top = [Blob((), numpy.float64)]
+    d.setup(bottom, top)
+    d.blobs[0].data[...] = c.blobs[0].data
+    d.forward(bottom, top)
+    assert top[0].shape == x.shape
+    numpy.testing.assert_allclose((cy[0].data * y).sum(), (x * top[0].data).sum(), rtol=1e-10)
+
+
+# ----- errors -------------------------------------------------------------------------------------
+ERRORS = [
+    ("kernel_size: 3 group: 2", 4, (1, 3, 5, 5), "not divisible by group"),
+    ("kernel_size: 3 group: 2", 3, (1, 4, 5, 5), "num_output 3 is not divisible by group 2"),
+    ("pad: 1", 4, (1, 3, 5, 5), "no kernel size"),
+    ("kernel_h: 3", 4, (1, 3, 5, 5), "kernel"),
+    ("kernel_size: 3 kernel_h: 3 kernel_w: 3", 4, (1, 3, 5, 5), "one form"),
+    ("kernel_size: 3 kernel_size: 3 kernel_size: 3", 4, (1, 3, 5, 5), "once per spatial"),
+    ("kernel_size: 7", 4, (1, 3, 5, 5), "output would be"),
+    ("kernel_size: 3 dilation: 3", 4, (1, 3, 5, 5), "output would be"),
+    ("kernel_size: 3 axis: 2", 4, (1, 3, 5, 5), "only axis 1"),
+    ("kernel_size: 3 stride: 0", 4, (1, 3, 5, 5), "stride"),
+    ("kernel_size: 3", 4, (1, 3, 5, 5, 5), "2-D"),
+    ("kernel_size: 3", 4, (3, 5, 5), "2-D"),
+    ("kernel_size: 3", 0, (1, 3, 5, 5), "num_output"),
+]
+
+
+@pytest.mark.parametrize("extra,num_output,shape,message", ERRORS)
+def test_conv_errors(extra, num_output, shape, message):
+    layer = conv(extra, num_output, fillers="")
+    with pytest.raises(LayerError, match=message):
+        run_forward(layer, [numpy.zeros(shape)])
+
+
+def test_conv_channel_change_after_setup_is_refused():
+    layer = conv("kernel_size: 3", 2)
+    bottom, top = run_forward(layer, [numpy.zeros((1, 3, 5, 5))])
+    with pytest.raises(LayerError, match="channel count may not change"):
+        layer.reshape([_blob(numpy.zeros((1, 4, 5, 5)), numpy.float64)], top)
+
+
+def test_deconv_errors():
+    with pytest.raises(LayerError, match="not divisible by group"):
+        run_forward(conv("kernel_size: 2 group: 2", 4, kind="Deconvolution"),
+                    [numpy.zeros((1, 3, 4, 4))])
+    with pytest.raises(LayerError, match="output would be"):
+        run_forward(conv("kernel_size: 1 pad: 1", 4, kind="Deconvolution"),
+                    [numpy.zeros((1, 3, 1, 1))])
