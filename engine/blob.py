@@ -26,8 +26,14 @@ class Blob:
             return
         count = int(numpy.prod(shape)) if shape else 1
         if self._data is None or self._data.size < count:
-            self._flat_data = self.xp.zeros(count, self.dtype)
-            self._flat_diff = self.xp.zeros(count, self.dtype)
+            try:
+                self._flat_data = self.xp.zeros(count, self.dtype)
+                self._flat_diff = self.xp.zeros(count, self.dtype)
+            except (MemoryError, ValueError) as e:
+                from .errors import ModelError
+                raise ModelError(f"cannot allocate a blob of shape {shape} "
+                                 f"({count * self.dtype.itemsize * 2 / 2**30:.1f} GiB with its "
+                                 f"gradient): {e}; check the sizes in the model") from None
         self._data = self._flat_data[:count].reshape(shape)
         self._diff = self._flat_diff[:count].reshape(shape)
 

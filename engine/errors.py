@@ -12,7 +12,10 @@ class ModelError(PoseidonError):
 class LayerError(ModelError):
     """A layer refuses its parameters or its inputs; the message names the layer and its type."""
 
-    def __init__(self, layer, message):
+    def __init__(self, layer, message=None):
+        if message is None:  # already a full message (e.g. re-raised with a file:line prefix)
+            super().__init__(layer)
+            return
         name = getattr(layer, "name", layer)
         kind = getattr(layer, "type", "")
         prefix = f"layer '{name}'" + (f" (type {kind})" if kind else "")

@@ -59,7 +59,7 @@ def check_gradient(layer, bottom_arrays, n_tops=1, check_bottoms=None, check_par
     check_bottoms: indices of bottoms to check (default all); top_indices: tops in the objective.
     """
     rs = numpy.random.RandomState(seed)
-    bottom, top = run_forward(layer, bottom_arrays, n_tops)
+    bottom, top = run_forward(layer, bottom_arrays, n_tops, layer.dtype, layer.xp)
     top_indices = range(len(top)) if top_indices is None else top_indices
     weights = [rs.standard_normal(t.shape) if i in top_indices else numpy.zeros(t.shape)
                for i, t in enumerate(top)]
@@ -69,11 +69,11 @@ def check_gradient(layer, bottom_arrays, n_tops=1, check_bottoms=None, check_par
     for p in layer.blobs:
         p.diff[...] = 0
     for t, w in zip(top, weights):
-        t.diff[...] = w
+        t.diff[...] = layer.xp.asarray(w)
     propagate = [i in check_bottoms for i in range(len(bottom))]
     layer.backward(top, propagate, bottom)
-    analytic = [numpy.array(bottom[i].diff) for i in check_bottoms]
-    param_analytic = [numpy.array(p.diff) for p in layer.blobs] if check_params else []
+    analytic = [backend.to_numpy(bottom[i].diff).copy() for i in check_bottoms]
+    param_analytic = [backend.to_numpy(p.diff).copy() for p in layer.blobs] if check_params else []
 
     targets = [(f"bottom[{i}]", bottom[i].data, a) for i, a in zip(check_bottoms, analytic)]
     if check_params:

@@ -1,0 +1,146 @@
+"""CuPy runs of the engine, checked against numpy: every layer family, a whole net, and training.
+
+Marked `gpu`: skipped with the reason on a machine without CuPy and a CUDA device. On a GPU machine
+the rest of the suite runs unchanged (numpy), and these run the same layers on CuPy.
+"""
+import numpy as np
+import pytest
+
+from engine import TRAIN, backend
+from engine.net import Net
+from engine.prototxt import parse_net_text
+
+from .harness import check_gradient, make_layer, run_forward
+from .test_reference_nets import CIFAR10_QUICK
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")]
+
+CONFIGS = [
+    ('type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 pad: 1 stride: 2 '
+     'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }', [(2, 3, 7, 7)], 1),
+    ('type: "Convolution" convolution_param { num_output: 4 kernel_h: 3 kernel_w: 2 group: 2 dilation: 2 '
+     'weight_filler { type: "gaussian" std: 0.5 } }', [(2, 4, 8, 8)], 1),
+    ('type: "Deconvolution" convolution_param { num_output: 3 kernel_size: 3 stride: 2 pad: 1 '
+     'weight_filler { type: "gaussian" std: 0.5 } }', [(2, 2, 4, 4)], 1),
+    ('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', [(2, 3, 7, 7)], 1),
+    ('type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }', [(2, 3, 7, 7)], 1),
+    ('type: "Pooling" pooling_param { pool: AVE global_pooling: true }', [(2, 3, 5, 5)], 1),
+    ('type: "InnerProduct" inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.5 } '
+     'bias_filler { type: "gaussian" std: 0.5 } }', [(3, 2, 2, 2)], 1),
+    ('type: "InnerProduct" inner_product_param { num_output: 5 transpose: true '
+     'weight_filler { type: "gaussian" std: 0.5 } }', [(3, 6)], 1),
+    ('type: "ReLU" relu_param { negative_slope: 0.1 }', [(2, 3, 4)], 1),
+    ('type: "Sigmoid"', [(2, 5)], 1),
+    ('type: "TanH"', [(2, 5)], 1),
+    ('type: "PReLU"', [(2, 3, 2, 2)], 1),
+    ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 }', [(2, 5, 3, 3)], 1),
+    ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }', [(2, 2, 5, 5)], 1),
+    ('type: "BatchNorm" batch_norm_param { use_global_stats: false }', [(4, 3, 2, 2)], 1),
+    ('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } '
+     'bias_filler { type: "gaussian" std: 0.5 } }', [(2, 3, 2, 2)], 1),
+    ('type: "Bias" bias_param { filler { type: "gaussian" std: 0.5 } }', [(2, 3, 2)], 1),
+    ('type: "Softmax"', [(3, 4)], 1),
+    ('type: "Concat"', [(2, 3, 2), (2, 1, 2)], 1),
+    ('type: "Slice" slice_param { slice_point: 1 }', [(2, 3, 2)], 2),
+    ('type: "Eltwise" eltwise_param { operation: SUM coeff: 0.5 coeff: -2 }', [(2, 3), (2, 3)], 1),
+    ('type: "Eltwise" eltwise_param { operation: PROD }', [(2, 3), (2, 3)], 1),
+    ('type: "Eltwise" eltwise_param { operation: MAX }', [(2, 3), (2, 3)], 1),
+    ('type: "Flatten"', [(2, 3, 2)], 1),
+    ('type: "Reshape" reshape_param { shape { dim: 0 dim: -1 } }', [(2, 3, 2)], 1),
+    ('type: "Crop" crop_param { axis: 2 offset: 1 }', [(2, 2, 5, 5), (2, 2, 3, 3)], 1),
+]
+
+
+def _run(text, arrays, n_tops, xp, params=None, top_diffs=None):
+    from engine import rng
+    rng.seed(7)
+    layer = make_layer(text, TRAIN, np.float64, xp)
+    bottom, top = run_forward(layer, arrays, n_tops, np.float64, xp)
+    if params is not None:
+        for blob, value in zip(layer.blobs, params):
+            blob.data[...] = xp.asarray(value)
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+    for t, d in zip(top, top_diffs or []):
+        t.diff[...] = xp.asarray(d)
+    for p in layer.blobs:
+        p.diff[...] = 0
+    layer.backward(top, [True] * len(bottom), bottom)
+    as_np = backend.to_numpy
+    return ([as_np(t.data) for t in top], [as_np(b.diff) for b in bottom],
+            [as_np(p.data) for p in layer.blobs], [as_np(p.diff) for p in layer.blobs])
+
+
+@pytest.mark.parametrize("text, shapes, n_tops", CONFIGS, ids=[c[0].split('"')[1] + str(i) for i, c in enumerate(CONFIGS)])
+def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
+    import cupy
+    rs = np.random.RandomState(0)
+    arrays = [rs.standard_normal(s) for s in shapes]
+    if "Crop" in text:
+        arrays = arrays[:1] + [np.zeros(shapes[1])]
+    tops, _, params, _ = _run(text, arrays, n_tops, np)
+    diffs = [rs.standard_normal(t.shape) for t in tops]
+    ref = _run(text, arrays, n_tops, np, params, diffs)
+    got = _run(text, arrays, n_tops, cupy, params, diffs)
+    for a, b in zip(ref, got):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-11)
+
+
+def test_gradient_check_on_cupy():
+    import cupy
+    rs = np.random.RandomState(1)
+    layer = make_layer('type: "Convolution" convolution_param { num_output: 2 kernel_size: 3 pad: 1 '
+                       'weight_filler { type: "gaussian" std: 0.5 } }', TRAIN, np.float64, cupy)
+    check_gradient(layer, [rs.standard_normal((1, 2, 4, 4))])
+
+
+def test_whole_net_on_cupy_matches_numpy():
+    import cupy
+    nets = {}
+    for name, xp in (("numpy", np), ("cupy", cupy)):
+        from engine import rng
+        rng.seed(3)
+        net = Net(parse_net_text(CIFAR10_QUICK), TRAIN, dtype=np.float64, xp=xp)
+        rs = np.random.RandomState(1)
+        net.blobs["data"].data[...] = xp.asarray(rs.standard_normal((2, 3, 32, 32)))
+        net.blobs["label"].data[...] = xp.asarray(np.array([3, 7]))
+        net.ClearParamDiffs()
+        nets[name] = (net.Forward(), net)
+        net.Backward()
+    (l0, a), (l1, b) = nets["numpy"], nets["cupy"]
+    assert abs(l0 - l1) < 1e-9 * abs(l0)
+    for name in a.params:
+        for x, y in zip(a.params[name], b.params[name]):
+            np.testing.assert_allclose(backend.to_numpy(y.diff), x.diff, rtol=1e-7, atol=1e-12)
+
+
+def test_training_on_cupy_matches_numpy_and_resumes_bitwise(tmp_path):
+    import cupy
+    from engine.io.datasets import make_digits_lmdb
+    from engine.solvers import get_solver
+    from engine.proto import caffe_pb2
+    from engine import prototxt
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    make_digits_lmdb(str(tmp_path / "data" / "digits"))
+    param = prototxt.read_solver(str(root / "prototxt" / "digits_quick" / "solver.prototxt"))
+    param.net = str(root / "prototxt" / "digits_quick" / "train_val.prototxt")
+    param.max_iter, param.test_interval, param.display = 6, 0, 0
+    param.snapshot = 3
+    param.snapshot_prefix = str(tmp_path / "snap")
+    import os
+    os.chdir(tmp_path)
+    results = {}
+    for name, xp in (("numpy", np), ("cupy", cupy)):
+        solver = get_solver(caffe_pb2.SolverParameter.FromString(param.SerializeToString()), xp=xp)
+        solver.solve()
+        results[name] = [backend.to_numpy(b.data) for b in solver.net.learnable_params]
+        solver.net.shutdown()
+    for x, y in zip(results["numpy"], results["cupy"]):
+        np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-5)
+    resumed = get_solver(caffe_pb2.SolverParameter.FromString(param.SerializeToString()), xp=cupy)
+    resumed.solve(resume_file=str(tmp_path / "snap_iter_3.solverstate"))
+    for x, y in zip(results["cupy"], resumed.net.learnable_params):
+        assert np.array_equal(x, backend.to_numpy(y.data))
