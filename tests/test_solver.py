@@ -241,7 +241,7 @@ def test_nan_gradient_stops_with_iteration_and_layer(tmp_path):
         solver.solve()
     assert solver.iter == 3
     assert sorted(os.listdir(tmp_path)) == ["f_iter_2.caffemodel", "f_iter_2.cursors.json",
-                                            "f_iter_2.solverstate"]
+                                            "f_iter_2.manifest.json", "f_iter_2.solverstate"]
 
 
 def test_nan_loss_names_first_layer_in_backward_order():

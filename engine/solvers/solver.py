@@ -28,6 +28,7 @@ import numpy
 from .. import backend, rng
 from ..errors import ModelError, PoseidonError
 from ..layer import TEST, TRAIN
+from ..io import manifest
 from ..proto import caffe_pb2
 from . import rules
 
@@ -491,7 +492,15 @@ class Solver:
                    "test": [t.data_cursors() for t in self.test_nets]}
         caffemodel.write_atomic(self.snapshot_filename(".cursors.json"),
                                 json.dumps(sidecar).encode("utf-8"))
+        self.snapshot_files = [model_file, state_file, self.snapshot_filename(".cursors.json")]
+        self.write_manifest(state_file)
         return state_file
+
+    def write_manifest(self, state_file, extra_files=()):
+        """The snapshot's manifest, written last: its presence means the set is complete."""
+        manifest.write_manifest(manifest.manifest_path(state_file),
+                                list(self.snapshot_files) + list(extra_files),
+                                {"iter": self.iter})
 
     def restore(self, path):
         """Resume from a .solverstate (or .solverstate.h5): weights, history and iter (current_step
@@ -501,6 +510,11 @@ class Solver:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ModelError(f"{path}: solver state file does not exist")
+        if os.path.exists(manifest.manifest_path(path)):
+            manifest.verify_manifest(manifest.manifest_path(path))
+        else:
+            log.warning(f"{path}: no snapshot manifest beside it (a Caffe snapshot?); "
+                        f"resuming without checksum verification")
         try:
             state = (caffemodel.read_solverstate_hdf5(path) if path.endswith(".h5")
                      else caffemodel.read_solverstate(path))

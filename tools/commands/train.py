@@ -25,6 +25,13 @@ def add(sub):
     p.add_argument("--weights", help="comma-separated .caffemodel files to initialise from")
     p.add_argument("--snapshot", help=".solverstate (or .h5) to resume from")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--sigint_effect", "--sigint-effect", default="stop",
+                   choices=("stop", "snapshot", "none"),
+                   help="on SIGINT (Ctrl-C): stop (after a final snapshot), snapshot and go on, "
+                        "or ignore (Caffe's default: stop)")
+    p.add_argument("--sighup_effect", "--sighup-effect", default="snapshot",
+                   choices=("stop", "snapshot", "none"),
+                   help="on SIGHUP: as --sigint_effect (Caffe's default: snapshot)")
     add_gpu_option(p)
     try:
         from dist.options import add_dist_options
@@ -69,6 +76,7 @@ def run(args):
     if args.weights:
         for path in args.weights.split(","):
             solver.net.copy_from(path)
+    install_signal_effects(solver, args)
     solver.solve(resume_file=args.snapshot)
     report_final(solver)
     return 0
@@ -79,3 +87,21 @@ def report_final(solver):
         for name, value in results.items():
             if "accuracy" in name:
                 out(f"Final test {name} (net #{i}): {float(value):.4f}")
+
+
+def install_signal_effects(solver, args):
+    """Caffe's --sigint_effect / --sighup_effect: ask the solver to stop or snapshot after the
+    current iteration, so a snapshot is never cut in half by the signal."""
+    import signal
+
+    def handler_for(effect):
+        def handle(signum, frame):
+            out(f"Received signal {signum}: {effect} after this iteration")
+            solver.request(effect)
+        return handle
+
+    for name, effect in (("SIGINT", args.sigint_effect), ("SIGHUP", args.sighup_effect)):
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        signal.signal(sig, signal.SIG_IGN if effect == "none" else handler_for(effect))
