@@ -12,7 +12,7 @@ import numpy
 
 from . import backend
 from .blob import Blob
-from .errors import ModelError, PoseidonError
+from .errors import DataError, ModelError, PoseidonError
 from .layer import TRAIN, TEST, create_layer
 from .proto import caffe_pb2
 from . import prototxt
@@ -74,7 +74,7 @@ class Net:
             filtered = prototxt.filter_net(param, net_state)
             self.param = prototxt.insert_splits(filtered)
             self._build()
-        except ModelError as e:
+        except (ModelError, DataError) as e:
             raise self._locate(e) from None
         self.after_backward = []   # callbacks f(layer_index) run by Backward() after each layer
         if weights:

@@ -4,24 +4,31 @@ The arithmetic lives in `_ConvCore`, which both layers share: Deconvolution is t
 Convolution, so its forward is the convolution's input gradient and its input gradient is the
 convolution's forward (exactly as Caffe's deconv_layer.cpp does it).
 
-How the work is laid out (see im2col.py for the column layout):
-- forward: im2col of the whole batch (one strided copy per kernel offset) into a cached
-  (C*kh*kw, N*Ho*Wo) column buffer, one GEMM per group against the (O, C/g*kh*kw) weights, and one
-  copy that transposes (O, N, Ho*Wo) into the NCHW top, with the bias added on the way; for large
-  planes (numpy, Ho*Wo >= 1024) one GEMM per sample on strided views of the same buffer instead,
-  which writes NCHW directly and saves that transpose;
-- weight gradient: one GEMM per group against the columns kept from forward (not recomputed);
+How the work is laid out (see im2col.py for the column layout and the batch blocks):
+- the batch is cut into one range of samples per core and each range into blocks whose columns
+  (C*kh*kw x block*Ho*Wo) fit in L2; the ranges run at once on Python threads with OpenBLAS held
+  to one thread (im2col.parallel), so copies, GEMMs and transposes all use every core, and the
+  columns never travel to main memory (this machine's memory bandwidth, not its GEMM, was the
+  limit of the batch-wide im2col: 82 MB of columns for conv2 of cifar10_quick);
+- forward, per block: im2col as one copy from a strided view of the padded input (window_view),
+  then for planes of at least PER_SAMPLE_MIN_PLANE cells one GEMM per sample on strided views that
+  writes NCHW directly, else one GEMM for the block and one transposing copy into the top, with the
+  bias added on the way;
+- weight gradient, per block: the columns are made again from the padded input kept from forward
+  (a copy in cache is cheaper than reading stored columns back from memory), one GEMM against the
+  block's transposed top gradient, summed into a per-thread partial; partials are added in thread
+  order, so the result does not depend on timing;
 - input gradient, stride 1: the transposed convolution is itself a stride-1 convolution of the
-  zero-padded top gradient with the flipped, transposed kernel, so it is im2col + GEMM again (much
-  faster in numpy than a col2im scatter); other strides: GEMM to columns, then col2im;
+  zero-padded top gradient with the flipped, transposed kernel: im2col + GEMM again per block;
+  other strides: GEMM to columns, then col2im per block;
 - 1x1 kernels with stride 1 and no pad: no im2col, batched GEMMs straight on the NCHW arrays.
-Scratch buffers are cached and reallocated only when a shape changes.
+Scratch buffers are cached per thread and reallocated only when a shape changes.
 """
 import numpy
 
 from ..backend import get_array_module as _xp
 from ..layer import Layer, register
-from .im2col import BufferCache, Geometry, col2im, im2col
+from .im2col import COLUMN_BLOCK_BYTES, BufferCache, Geometry, col2im, parallel, window_view
 
 
 class _ConvCore:
@@ -31,156 +38,253 @@ class _ConvCore:
         self.geom = geom
         self.group = group
         self.buffers = BufferCache()
-        self.cols = {}
+        self._worker_buffers = {}
+        self.sources = {}
         g = geom
         self.pointwise = (g.kh == 1 and g.kw == 1 and g.sh == 1 and g.sw == 1
                           and g.ph == 0 and g.pw == 0)
 
-    # Planes at least this large (Ho*Wo) are multiplied one sample at a time (batched GEMMs
-    # straight into NCHW); smaller ones as one GEMM over the batch plus a transposing copy, which is
-    # cheaper than many small GEMMs. CuPy always takes the one-GEMM path.
-    PER_SAMPLE_MIN_PLANE = 1024
+    # Planes at least this large (Ho*Wo) are multiplied one sample at a time (GEMMs straight into
+    # NCHW); smaller ones as one GEMM over the block plus a transposing copy, which is cheaper than
+    # many small GEMMs. CuPy always takes the one-GEMM path.
+    PER_SAMPLE_MIN_PLANE = 256
 
     def _per_sample(self, plane, xp):
         return xp is numpy and plane >= self.PER_SAMPLE_MIN_PLANE
 
-    # ----- columns ------------------------------------------------------------------------------
-    def columns(self, x, key=0):
-        """Unroll x into the column buffer kept under `key` (for the weight gradient later)."""
-        if self.pointwise:
-            self.cols[key] = x
-            return x
-        xp = _xp(x)
+    def _wbuf(self, worker):
+        buf = self._worker_buffers.get(worker)
+        if buf is None:
+            buf = self._worker_buffers[worker] = BufferCache()
+        return buf
+
+    # a block's columns stay under this many bytes (L2-sized); tests make it tiny to get blocks
+    COLUMN_BLOCK_BYTES = COLUMN_BLOCK_BYTES
+
+    def _block(self, rows, plane, n, xp, itemsize):
+        """Samples per block: the block's columns (rows x block*plane) fit COLUMN_BLOCK_BYTES
+        (the whole range on CuPy, where one large GEMM is best)."""
+        if xp is not numpy:
+            return max(n, 1)
+        return max(1, min(n, self.COLUMN_BLOCK_BYTES // max(rows * plane * itemsize, 1)))
+
+    # ----- the padded input ----------------------------------------------------------------------
+    def _source(self, x, key, xp):
+        """The padded NCHW buffer kept under `key` for the columns (x itself without padding);
+        its interior is filled by `_fill_source` (per sample range, on the worker threads)."""
         g = self.geom
-        n, c, h, w = x.shape
-        out_h, out_w = g.conv_out(h, w)
-        if g.ph or g.pw:
-            src = self.buffers.get("xpad", (c, n, h + 2 * g.ph, w + 2 * g.pw), x.dtype, xp, 0)
-            src[:, :, g.ph:g.ph + h, g.pw:g.pw + w] = x.transpose(1, 0, 2, 3)
+        if self.pointwise or (g.ph == 0 and g.pw == 0):
+            src = x
         else:
-            src = x.transpose(1, 0, 2, 3)
-        col = self.buffers.get(f"col{key}", (c, g.kh, g.kw, n, out_h, out_w), x.dtype, xp)
-        im2col(src, col, g)
-        self.cols[key] = col
+            n, c, h, w = x.shape
+            src = self.buffers.get(f"xpad{key}", (n, c, h + 2 * g.ph, w + 2 * g.pw), x.dtype,
+                                   xp, 0)
+        self.sources[key] = src
+        return src
+
+    def _fill_source(self, x, src, lo, hi):
+        if src is not x:
+            g = self.geom
+            h, w = x.shape[2:]
+            src[lo:hi, :, g.ph:g.ph + h, g.pw:g.pw + w] = x[lo:hi]
+
+    def prepare(self, x, key=0):
+        """Keep x (padded) under `key` for a later weight gradient, without computing anything."""
+        src = self._source(x, key, _xp(x))
+        self._fill_source(x, src, 0, x.shape[0])
+        return src
+
+    def _columns(self, buf, src, lo, m, out_h, out_w, name="col"):
+        """im2col of samples lo..lo+m of the padded source into a cached per-thread buffer
+        (C, kh, kw, m, out_h, out_w): one copy from a strided view."""
+        xp = _xp(src)
+        g = self.geom
+        c = src.shape[1]
+        col = buf.get(f"{name}{m}", (c, g.kh, g.kw, m, out_h, out_w), src.dtype, xp)
+        col[...] = window_view(src[lo:lo + m], g, out_h, out_w, xp)
         return col
 
-    def gemm_forward(self, key, weight, out, bias=None):
-        """out (N, O, Ho, Wo) = convolution of the columns under `key` with weight (+ bias)."""
-        col = self.cols[key]
+    def _gemm_into_nchw(self, buf, wmat, col, out, bias, m, plane):
+        """out (m, O, plane) NCHW block = wmat (grp, O/g, K/g) x col (K, m*plane) (+ bias)."""
         xp = _xp(out)
-        grp = self.group
-        o = weight.shape[0]
-        n = out.shape[0]
-        if self.pointwise:
-            c = col.shape[1]
-            xp.matmul(weight.reshape(grp, o // grp, c // grp),
-                      col.reshape(n, grp, c // grp, -1), out=out.reshape(n, grp, o // grp, -1))
-            if bias is not None:
-                out += bias.reshape(1, o, 1, 1)
-            return out
-        k = weight[0].size
-        plane = col.size // (k * grp * n)
+        grp, og, kg = wmat.shape
+        o = grp * og
         if self._per_sample(plane, xp):
-            # Sample n's columns are a (K, Ho*Wo) block of the (K, N*Ho*Wo) matrix (leading
-            # dimension N*Ho*Wo): one GEMM per sample writes NCHW directly, no transpose.
-            xp.matmul(weight.reshape(grp, o // grp, k), _per_sample_view(col, grp, n),
-                      out=out.reshape(n, grp, o // grp, plane))
+            # sample s's columns are a (K/g, plane) block of the (K/g, m*plane) matrix (leading
+            # dimension m*plane): one GEMM per sample writes NCHW directly, no transpose
+            xp.matmul(wmat, col.reshape(grp, kg, m, plane).transpose(2, 0, 1, 3),
+                      out=out.reshape(m, grp, og, plane))
             if bias is not None:
                 out += bias.reshape(1, o, 1, 1)
-            return out
-        tmp = self.buffers.get("ytmp", (grp, o // grp, n * plane), out.dtype, xp)
-        xp.matmul(weight.reshape(grp, o // grp, k), col.reshape(grp, k, -1), out=tmp)
-        ont = tmp.reshape(o, n, -1).transpose(1, 0, 2)
+            return
+        tmp = buf.get(f"ytmp{m}", (grp, og, m * plane), out.dtype, xp)
+        xp.matmul(wmat, col.reshape(grp, kg, m * plane), out=tmp)
+        ont = tmp.reshape(o, m, plane).transpose(1, 0, 2)
         if bias is None:
-            out.reshape(n, o, -1)[...] = ont
+            out.reshape(m, o, plane)[...] = ont
         else:
-            xp.add(ont, bias.reshape(1, o, 1), out=out.reshape(n, o, -1))
+            xp.add(ont, bias.reshape(1, o, 1), out=out.reshape(m, o, plane))
+
+    # ----- forward ---------------------------------------------------------------------------------
+    def forward(self, x, weight, out, bias=None, key=0):
+        """out (N, O, Ho, Wo) = convolution of x with weight (+ bias); x is kept for backward."""
+        xp = _xp(x)
+        if self.pointwise:
+            return self._forward_pointwise(x, weight, out, bias, key)
+        g = self.geom
+        grp = self.group
+        n, c = x.shape[:2]
+        o = weight.shape[0]
+        out_h, out_w = out.shape[2:]
+        plane = out_h * out_w
+        wmat = weight.reshape(grp, o // grp, -1)
+        src = self._source(x, key, xp)
+        rows = c * g.kh * g.kw
+
+        def work(worker, lo, hi):
+            buf = self._wbuf(worker)
+            self._fill_source(x, src, lo, hi)
+            nb = self._block(rows, plane, hi - lo, xp, x.itemsize)
+            for s0 in range(lo, hi, nb):
+                m = min(nb, hi - s0)
+                col = self._columns(buf, src, s0, m, out_h, out_w)
+                self._gemm_into_nchw(buf, wmat, col, out[s0:s0 + m], bias, m, plane)
+
+        parallel().run(work, n, xp)
         return out
 
-    def forward(self, x, weight, out, bias=None, key=0):
-        self.columns(x, key)
-        return self.gemm_forward(key, weight, out, bias)
-
-    # ----- gradients ----------------------------------------------------------------------------
-    def transposed_grad(self, dy):
-        """dy (N, O, Ho, Wo) as a (group, O/g, N*Ho*Wo) array (a cached copy)."""
-        xp = _xp(dy)
-        n, o = dy.shape[:2]
-        dyt = self.buffers.get("dyt", (self.group, o // self.group, dy.size // o), dy.dtype, xp)
-        dyt.reshape(o, n, -1)[...] = dy.reshape(n, o, -1).transpose(1, 0, 2)
-        return dyt
-
-    def weight_grad(self, dy, weight_diff, key=0, dyt=None):
-        """weight_diff += dL/dW, from dy and the columns that forward kept under `key`."""
-        col = self.cols[key]
-        xp = _xp(dy)
+    def _forward_pointwise(self, x, weight, out, bias, key):
+        xp = _xp(x)
+        self.sources[key] = x
         grp = self.group
-        o = weight_diff.shape[0]
-        if self.pointwise:
-            n, c = col.shape[:2]
-            per = xp.matmul(dy.reshape(n, grp, o // grp, -1),
-                            col.reshape(n, grp, c // grp, -1).transpose(0, 1, 3, 2))
-            weight_diff += per.sum(axis=0).reshape(weight_diff.shape)
-            return dyt
-        k = weight_diff[0].size
-        n = dy.shape[0]
-        plane = dy[0, 0].size
-        if dyt is None and self._per_sample(plane, xp):
-            per = xp.matmul(dy.reshape(n, grp, o // grp, plane),
-                            _per_sample_view(col, grp, n).transpose(0, 1, 3, 2))
-            weight_diff += per.sum(axis=0).reshape(weight_diff.shape)
-            return None
-        if dyt is None:
-            dyt = self.transposed_grad(dy)
-        tmp = self.buffers.get("dwtmp", (grp, o // grp, k), dy.dtype, xp)
-        xp.matmul(dyt, col.reshape(grp, k, -1).transpose(0, 2, 1), out=tmp)
-        weight_diff += tmp.reshape(weight_diff.shape)
-        return dyt
+        o = weight.shape[0]
+        n, c = x.shape[:2]
+        xp.matmul(weight.reshape(grp, o // grp, c // grp),
+                  x.reshape(n, grp, c // grp, -1), out=out.reshape(n, grp, o // grp, -1))
+        if bias is not None:
+            out += bias.reshape(1, o, 1, 1)
+        return out
 
-    def backward_data(self, dy, weight, dx, dyt=None):
+    # ----- backward --------------------------------------------------------------------------------
+    def backward(self, dy, weight, weight_diff=None, bias_diff=None, dx=None, key=0):
+        """Gradients for top gradient dy (N, O, Ho, Wo): weight_diff and bias_diff (when given)
+        accumulate, dx (when given, N x C x H x W) is overwritten. The weight gradient uses the
+        input that forward (or prepare) kept under `key`."""
+        xp = _xp(dy)
+        if self.pointwise:
+            return self._backward_pointwise(dy, weight, weight_diff, bias_diff, dx, key)
+        g = self.geom
+        grp = self.group
+        n, o, out_h, out_w = dy.shape
+        og = o // grp
+        plane = out_h * out_w
+        src = self.sources.get(key) if weight_diff is not None else None
+        c = weight.shape[1] * grp
+        kk = g.kh * g.kw
+        rows = c * kk
+        data = self._data_grad_plan(dy, weight, dx) if dx is not None else None
+
+        def work(worker, lo, hi):
+            buf = self._wbuf(worker)
+            nb = self._block(max(rows, o * kk), max(plane, dx[0, 0].size if dx is not None
+                                                      else 1), hi - lo, xp, dy.itemsize)
+            if weight_diff is not None:
+                dwp = buf.get("dw", (grp, og, rows // grp), dy.dtype, xp)
+                dwp.fill(0)
+            if bias_diff is not None:
+                dbp = buf.get("db", (o,), dy.dtype, xp)
+                dbp.fill(0)
+            for s0 in range(lo, hi, nb):
+                m = min(nb, hi - s0)
+                dyt = None
+                if weight_diff is not None or bias_diff is not None or \
+                        (data is not None and data["mode"] == "col2im"):
+                    dyt = buf.get(f"dyt{m}", (grp, og, m * plane), dy.dtype, xp)
+                    dyt.reshape(o, m, plane)[...] = \
+                        dy[s0:s0 + m].reshape(m, o, plane).transpose(1, 0, 2)
+                if weight_diff is not None:
+                    col = self._columns(buf, src, s0, m, out_h, out_w)
+                    tmp = buf.get("dwtmp", (grp, og, rows // grp), dy.dtype, xp)
+                    xp.matmul(dyt, col.reshape(grp, rows // grp, -1).transpose(0, 2, 1), out=tmp)
+                    dwp += tmp
+                if bias_diff is not None:
+                    dbp += dyt.reshape(o, -1).sum(axis=1)
+                if data is not None:
+                    self._data_grad_block(buf, data, dy, dyt, dx, s0, m)
+
+        parts = parallel().run(work, n, xp)
+        for worker in range(parts):
+            buf = self._wbuf(worker)
+            if weight_diff is not None:
+                weight_diff += buf.get("dw", (grp, og, rows // grp), dy.dtype,
+                                       xp).reshape(weight_diff.shape)
+            if bias_diff is not None:
+                bias_diff += buf.get("db", (o,), dy.dtype, xp)
+        return dx
+
+    def backward_data(self, dy, weight, dx):
         """dx (N, C, H, W) = dL/dx for top gradient dy (N, O, Ho, Wo); dx is overwritten."""
+        return self.backward(dy, weight, dx=dx)
+
+    def _data_grad_plan(self, dy, weight, dx):
+        """What the input gradient needs besides the blocks: the mode and the flipped kernel."""
         xp = _xp(dy)
         g = self.geom
         grp = self.group
-        n, c, h, w = dx.shape
         o = weight.shape[0]
+        c = dx.shape[1]
         cg, og = c // grp, o // grp
-        kk = g.kh * g.kw
-        if self.pointwise:
-            xp.matmul(weight.reshape(grp, og, cg).transpose(0, 2, 1),
-                      dy.reshape(n, grp, og, -1), out=dx.reshape(n, grp, cg, -1))
-            return dx
         qh = g.dh * (g.kh - 1) - g.ph
         qw = g.dw * (g.kw - 1) - g.pw
         if g.sh == 1 and g.sw == 1 and qh >= 0 and qw >= 0:
-            # Full correlation of the padded gradient with the flipped, transposed kernel.
-            out_h, out_w = dy.shape[2:]
-            dpad = self.buffers.get("dypad", (o, n, out_h + 2 * qh, out_w + 2 * qw), dy.dtype,
-                                    xp, 0)
-            dpad[:, :, qh:qh + out_h, qw:qw + out_w] = dy.transpose(1, 0, 2, 3)
-            col = self.buffers.get("dcol", (o, g.kh, g.kw, n, h, w), dy.dtype, xp)
-            im2col(dpad, col, Geometry(g.kh, g.kw, 1, 1, 0, 0, g.dh, g.dw))
+            # full correlation of the padded gradient with the flipped, transposed kernel
             flipped = weight.reshape(grp, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
             flipped = xp.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4))
-            flipped = flipped.reshape(grp, cg, og * kk)
-            if self._per_sample(h * w, xp):
-                xp.matmul(flipped, _per_sample_view(col, grp, n),
-                          out=dx.reshape(n, grp, cg, h * w))
-                return dx
-            tmp = self.buffers.get("dxtmp", (grp, cg, n * h * w), dy.dtype, xp)
-            xp.matmul(flipped, col.reshape(grp, og * kk, -1), out=tmp)
-            dx[...] = tmp.reshape(c, n, h, w).transpose(1, 0, 2, 3)
-            return dx
-        # General stride: GEMM to columns, then scatter them back (col2im).
-        if dyt is None:
-            dyt = self.transposed_grad(dy)
-        out_h, out_w = dy.shape[2:]
-        dcol = self.buffers.get("dcol", (c, g.kh, g.kw, n, out_h, out_w), dy.dtype, xp)
-        xp.matmul(weight.reshape(grp, og, cg * kk).transpose(0, 2, 1), dyt,
-                  out=dcol.reshape(grp, cg * kk, -1))
-        dpad = self.buffers.get("dxpad", (c, n, h + 2 * g.ph, w + 2 * g.pw), dy.dtype, xp)
-        col2im(dcol, dpad, g)
-        dx[...] = dpad[:, :, g.ph:g.ph + h, g.pw:g.pw + w].transpose(1, 0, 2, 3)
+            return {"mode": "correlate", "qh": qh, "qw": qw,
+                    "wmat": flipped.reshape(grp, cg, og * g.kh * g.kw),
+                    "geom": Geometry(g.kh, g.kw, 1, 1, 0, 0, g.dh, g.dw)}
+        return {"mode": "col2im",
+                "wmat": weight.reshape(grp, og, cg * g.kh * g.kw).transpose(0, 2, 1)}
+
+    def _data_grad_block(self, buf, data, dy, dyt, dx, s0, m):
+        xp = _xp(dy)
+        g = self.geom
+        o, out_h, out_w = dy.shape[1:]
+        c, h, w = dx.shape[1:]
+        if data["mode"] == "correlate":
+            qh, qw = data["qh"], data["qw"]
+            dpad = buf.get(f"dypad{m}", (m, o, out_h + 2 * qh, out_w + 2 * qw), dy.dtype, xp, 0)
+            dpad[:, :, qh:qh + out_h, qw:qw + out_w] = dy[s0:s0 + m]
+            col = buf.get(f"dcol{m}", (o, g.kh, g.kw, m, h, w), dy.dtype, xp)
+            col[...] = window_view(dpad, data["geom"], h, w, xp)
+            self._gemm_into_nchw(buf, data["wmat"], col, dx[s0:s0 + m], None, m, h * w)
+            return
+        # general stride: GEMM to columns, then scatter them back (col2im)
+        grp = self.group
+        dcol = buf.get(f"dcolg{m}", (c, g.kh, g.kw, m, out_h, out_w), dy.dtype, xp)
+        xp.matmul(data["wmat"], dyt, out=dcol.reshape(grp, -1, m * out_h * out_w))
+        dpad = buf.get(f"dxpad{m}", (m, c, h + 2 * g.ph, w + 2 * g.pw), dy.dtype, xp)
+        col2im(dcol, dpad.transpose(1, 0, 2, 3), g)
+        dx[s0:s0 + m] = dpad[:, :, g.ph:g.ph + h, g.pw:g.pw + w]
+
+    def _backward_pointwise(self, dy, weight, weight_diff, bias_diff, dx, key):
+        xp = _xp(dy)
+        grp = self.group
+        o = weight.shape[0]
+        n = dy.shape[0]
+        og = o // grp
+        if weight_diff is not None:
+            x = self.sources[key]
+            c = x.shape[1]
+            per = xp.matmul(dy.reshape(n, grp, og, -1),
+                            x.reshape(n, grp, c // grp, -1).transpose(0, 1, 3, 2))
+            weight_diff += per.sum(axis=0).reshape(weight_diff.shape)
+        if bias_diff is not None:
+            bias_diff += dy.reshape(n, o, -1).sum(axis=2).sum(axis=0)
+        if dx is not None:
+            c = dx.shape[1]
+            xp.matmul(weight.reshape(grp, og, c // grp).transpose(0, 2, 1),
+                      dy.reshape(n, grp, og, -1), out=dx.reshape(n, grp, c // grp, -1))
         return dx
 
 
@@ -303,26 +407,12 @@ class ConvolutionLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         weight = self.blobs[0]
         for k, (t, b) in enumerate(zip(top, bottom)):
-            dyt = None
-            if self.param_propagate_down[0]:
-                dyt = self.core.weight_grad(t.diff, weight.diff, key=k)
-            if self.bias_term and self.param_propagate_down[1]:
-                self.blobs[1].diff += _channel_sum(t.diff, dyt, self.num_output)
-            if propagate_down[k]:
-                self.core.backward_data(t.diff, weight.data, b.diff, dyt)
-
-
-def _per_sample_view(col, group, n):
-    """Columns (C, kh, kw, N, Ho, Wo) seen as (N, group, C/g*kh*kw, Ho*Wo), without copying."""
-    plane = col.shape[-2] * col.shape[-1]
-    return col.reshape(group, -1, n, plane).transpose(2, 0, 1, 3)
-
-
-def _channel_sum(dy, dyt, channels):
-    if dyt is not None:
-        return dyt.reshape(channels, -1).sum(axis=1)
-    n = dy.shape[0]
-    return dy.reshape(n, channels, -1).sum(axis=2).sum(axis=0)
+            self.core.backward(
+                t.diff, weight.data,
+                weight_diff=weight.diff if self.param_propagate_down[0] else None,
+                bias_diff=self.blobs[1].diff if self.bias_term and self.param_propagate_down[1]
+                else None,
+                dx=b.diff if propagate_down[k] else None, key=k)
 
 
 @register("Deconvolution")
@@ -348,12 +438,15 @@ class DeconvolutionLayer(ConvolutionLayer):
         weight = self.blobs[0]
         for k, (t, b) in enumerate(zip(top, bottom)):
             if self.bias_term and self.param_propagate_down[1]:
-                self.blobs[1].diff += _channel_sum(t.diff, None, self.num_output)
+                n = t.diff.shape[0]
+                self.blobs[1].diff += t.diff.reshape(n, self.num_output, -1).sum(axis=2).sum(axis=0)
             if not (self.param_propagate_down[0] or propagate_down[k]):
                 continue
-            self.core.columns(t.diff, key=k)
-            if self.param_propagate_down[0]:
-                # dW = x^T (as a "top gradient" of the convolution) against the columns of dtop
-                self.core.weight_grad(b.data, weight.diff, key=k)
+            # the top gradient plays the convolution's input: bottom diff = its convolution
             if propagate_down[k]:
-                self.core.gemm_forward(k, weight.data, b.diff)
+                self.core.forward(t.diff, weight.data, b.diff, key=k)
+            else:
+                self.core.prepare(t.diff, key=k)
+            if self.param_propagate_down[0]:
+                # dW = x (as a "top gradient" of the convolution) against the columns of dtop
+                self.core.backward(b.data, weight.data, weight_diff=weight.diff, key=k)

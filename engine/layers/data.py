@@ -158,7 +158,7 @@ class DataLayer(Layer):
             self._reader.skip(int(self._gen.integers(0, dp.rand_skip)))
 
         # shape from the first record (as Caffe), checked against the transform
-        first, _ = decode_batch([self._reader.peek_record()], self.source, self.color)
+        first, _ = self._decode([self._reader.peek_record()])
         shape = self._out_shape(first.shape[1:], first_key=self._reader.peek_record()[0])
         top[0].reshape((self.batch_size,) + shape)
         if len(top) > 1:
@@ -243,10 +243,17 @@ class DataLayer(Layer):
             out[flip] = out[flip][..., ::-1]
         return out
 
+    def _decode(self, records):
+        """decode_batch, its errors (corrupt records, mixed shapes) naming this layer."""
+        try:
+            return decode_batch(records, self.source, self.color)
+        except DataError as e:
+            raise self._fail(str(e)) from None
+
     def _produce(self):
         """Read, decode and transform the next batch; returns (data, labels, state after it)."""
         records = self._reader.read(self.batch_size)
-        raw, labels = decode_batch(records, self.source, self.color)
+        raw, labels = self._decode(records)
         self._out_shape(raw.shape[1:], records[0][0])
         data = self._transform(raw)
         return data, labels.astype(self.dtype), self._state()

@@ -98,3 +98,95 @@ class BufferCache:
 
     def clear(self):
         self._arrays.clear()
+
+
+def window_view(src, geom, out_h, out_w, xp):
+    """The windows of a padded NCHW array src (N, C, Hp, Wp) as a strided view of shape
+    (C, kh, kw, N, out_h, out_w), without copying: `col[...] = window_view(...)` is the whole
+    im2col of src in one copy, in the column layout of this module."""
+    sn, sc, sh, sw = src.strides
+    g = geom
+    n, c = src.shape[:2]
+    return xp.lib.stride_tricks.as_strided(
+        src, (c, g.kh, g.kw, n, out_h, out_w),
+        (sc, sh * g.dh, sw * g.dw, sn, sh * g.sh, sw * g.sw))
+
+
+# ----- batch blocks on several cores ---------------------------------------------------------------
+# numpy's elementwise work and copies run on one core, and OpenBLAS splits small GEMMs poorly (the
+# weight gradient's long reduction gains nothing from a second thread). So the convolutions cut the
+# batch into one contiguous range of samples per core, and each range into blocks small enough that
+# a block's columns stay in that core's L2 cache; the ranges run on Python threads (numpy releases
+# the GIL in copies, ufuncs and BLAS calls) with OpenBLAS held to one thread meanwhile. Each thread
+# keeps its own scratch buffers and partial weight gradient; partials are added in thread order, so
+# results do not depend on timing. On CuPy (or with threadpoolctl missing) everything runs as one
+# range on the calling thread.
+COLUMN_BLOCK_BYTES = 1 << 20
+
+
+def _cores():
+    import os
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    env = os.environ.get("POSEIDON_THREADS")
+    if env:
+        try:
+            n = max(1, int(env))
+        except ValueError:
+            pass
+    return max(1, min(n, 8))
+
+
+class _Parallel:
+    """Runs fn(worker, lo, hi) over `workers` contiguous ranges of [0, n) at once."""
+
+    def __init__(self):
+        self.workers = _cores()
+        self._pool = None
+        self._blas = None
+        if self.workers > 1:
+            try:
+                from threadpoolctl import ThreadpoolController
+                self._blas = ThreadpoolController().select(user_api="blas")
+            except Exception:   # no threadpoolctl: cannot hold BLAS to one thread; stay serial
+                self.workers = 1
+
+    def ranges(self, n, workers):
+        step, extra = divmod(n, workers)
+        out, lo = [], 0
+        for w in range(workers):
+            hi = lo + step + (1 if w < extra else 0)
+            if hi > lo:
+                out.append((lo, hi))
+            lo = hi
+        return out
+
+    def run(self, fn, n, xp):
+        workers = self.workers if xp is numpy else 1
+        parts = self.ranges(n, min(workers, n))
+        if len(parts) == 1:
+            fn(0, 0, n)
+            return 1
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(max_workers=self.workers - 1,
+                                            thread_name_prefix="conv")
+        with self._blas.limit(limits=1):
+            futures = [self._pool.submit(fn, w, lo, hi)
+                       for w, (lo, hi) in enumerate(parts) if w > 0]
+            fn(0, *parts[0])
+            for f in futures:
+                f.result()
+        return len(parts)
+
+
+_PARALLEL = None
+
+
+def parallel():
+    global _PARALLEL
+    if _PARALLEL is None:
+        _PARALLEL = _Parallel()
+    return _PARALLEL
