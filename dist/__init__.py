@@ -1,0 +1,22 @@
+"""Poseidon's distributed training for the engine: WFBP, hybrid PS/SFB, KV store, coordinator.
+
+    import dist
+    from engine.solvers import get_solver
+    session = dist.init()                     # rank, coordinator, P1/P2 (a server rank serves here)
+    solver = dist.DistributedSolver(get_solver("solver.prototxt", **session.solver_kwargs()))
+    solver.solve()
+
+The command line does the same: `poseidon train --solver S --workers 4 --servers 2`. See
+docs/distributed.md for the design and the module docstrings for the reasons.
+"""
+from .errors import AbortError, DeadlineError, DistError  # noqa: F401
+from .options import DistOptions, add_dist_options  # noqa: F401
+from .session import Session, current, init  # noqa: F401
+
+
+def __getattr__(name):
+    # DistributedSolver pulls in the engine's solver; import it on first use.
+    if name == "DistributedSolver":
+        from .worker import DistributedSolver
+        return DistributedSolver
+    raise AttributeError(f"module 'dist' has no attribute '{name}'")

@@ -1,0 +1,247 @@
+"""The information book: what every process of a job knows about the model and the cluster.
+
+Per layer with parameters to sync: type, M, N, K (rows of its GEMM), parameter shapes, and whether it
+can give sufficient factors; per parameter: shape, lr_mult, decay_mult, the layer that syncs it;
+cluster: P1, P2, addresses; the KV-pair placement; the solver (for the servers' update rule).
+
+The coordinator builds it once from worker 0's description of its net (after checking that every
+worker described the same net) and hands the same book to every process. It is static during a
+run, so every process evaluates `best_scheme(l)` (Algorithm 1) locally with no round trip and all
+reach the same decision; `query(...)` answers the same questions over the coordinator's socket.
+"""
+import hashlib
+import json
+
+from .cost import ps_cost, sfb_cost
+from .errors import DistError
+from .placement import cut_pairs, place_pairs
+
+SYNC_MODES = ("hybrid", "ps", "sfb")
+
+
+def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid"):
+    """Algorithm 1 with the --sync override: 'sfb' or 'ps' for one layer.
+
+    A layer that cannot give sufficient factors (convolutions, shared or frozen weights,
+    iter_size > 1) always goes by PS. Otherwise --sync ps/sfb force the scheme, and hybrid picks SFB
+    when 2K(P1-1)(M+N) <= 2MN(P1+P2-2)/P2 (and always when there are no servers)."""
+    if not sfb_capable:
+        return "ps"
+    if sync == "ps":
+        return "ps"
+    if sync == "sfb" or P2 == 0:
+        return "sfb"
+    return "sfb" if sfb_cost(M, N, K, P1) <= ps_cost(M, N, P1, P2) else "ps"
+
+
+# ------------------------------------------------------------------------------------------------
+# describing a worker's net
+# ------------------------------------------------------------------------------------------------
+def describe_net(net, iter_size=1):
+    """A JSON-able description of the net's synchronised parameters, from which the coordinator
+    builds the book and which it compares between workers. Parameter ids are indexes into
+    net.learnable_params (the solver's history order)."""
+    stats_layers = {li for li, layer in enumerate(net.layers)
+                    if getattr(layer, "stores_statistics", False)}
+    users = {}
+    for li, specs in enumerate(net.layer_param_specs):
+        for bi, spec in enumerate(specs):
+            users.setdefault(spec.name, []).append((li, bi))
+    params = []
+    by_layer = {}
+    for pid, (blob, spec) in enumerate(zip(net.learnable_params, net.learnable_param_specs)):
+        synced = spec.lr_mult != 0 and spec.layer_index not in stats_layers
+        sync_layer = min(li for li, _ in users[spec.name])
+        shared = len(users[spec.name]) > 1
+        params.append({"id": pid, "name": spec.name, "layer": sync_layer,
+                       "owner": [spec.layer_index, spec.blob_index], "shape": list(blob.shape),
+                       "count": int(blob.count), "lr_mult": float(spec.lr_mult),
+                       "decay_mult": float(spec.decay_mult), "shared": shared, "synced": synced})
+        if synced:
+            by_layer.setdefault(sync_layer, []).append(pid)
+    layers = []
+    for li in sorted(by_layer):
+        layer = net.layers[li]
+        pids = by_layer[li]
+        first = layer.blobs[0]
+        if hasattr(layer, "num_output") and hasattr(layer, "n_in"):
+            M, N = int(layer.num_output), int(layer.n_in)
+        else:
+            M = int(first.shape[0]) if first.shape else 1
+            N = int(first.count // max(M, 1))
+        if hasattr(layer, "k"):
+            K = int(layer.k)
+        else:
+            bottoms = net.bottom_vecs[li]
+            K = int(bottoms[0].shape[0]) if bottoms and bottoms[0].shape else 1
+        own = [params[p] for p in pids]
+        weight_ok = any(p["owner"] == [li, 0] and not p["shared"] for p in own)
+        sfb = bool(getattr(layer, "has_sufficient_factors", False) and iter_size == 1 and weight_ok
+                   and all(p["owner"][0] == li and not p["shared"] for p in own))
+        layers.append({"index": li, "name": net.layer_names[li], "type": layer.type, "M": M,
+                       "N": N, "K": K, "sfb": sfb, "params": pids,
+                       "shapes": [params[p]["shape"] for p in pids]})
+    return {"net": net.name, "dtype": str(net.dtype), "iter_size": int(iter_size),
+            "layers": layers, "params": params}
+
+
+def digest(obj):
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()[:12]
+
+
+def first_difference(a, b, path=""):
+    """A readable 'where: x vs y' for the first place two JSON-able values differ, or None."""
+    if type(a) is not type(b):
+        return f"{path or 'value'}: {a!r} vs {b!r}"
+    if isinstance(a, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return f"{path}.{k}: {'missing' if k not in a else a[k]!r} vs " \
+                       f"{'missing' if k not in b else b[k]!r}"
+            d = first_difference(a[k], b[k], f"{path}.{k}" if path else k)
+            if d:
+                return d
+        return None
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} entries vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            label = f"{path}[{i}]"
+            if isinstance(x, dict) and "name" in x:
+                label = f"{path}['{x['name']}']"
+            d = first_difference(x, y, label)
+            if d:
+                return d
+        return None
+    return None if a == b else f"{path or 'value'}: {a!r} vs {b!r}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the book
+# ------------------------------------------------------------------------------------------------
+class InformationBook:
+    """Read access to the book dict (which travels as JSON); see the module docstring."""
+
+    def __init__(self, data):
+        self.data = data
+        self.workers = int(data["workers"])
+        self.servers = int(data["servers"])
+        self.options = data["options"]
+        self.layers = data["layers"]
+        self.params = data["params"]
+        self.pairs = data["pairs"]
+        self._layer = {rec["index"]: rec for rec in self.layers}
+        self._pairs_of = {}
+        for pair in self.pairs:
+            self._pairs_of.setdefault(pair["param"], []).append(pair)
+
+    # ----- building -------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, description, workers, servers, options, addresses=None, hosts=None,
+              solver_text=""):
+        """The book for a job: schemes by Algorithm 1, then the PS parameters cut into KV pairs and
+        placed on the servers. Raises DistError when --servers 0 cannot work for this net."""
+        sync = options.get("sync", "hybrid")
+        layers = []
+        for rec in description["layers"]:
+            rec = dict(rec)
+            rec["scheme"] = best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], workers,
+                                        servers, sync)
+            layers.append(rec)
+        scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
+        needs_ps = [rec for rec in layers if rec["scheme"] == "ps"]
+        if needs_ps and servers == 0:
+            names = ", ".join(f"'{r['name']}' ({r['type']})" for r in needs_ps[:6])
+            more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
+            why = ("--sync ps sends every layer through the servers" if sync == "ps" else
+                   "only InnerProduct layers (not shared, iter_size 1) can use SFB")
+            raise DistError(f"--servers 0 needs every layer with parameters to use SFB, but "
+                            f"{names}{more} can only be synced through a parameter server ({why}): "
+                            f"give --servers 1 or more")
+        params = []
+        for p in description["params"]:
+            p = dict(p)
+            p["scheme"] = scheme_of.get(p["layer"]) if p["synced"] else None
+            params.append(p)
+        itemsize = 8 if description.get("dtype") == "float64" else 4
+        pair_bytes = int(options.get("kv_pair_bytes"))
+        ps_params = [(p["id"], p["count"]) for p in params if p["scheme"] == "ps"]
+        cut = cut_pairs(ps_params, itemsize, pair_bytes)
+        where = place_pairs([length * itemsize for (_, _, _, length) in cut], servers)
+        pairs = [{"id": i, "param": pid, "offset": off, "length": length, "server": s}
+                 for (i, pid, off, length), s in zip(cut, where)]
+        iter_size = int(description.get("iter_size", 1))
+        scale = (1.0 if options.get("sum_gradients") else 1.0 / workers) / iter_size
+        data = {"workers": workers, "servers": servers, "options": dict(options),
+                "net": description["net"], "dtype": description.get("dtype", "float32"),
+                "itemsize": itemsize, "iter_size": iter_size, "grad_scale": scale,
+                "layers": layers, "params": params, "pairs": pairs,
+                "addresses": {str(k): v for k, v in (addresses or {}).items()},
+                "hosts": {str(k): v for k, v in (hosts or {}).items()}, "solver": solver_text}
+        return cls(data)
+
+    # ----- Algorithm 1 and queries -----------------------------------------------------------------
+    def layer(self, li):
+        return self._layer[li]
+
+    def synced_layers(self):
+        return [rec["index"] for rec in self.layers]
+
+    def best_scheme(self, li):
+        """Algorithm 1 for layer li (with the --sync override), evaluated on the book."""
+        rec = self._layer[li]
+        return best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], self.workers, self.servers,
+                           self.options.get("sync", "hybrid"))
+
+    def pairs_of_param(self, pid):
+        return self._pairs_of.get(pid, [])
+
+    def pairs_on_server(self, server_index):
+        return [p for p in self.pairs if p["server"] == server_index]
+
+    def server_bytes(self):
+        loads = [0] * self.servers
+        for p in self.pairs:
+            loads[p["server"]] += p["length"] * self.data["itemsize"]
+        return loads
+
+    def address(self, rank):
+        return self.data["addresses"][str(rank)]
+
+    def digest(self):
+        return digest({k: self.data[k] for k in ("layers", "params", "pairs", "options",
+                                                 "workers", "servers", "solver")})
+
+    def query(self, what, **kw):
+        """Coordinator's Query: 'layer' (index=), 'best_scheme' (index=), 'pairs' (param= or
+        server=), 'cluster', 'server_bytes', 'costs' (index=)."""
+        from .cost import scheme_costs
+        if what == "layer":
+            return self.layer(int(kw["index"]))
+        if what == "best_scheme":
+            return self.best_scheme(int(kw["index"]))
+        if what == "pairs":
+            if "param" in kw:
+                return self.pairs_of_param(int(kw["param"]))
+            return self.pairs_on_server(int(kw["server"]))
+        if what == "cluster":
+            return {"workers": self.workers, "servers": self.servers,
+                    "addresses": self.data["addresses"], "hosts": self.data["hosts"]}
+        if what == "server_bytes":
+            return self.server_bytes()
+        if what == "costs":
+            rec = self.layer(int(kw["index"]))
+            return scheme_costs(rec["M"], rec["N"], rec["K"], self.workers, self.servers)
+        raise DistError(f"unknown query '{what}' (layer, best_scheme, pairs, cluster, "
+                        f"server_bytes, costs)")
+
+    def summary_lines(self):
+        """Human-readable lines: each synced layer's scheme and the bytes per server."""
+        lines = []
+        for rec in self.layers:
+            lines.append(f"  {rec['name']:<16} {rec['type']:<14} M={rec['M']:<6} N={rec['N']:<7} "
+                         f"K={rec['K']:<5} -> {rec['scheme'].upper()}")
+        if self.servers:
+            loads = ", ".join(f"{b / 1e6:.2f} MB" for b in self.server_bytes())
+            lines.append(f"  KV pairs: {len(self.pairs)} over {self.servers} server(s): {loads}")
+        return lines

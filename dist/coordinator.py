@@ -1,0 +1,362 @@
+"""The coordinator: the information book, Algorithm 1, and the job's small collective services.
+
+It runs as a thread beside worker 0 on a ROUTER socket bound at the job's coordinator address.
+- Registration: every rank sends its inbox address, its options and (workers) a description of its
+  net and solver. When all P1 + P2 ranks have registered, the coordinator checks that they agree
+  (a mismatch stops the job with a message naming both ranks and what differs: the #100 / #43259
+  class of silent hangs in Horovod and DDP), builds the book (BestScheme per layer, KV-pair
+  placement) and hands the same book to everyone.
+- Services: barriers, allreduce-mean of small vectors in rank order (test outputs, the display loss,
+  BatchNorm statistics), gathers to worker 0 (the timeline), `Query`.
+- Liveness: every process sends a heartbeat each second; the coordinator sends one to every process.
+  A rank silent for --heartbeat-timeout seconds, or one that reports a failure, makes the
+  coordinator broadcast ABORT with a reason naming the lost role and rank, so every process stops
+  with that message instead of waiting for ever.
+
+`Coordinator` is the service; `CoordinatorClient` is what a worker or server calls.
+"""
+import socket
+import threading
+import time
+import zlib
+
+import numpy
+
+from .book import InformationBook, best_scheme, describe_net, digest, first_difference  # noqa: F401
+from .errors import AbortError, DeadlineError, DistError
+from .roles import COORDINATOR
+from .transport import Msg, ZmqTransport
+
+
+def _key(name):
+    return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
+
+
+class Coordinator:
+    """The coordinator service thread. `start()` binds (so a busy port fails at once) and runs."""
+
+    def __init__(self, roles, bind_host, port, timeout=30.0, start_timeout=120.0, heartbeat=1.0,
+                 lost_after=10.0, log=None):
+        self.roles = roles
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.heartbeat = heartbeat
+        self.log = log or (lambda line: None)
+        self.transport = ZmqTransport(COORDINATOR, namer=roles.name, timeout=timeout,
+                                      router=True, heartbeat=heartbeat, lost_after=lost_after,
+                                      name="the coordinator")
+        self.transport.set_fifo(list(Msg))
+        try:
+            self.address = self.transport.bind(bind_host, port)
+        except Exception as e:
+            self.transport.close(0)
+            raise DistError(f"the coordinator cannot bind {bind_host}:{port}: {e} (is another job "
+                            f"using this port? pick another --coordinator port)") from None
+        self.book = None
+        self.registered = {}
+        self.done = set()
+        self.error = None
+        self.aborted_reason = None
+        self._thread = None
+        self._barriers = {}
+        self._reduces = {}
+        self._gathers = {}
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+        self.transport.start()
+        self._thread.start()
+        return self
+
+    def join(self, timeout=None):
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
+    # ----- the thread ------------------------------------------------------------------------------
+    def _run(self):
+        try:
+            self._register_all()
+            self._serve()
+        except AbortError as e:
+            self._abort(str(e))
+        except DistError as e:
+            self._abort(str(e))
+        except Exception as e:          # a bug in the service: stop the job, say where
+            self._abort(f"the coordinator failed: {type(e).__name__}: {e}")
+            self.error = e
+        finally:
+            self.transport.close(linger=2.0)
+
+    def _register_all(self):
+        deadline = time.monotonic() + self.start_timeout
+        roles = self.roles
+        while len(self.registered) < roles.size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [roles.name(r) for r in range(roles.size) if r not in self.registered]
+                raise DistError(f"only {len(self.registered)} of {roles.size} processes registered "
+                                f"with the coordinator within {self.start_timeout:g} s; missing: "
+                                f"{', '.join(missing)} (start them with the same --workers, "
+                                f"--servers and --coordinator, each with its own --rank)")
+            msg = self.transport.next(timeout=min(left, 0.5))
+            if msg is None:
+                continue
+            if msg.type == Msg.REGISTER:
+                self._on_register(msg)
+            elif msg.type == Msg.FAILED:
+                self._on_failed(msg)
+            elif msg.type == Msg.DONE:
+                self.done.add(msg.sender)
+        self._check_agreement()
+        workers0 = self.registered[0]
+        self.book = InformationBook.build(
+            workers0["description"], roles.workers, roles.servers, workers0["options"],
+            addresses={r: info["address"] for r, info in self.registered.items()},
+            hosts={r: info["host"] for r, info in self.registered.items()},
+            solver_text=workers0.get("solver", ""))
+        for rank in range(roles.size):
+            self.transport.send(rank, Msg.BOOK, obj=self.book.data)
+        self.log(f"all {roles.size} processes registered ({roles.workers} workers, "
+                 f"{roles.servers} servers); book sent")
+
+    def _on_register(self, msg):
+        info = msg.obj
+        rank = int(info["rank"])
+        if not 0 <= rank < self.roles.size:
+            return   # the process checks its own rank; nothing to answer here
+        if rank in self.registered:
+            old = self.registered[rank]
+            raise DistError(f"two processes registered as {self.roles.name(rank)}: "
+                            f"{old['host']} pid {old['pid']} and {info['host']} pid {info['pid']}; "
+                            f"give each process its own --rank")
+        self.registered[rank] = info
+        self.transport.connect(rank, info["address"])
+        self.transport.watch(rank)
+
+    def _check_agreement(self):
+        roles = self.roles
+        base = self.registered[0]
+        for rank in range(1, roles.size):
+            info = self.registered[rank]
+            diff = first_difference(base["options"], info["options"])
+            if diff:
+                raise DistError(f"{roles.name(0)} and {roles.name(rank)} were started with "
+                                f"different options ({diff}); start every process of the job "
+                                f"with the same --workers, --servers, --sync, --kv-pair-bytes, "
+                                f"--sum-gradients and --dtype")
+            if not roles.is_worker(rank):
+                continue
+            if digest(info["description"]) != digest(base["description"]):
+                diff = first_difference(base["description"], info["description"])
+                raise DistError(f"{roles.name(0)} and {roles.name(rank)} do not train the same "
+                                f"network: {diff}")
+            if info.get("solver", "") != base.get("solver", ""):
+                a = dict(line.split(":", 1) for line in base.get("solver", "").splitlines()
+                         if ":" in line)
+                b = dict(line.split(":", 1) for line in info.get("solver", "").splitlines()
+                         if ":" in line)
+                diff = first_difference(a, b) or "the solver files differ"
+                raise DistError(f"{roles.name(0)} and {roles.name(rank)} use different solver "
+                                f"settings ({diff})")
+
+    def _serve(self):
+        roles = self.roles
+        for rank in self.done:
+            self.transport.unwatch(rank)
+        last_beat = 0.0
+        while len(self.done) < roles.size:
+            msg = self.transport.next(timeout=0.2)
+            if msg is not None:
+                handler = {Msg.BARRIER: self._on_barrier, Msg.ALLREDUCE: self._on_allreduce,
+                           Msg.GATHER: self._on_gather, Msg.FAILED: self._on_failed,
+                           Msg.DONE: self._on_done, Msg.QUERY: self._on_query}.get(msg.type)
+                if handler is not None:
+                    handler(msg)
+            now = time.monotonic()
+            if now - last_beat >= self.heartbeat:
+                last_beat = now
+                for rank in range(roles.size):
+                    if rank not in self.done:
+                        try:
+                            self.transport.send(rank, Msg.HEARTBEAT)
+                        except DistError:
+                            pass
+
+    # ----- services --------------------------------------------------------------------------------
+    def _group(self, name):
+        return self.roles.worker_ranks() if name == "workers" else list(range(self.roles.size))
+
+    def _on_barrier(self, msg):
+        group = self._group((msg.obj or {}).get("group", "workers"))
+        k = (msg.key, msg.iteration, tuple(group))
+        arrived = self._barriers.setdefault(k, set())
+        arrived.add(msg.sender)
+        if len(arrived) == len(group):
+            del self._barriers[k]
+            for rank in group:
+                self.transport.send(rank, Msg.BARRIER_DONE, iteration=msg.iteration, key=msg.key)
+
+    def _on_allreduce(self, msg):
+        k = (msg.key, msg.iteration)
+        got = self._reduces.setdefault(k, {})
+        got[msg.sender] = numpy.array(msg.arrays[0], numpy.float64)
+        workers = self.roles.worker_ranks()
+        if len(got) == len(workers):
+            del self._reduces[k]
+            acc = got[workers[0]].copy()
+            for rank in workers[1:]:                  # rank order: the same bits every time
+                if got[rank].shape != acc.shape:
+                    raise DistError(f"allreduce '{(msg.obj or {}).get('name', msg.key)}': "
+                                    f"{self.roles.name(rank)} sent {got[rank].size} values, "
+                                    f"{self.roles.name(workers[0])} {acc.size}")
+                acc += got[rank]
+            if msg.aux == 0:
+                acc /= len(workers)
+            for rank in workers:
+                self.transport.send(rank, Msg.ALLREDUCE_DONE, iteration=msg.iteration,
+                                    key=msg.key, arrays=[acc])
+
+    def _on_gather(self, msg):
+        k = (msg.key, msg.iteration)
+        got = self._gathers.setdefault(k, {})
+        got[msg.sender] = msg.obj
+        workers = self.roles.worker_ranks()
+        if len(got) == len(workers):
+            del self._gathers[k]
+            items = [got[r] for r in workers]
+            self.transport.send(msg.aux, Msg.GATHER_DONE, iteration=msg.iteration, key=msg.key,
+                                obj={"items": items})
+
+    def _on_query(self, msg):
+        q = dict(msg.obj or {})
+        what = q.pop("what", "")
+        try:
+            result = {"result": self.book.query(what, **q)}
+        except (DistError, KeyError, ValueError) as e:
+            result = {"error": str(e)}
+        self.transport.send(msg.sender, Msg.QUERY_REPLY, iteration=msg.iteration, key=msg.key,
+                            obj=result)
+
+    def _on_failed(self, msg):
+        reason = (msg.obj or {}).get("reason", "unknown error")
+        raise AbortError(f"{self.roles.name(msg.sender)} failed: {reason}")
+
+    def _on_done(self, msg):
+        self.done.add(msg.sender)
+        self.transport.unwatch(msg.sender)
+
+    def _abort(self, reason):
+        self.aborted_reason = reason
+        self.log(f"stopping the job: {reason}")
+        for rank, info in list(self.registered.items()):
+            if rank in self.done:
+                continue
+            try:
+                self.transport.connect(rank, info["address"])
+                self.transport.send(rank, Msg.ABORT, obj={"reason": reason})
+            except Exception:
+                pass
+
+
+class CoordinatorClient:
+    """A rank's side of the coordinator: register, barrier, allreduce, gather, query, done."""
+
+    def __init__(self, transport, roles, address, start_timeout=120.0):
+        self.transport = transport
+        self.roles = roles
+        self.address = address
+        self.start_timeout = start_timeout
+        self._seq = {}
+        transport.connect(COORDINATOR, address)    # at once: a failure before registering is told
+
+    def _next(self, name):
+        n = self._seq.get(name, 0)
+        self._seq[name] = n + 1
+        return n
+
+    def register(self, info):
+        """Send this rank's info; wait for the book (every rank must register first)."""
+        t = self.transport
+        t.send(COORDINATOR, Msg.REGISTER, obj=dict(info, rank=t.rank, address=t.address,
+                                                  host=socket.gethostname()))
+        t.beat_to_coordinator(True)
+        try:
+            msg = t.receive(Msg.BOOK, 0, 0, timeout=self.start_timeout,
+                            what="the information book", senders=[COORDINATOR])[0]
+        except DeadlineError:
+            raise DeadlineError(f"{t.name}: no information book from the coordinator at "
+                                f"{self.address} within {self.start_timeout:g} s: is worker 0 "
+                                f"running, and have all {self.roles.size} processes "
+                                f"({self.roles.workers} workers, {self.roles.servers} servers) "
+                                f"been started?") from None
+        t.watch(COORDINATOR)
+        return InformationBook(msg.obj)
+
+    def barrier(self, name, group="workers", timeout=None):
+        key, it = _key(name), self._next(("b", name))
+        self.transport.send(COORDINATOR, Msg.BARRIER, iteration=it, key=key, obj={"group": group})
+        self.transport.receive(Msg.BARRIER_DONE, key, it, timeout=timeout,
+                               what=f"the end of barrier '{name}' (the other ranks)",
+                               senders=[COORDINATOR])
+
+    def allreduce(self, name, vector, op="mean", timeout=None):
+        """Mean (or sum) over the workers, in rank order, of a small float vector (float64 out)."""
+        key, it = _key(name), self._next(("r", name))
+        vec = numpy.ascontiguousarray(numpy.asarray(vector, numpy.float64).reshape(-1))
+        self.transport.send(COORDINATOR, Msg.ALLREDUCE, iteration=it, key=key,
+                            aux=0 if op == "mean" else 1, arrays=[vec], obj=None)
+        msg = self.transport.receive(Msg.ALLREDUCE_DONE, key, it, timeout=timeout,
+                                     what=f"the result of allreduce '{name}'",
+                                     senders=[COORDINATOR])[0]
+        return numpy.array(msg.arrays[0])
+
+    def allreduce_async(self, name, vector, op="mean"):
+        """Start an allreduce; returns a function that waits for and returns the result."""
+        key, it = _key(name), self._next(("r", name))
+        vec = numpy.ascontiguousarray(numpy.asarray(vector, numpy.float64).reshape(-1))
+        self.transport.send(COORDINATOR, Msg.ALLREDUCE, iteration=it, key=key,
+                            aux=0 if op == "mean" else 1, arrays=[vec])
+
+        def wait(timeout=None):
+            msg = self.transport.receive(Msg.ALLREDUCE_DONE, key, it, timeout=timeout,
+                                         what=f"the result of allreduce '{name}'",
+                                         senders=[COORDINATOR])[0]
+            return numpy.array(msg.arrays[0])
+        return wait
+
+    def gather(self, name, obj, root=0, timeout=None):
+        """JSON-able obj from every worker; the list (rank order) on `root`, None elsewhere."""
+        key, it = _key(name), self._next(("g", name))
+        self.transport.send(COORDINATOR, Msg.GATHER, iteration=it, key=key, aux=root, obj=obj)
+        if self.transport.rank != root:
+            return None
+        msg = self.transport.receive(Msg.GATHER_DONE, key, it, timeout=timeout,
+                                     what=f"the gather '{name}'", senders=[COORDINATOR])[0]
+        return msg.obj["items"]
+
+    def query(self, what, timeout=None, **kw):
+        key, it = _key("query"), self._next("query")
+        self.transport.send(COORDINATOR, Msg.QUERY, iteration=it, key=key, obj=dict(kw, what=what))
+        msg = self.transport.receive(Msg.QUERY_REPLY, key, it, timeout=timeout,
+                                     what=f"the answer to query '{what}'", senders=[COORDINATOR])[0]
+        if "error" in msg.obj:
+            raise DistError(msg.obj["error"])
+        return msg.obj["result"]
+
+    def failed(self, reason):
+        """Tell the coordinator this rank cannot go on (it aborts the job, naming this rank)."""
+        try:
+            if self.transport.connected(COORDINATOR):
+                self.transport.send(COORDINATOR, Msg.FAILED, obj={"reason": reason})
+        except Exception:
+            pass
+
+    def done(self):
+        """This rank has finished normally: stop watching each other."""
+        self.transport.unwatch(COORDINATOR)
+        self.transport.beat_to_coordinator(False)
+        try:
+            self.transport.send(COORDINATOR, Msg.DONE)
+        except DistError:
+            pass

@@ -1,0 +1,150 @@
+"""The distributed flags of `poseidon train`, and the options object every role is built from.
+
+`add_dist_options(parser)` adds the flags; `DistOptions.from_args(args)` (or `DistOptions(**kw)`
+from Python) holds them. `shared()` is the part every process of a job must agree on; the
+coordinator compares it across ranks at registration and names the first difference.
+"""
+import argparse
+import os
+
+from .placement import DEFAULT_PAIR_BYTES, parse_bytes
+from .transport import parse_bandwidth
+
+
+def _nonneg_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got '{text}'")
+    return value
+
+
+def _positive_int(text):
+    value = _nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got '{text}'")
+    return value
+
+
+def _bytes(text):
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bandwidth(text):
+    try:
+        return parse_bandwidth(text) and text
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got '{text}'") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got '{text}'")
+    return value
+
+
+def add_dist_options(parser):
+    g = parser.add_argument_group(
+        "distributed training",
+        "Poseidon's WFBP + hybrid PS/SFB over ZeroMQ (see docs/distributed.md). --workers/--servers "
+        "start every process on this machine; --coordinator with --rank (or mpirun/srun's rank) "
+        "runs one process of a multi-host job.")
+    g.add_argument("--workers", type=_positive_int, help="P1: worker processes (batch_size in the "
+                   "model is per worker; the global batch is P1 x batch_size)")
+    g.add_argument("--servers", type=_nonneg_int, help="P2: KV-store server processes (default 1; "
+                   "0 only when every layer with parameters can use SFB)")
+    g.add_argument("--coordinator", metavar="tcp://HOST:PORT",
+                   help="the job's coordinator address (it runs beside worker 0, which binds it)")
+    g.add_argument("--rank", type=_nonneg_int, help="this process's global rank: 0..P1-1 are "
+                   "workers, P1..P1+P2-1 servers (default: OMPI_COMM_WORLD_RANK, PMI_RANK or "
+                   "SLURM_PROCID)")
+    g.add_argument("--sync", choices=("hybrid", "ps", "sfb"), default="hybrid",
+                   help="hybrid: BestScheme per layer (default); ps / sfb: force one scheme where "
+                   "the layer allows it (convolutions always go by PS)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="sync after the whole backward instead of layer by layer (no WFBP)")
+    g.add_argument("--stats", metavar="FILE", help="each process writes one JSON object per "
+                   "iteration to FILE with its role and rank in the name (stats.worker-0.jsonl)")
+    g.add_argument("--timeline", metavar="FILE", help="one Chrome trace of all workers "
+                   "(forward, backward and sync of each layer), written by worker 0")
+    g.add_argument("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
+                   help="largest KV pair (default 2MB)")
+    g.add_argument("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
+                   "gradients (the paper) instead of averaging them (one process on P1 x batch)")
+    g.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
+                   help="cap each process's send rate (e.g. 1Gbit, 100Mbit) for experiments")
+    g.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds a sync waits for a peer's message before failing (default 30)")
+    g.add_argument("--heartbeat-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="a process silent this long is declared lost and the job stops (default 10)")
+    g.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="S",
+                   help="seconds to wait for every process to register (default 120)")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="float type of the nets (float64 for equivalence tests)")
+    g.add_argument("--interface", metavar="NAME|ADDR",
+                   help="network interface (eth0) or address to use for this process's sockets "
+                   "in a multi-host job (default: the one on the route to the coordinator)")
+    return parser
+
+
+class DistOptions:
+    """Everything a role needs besides its rank. Build from parsed args or keywords."""
+
+    FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
+              "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
+              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "sum_gradients": False, "bandwidth": None,
+              "timeout": 30.0, "heartbeat_timeout": 10.0, "start_timeout": 120.0,
+              "dtype": "float32", "interface": None, "local": False}
+
+    def __init__(self, **kw):
+        unknown = set(kw) - set(self.FIELDS)
+        if unknown:
+            raise TypeError(f"unknown distributed option(s): {', '.join(sorted(unknown))}")
+        for name, default in self.FIELDS.items():
+            setattr(self, name, kw.get(name, default))
+        if self.servers is None:
+            self.servers = 1
+        self.kv_pair_bytes = parse_bytes(self.kv_pair_bytes)
+
+    @classmethod
+    def from_args(cls, args):
+        kw = {name: getattr(args, name) for name in cls.FIELDS if getattr(args, name, None) is not None}
+        if kw.get("workers") is None:
+            kw["workers"] = 1
+        return cls(**kw)
+
+    @classmethod
+    def from_environment(cls, **kw):
+        """Options for the Python API: keywords, else POSEIDON_WORKERS / POSEIDON_SERVERS /
+        POSEIDON_COORDINATOR / POSEIDON_SYNC / POSEIDON_TIMEOUT from the environment."""
+        env = os.environ
+        for name, var, conv in (("workers", "POSEIDON_WORKERS", int),
+                                ("servers", "POSEIDON_SERVERS", int),
+                                ("coordinator", "POSEIDON_COORDINATOR", str),
+                                ("sync", "POSEIDON_SYNC", str),
+                                ("timeout", "POSEIDON_TIMEOUT", float),
+                                ("rank", "POSEIDON_RANK", int)):
+            if kw.get(name) is None and env.get(var):
+                kw[name] = conv(env[var])
+        return cls(**kw)
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    def shared(self):
+        """The options every process of one job must agree on."""
+        return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
+                "kv_pair_bytes": self.kv_pair_bytes, "sum_gradients": bool(self.sum_gradients),
+                "dtype": self.dtype}
+
+    def bandwidth_bytes(self):
+        return parse_bandwidth(self.bandwidth) if self.bandwidth else None

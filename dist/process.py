@@ -1,0 +1,173 @@
+"""One role of a job in this process: `python -m dist.process --job JSON --rank R`.
+
+The launcher (dist/launch.py) starts one of these per rank; a multi-host job runs `run_main` in
+each `poseidon train --coordinator ... --rank R` process; tests call `run_role` in threads.
+
+Why the care about exits: a rank that fails tells the coordinator (which stops the job with a
+message naming it), and a rank told to stop leaves within a bounded time even when its main thread
+is busy (a watchdog), so no process is left waiting for a peer that is gone. A child of the local
+launcher also dies with the launcher (Linux parent-death signal), so none is orphaned.
+"""
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+
+from engine.errors import PoseidonError
+
+from .errors import AbortError
+from .options import DistOptions
+from .session import Session
+from .timeline import role_path
+
+ABORT_GRACE_S = 15.0
+
+
+def _build_solver(job, session):
+    from engine.solvers import get_solver
+    solver = get_solver(job["solver"], progress=False, **session.solver_kwargs())
+    if job.get("weights") and session.rank == 0:      # the others get worker 0's weights
+        for path in str(job["weights"]).split(","):
+            solver.net.copy_from(path)
+    return solver
+
+
+def run_role(job, rank, in_thread=False, on_session=None):
+    """Run rank `rank` of the job to the end. Returns the DistributedSolver (workers) or None.
+
+    job: {"solver": path or SolverParameter, "weights", "snapshot", "options": DistOptions dict}."""
+    from .worker import DistributedSolver
+    options = job["options"]
+    if not isinstance(options, DistOptions):
+        options = DistOptions(**options)
+    log = logging.getLogger("poseidon")
+    session = Session(options, rank, log=log.info)
+    if on_session is not None:
+        on_session(session)
+    if not in_thread:
+        session.transport.on_abort.append(_watchdog(session))
+    try:
+        if session.is_server:
+            path = (role_path(options.stats, "server", session.roles.index(rank))
+                    if options.stats else None)
+            session.serve(stats_path=path)
+            session.close()
+            return None
+        solver = _build_solver(job, session)
+        ds = DistributedSolver(solver, session)
+        ds.solve(resume_file=job.get("snapshot"))
+        return ds
+    except AbortError:
+        session.abort_close()
+        raise
+    except BaseException as e:
+        reason = str(e) if isinstance(e, PoseidonError) else f"{type(e).__name__}: {e}"
+        session.fail(reason)
+        session.abort_close()
+        raise
+
+
+def _watchdog(session):
+    """After an abort, leave even if the main thread is stuck in a long computation."""
+    def arm(error):
+        def fire():
+            sys.stderr.write(f"{session.name}: still running {ABORT_GRACE_S:g} s after the job "
+                             f"was stopped ({error}); exiting\n")
+            sys.stderr.flush()
+            os._exit(1)
+        timer = threading.Timer(ABORT_GRACE_S, fire)
+        timer.daemon = True
+        timer.start()
+    return arm
+
+
+def _die_with_parent(parent_pid):
+    """Linux: SIGTERM this process when the launcher dies (no orphans even after its SIGKILL)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)                 # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    if parent_pid and os.getppid() != parent_pid:     # the launcher died before prctl
+        os._exit(1)
+
+
+def _on_sigterm(name, abort_file):
+    def handler(signum, frame):
+        reason = None
+        if abort_file and os.path.exists(abort_file):
+            try:
+                with open(abort_file, "r", encoding="utf-8") as f:
+                    reason = f.read().strip()
+            except OSError:
+                pass
+        sys.stdout.flush()
+        sys.stderr.write(f"{name}: stopping: {reason or 'stopped by signal ' + signal.Signals(signum).name}\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+    return handler
+
+
+def run_main(job, rank, parent_pid=None, abort_file=None):
+    """A role as a whole process: logging, GPU choice, signals, exit status. Returns the status."""
+    from engine.solvers import log_to_stderr
+    from tools.commands.common import apply_gpu
+    from .roles import Roles, local_rank_from_environment
+    options = DistOptions(**job["options"])
+    roles = Roles(options.workers, options.servers)
+    name = roles.name(rank) if 0 <= rank < roles.size else f"rank {rank}"
+    if parent_pid:
+        _die_with_parent(parent_pid)
+    signal.signal(signal.SIGTERM, _on_sigterm(name, abort_file))
+    log_to_stderr()
+    if roles.is_worker(rank) and rank != 0:
+        logging.getLogger("poseidon").setLevel(logging.WARNING)   # worker 0 speaks for the job
+    try:
+        if roles.is_worker(rank) and job.get("gpu") is not None:
+            local = job.get("local_rank")          # set by the local launcher
+            if local is None:
+                local = local_rank_from_environment(rank)
+            apply_gpu(argparse.Namespace(gpu=job["gpu"]), local)
+        ds = run_role(job, rank)
+        if ds is not None and rank == 0:
+            from tools.commands.train import report_final
+            report_final(ds.solver)
+    except AbortError as e:
+        sys.stderr.write(f"{name}: stopping: {e}\n")
+        return 1
+    except PoseidonError as e:
+        sys.stderr.write(f"{name}: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{name}: interrupted\n")
+        return 130
+    except Exception:
+        sys.stderr.write(f"{name}: failed:\n{traceback.format_exc()}")
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dist.process", description=__doc__.split("\n")[0])
+    ap.add_argument("--job", required=True, help="the job as JSON (written by the launcher)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int)
+    ap.add_argument("--abort-file")
+    args = ap.parse_args(argv)
+    job = json.loads(args.job)
+    status = run_main(job, args.rank, args.parent_pid, args.abort_file)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)        # do not wait on daemon threads (prefetch, zmq) that may linger
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""One process's membership in a job: its rank, sockets, coordinator link and (on a server) its loop.
+
+`init(...)` is the Python API's entry (Horovod's hvd.init()): it reads the options and the rank
+(keywords, then --rank, then what mpirun or srun set), starts the coordinator thread on worker 0,
+binds this process's inbox and connects to the coordinator. On a server rank it serves until the
+job ends and then exits the program (as ps-lite and BytePS servers do), so a training script needs
+no branch for servers. On a worker it returns the Session that `DistributedSolver` uses.
+"""
+import os
+import sys
+
+from .coordinator import Coordinator, CoordinatorClient
+from .errors import DistError
+from .options import DistOptions
+from .roles import COORDINATOR, Roles, rank_from_environment
+from .transport import ZmqTransport, interface_address, route_address, split_address
+
+_current = None
+
+
+def current():
+    return _current
+
+
+class Session:
+    def __init__(self, options, rank=None, log=None):
+        self.options = options
+        if rank is None:
+            rank = options.rank
+        if rank is None:
+            rank, _ = rank_from_environment()
+        if rank is None:
+            raise DistError("this process's rank is unknown: give --rank (0..P1+P2-1), or start "
+                            "it with mpirun or srun (which set OMPI_COMM_WORLD_RANK, PMI_RANK or "
+                            "SLURM_PROCID)")
+        self.roles = Roles(options.workers, options.servers)
+        if not 0 <= rank < self.roles.size:
+            raise DistError(f"rank {rank} is outside this job of {self.roles.workers} workers and "
+                            f"{self.roles.servers} servers (ranks 0..{self.roles.size - 1})")
+        if not options.coordinator:
+            raise DistError("a distributed process needs --coordinator tcp://HOST:PORT")
+        self.rank = rank
+        self.log = log or (lambda line: None)
+        host, port = split_address(options.coordinator)
+        loopback = host in ("127.0.0.1", "localhost") or options.local
+        if options.interface:
+            advertise = interface_address(options.interface)
+        else:
+            advertise = "127.0.0.1" if loopback else route_address(host)
+        bind = "127.0.0.1" if loopback and not options.interface else "0.0.0.0"
+        self.coordinator = None
+        if rank == 0:
+            self.coordinator = Coordinator(self.roles, "127.0.0.1" if loopback else "0.0.0.0",
+                                           port, timeout=options.timeout,
+                                           start_timeout=options.start_timeout,
+                                           lost_after=options.heartbeat_timeout,
+                                           log=self.log).start()
+        self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
+                                      bandwidth=options.bandwidth_bytes(),
+                                      lost_after=options.heartbeat_timeout)
+        self.transport.bind(bind)
+        if bind == "0.0.0.0":
+            self.transport.advertise(advertise)
+        self.transport.start()
+        self.client = CoordinatorClient(self.transport, self.roles, options.coordinator,
+                                        start_timeout=options.start_timeout)
+        self.book = None
+        self._closed = False
+
+    @property
+    def name(self):
+        return self.roles.name(self.rank)
+
+    @property
+    def is_worker(self):
+        return self.roles.is_worker(self.rank)
+
+    @property
+    def is_server(self):
+        return self.roles.is_server(self.rank)
+
+    def shard(self):
+        """(rank, P1): what a worker's Data layers read."""
+        return (self.rank, self.roles.workers)
+
+    def solver_kwargs(self):
+        """Keywords for engine.solvers.get_solver so its nets read this worker's share."""
+        import numpy
+        return {"shard": self.shard(), "test_shard": self.shard(),
+                "dtype": numpy.dtype(self.options.dtype)}
+
+    def register(self, info):
+        """Register with the coordinator, wait for the book, connect to the peers that matter."""
+        self.book = self.client.register(dict(info, options=self.options.shared(),
+                                              pid=os.getpid()))
+        peers = (range(self.roles.size) if self.is_worker else self.roles.worker_ranks())
+        for r in peers:
+            if r != self.rank:
+                self.transport.connect(r, self.book.address(r))
+        return self.book
+
+    def server_rank(self, server_index):
+        return self.roles.server_rank(server_index)
+
+    def serve(self, stats_path=None):
+        """The server role: register, build the update rule from the book, serve until shutdown."""
+        from google.protobuf import text_format
+        from engine.proto import caffe_pb2
+        from engine.solvers.rules import make_rule
+        from .kvstore import KVServer
+        self.transport.set_fifo(KVServer.MESSAGES)     # before the book: INIT may come at once
+        book = self.register({"role": "server"})
+        param = caffe_pb2.SolverParameter()
+        text_format.Parse(book.data["solver"], param)
+        server = KVServer(self.transport, book, self.roles, make_rule(param),
+                          stats_path=stats_path, log=self.log)
+        self.log(f"{self.name}: {len(server.pairs)} KV pairs, {server.bytes_held() / 1e6:.2f} MB")
+        server.run()
+        return server
+
+    def fail(self, reason):
+        self.client.failed(reason)
+
+    def close(self, wait_coordinator=30.0):
+        """Tell the coordinator we are done; on worker 0 wait for the others to be done too."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.done()
+        if self.coordinator is not None:
+            self.coordinator.join(wait_coordinator)
+        self.transport.close(linger=2.0)
+
+    def abort_close(self):
+        """Close without waiting (after a failure)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close(linger=0.5)
+        if self.coordinator is not None:
+            self.coordinator.join(3.0)
+
+
+def init(serve_and_exit=True, **kw):
+    """The Python API's start: options from keywords or the environment; returns the Session.
+
+    On a server rank (rank >= P1) it serves the KV store until the job ends and then calls
+    sys.exit(0), unless serve_and_exit=False."""
+    global _current
+    options = kw.pop("options", None) or DistOptions.from_environment(**kw)
+    session = Session(options)
+    _current = session
+    if session.is_server and serve_and_exit:
+        try:
+            session.serve()
+        finally:
+            session.close()
+        sys.exit(0)
+    return session
+
+
+__all__ = ["Session", "init", "current", "COORDINATOR"]

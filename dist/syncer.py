@@ -1,0 +1,171 @@
+"""One Syncer per layer with parameters: Move, Send, Receive, Move back (Algorithm 2's sync(l)).
+
+Why: the worker loop only knows "after BackwardThrough(l), run syncers[l].sync(it) on the pool";
+everything scheme-specific (what is moved, to whom, how the update is made) lives in a Scheme
+strategy object (dist/schemes.py, dist/sfb.py) that the syncer picks each iteration from the book's
+BestScheme(l). Adding a scheme (ring allreduce, a bandwidth-calibrated one) touches neither this
+file nor the worker loop.
+
+Moves: on the CPU the parameter and factor arrays are already host memory, so "Move" hands out
+views (no copy) and the frames go zero-copy from them. On a GPU, Move copies into pinned host buffers
+that are allocated once and reused, on a CUDA stream taken from a pool for the duration of the
+sync, so device-host copies of different layers run concurrently with the backward of lower layers.
+
+Counters: every sync returns a LayerStats with the scheme, payload and header bytes sent and
+received, and the time it took, which the worker writes per iteration (--stats) and draws in the
+timeline (--timeline).
+"""
+import queue
+import threading
+import time
+
+import numpy
+
+from engine import backend
+
+
+class LayerStats:
+    __slots__ = ("layer", "name", "scheme", "sent_payload", "recv_payload", "sent_header",
+                 "recv_header", "messages_sent", "messages_received", "start", "end", "thread")
+
+    def __init__(self, layer, name, scheme):
+        self.layer, self.name, self.scheme = layer, name, scheme
+        self.sent_payload = self.recv_payload = self.sent_header = self.recv_header = 0
+        self.messages_sent = self.messages_received = 0
+        self.start = self.end = 0.0
+        self.thread = threading.current_thread().name
+
+    def sent(self, receipt):
+        self.sent_payload += receipt.payload_bytes
+        self.sent_header += receipt.header_bytes
+        self.messages_sent += 1
+
+    def received(self, msg):
+        self.recv_payload += msg.payload_bytes
+        self.recv_header += msg.header_bytes
+        self.messages_received += 1
+
+    @property
+    def seconds(self):
+        return self.end - self.start
+
+    def as_dict(self):
+        return {"layer": self.layer, "scheme": self.scheme, "sent_payload": self.sent_payload,
+                "recv_payload": self.recv_payload, "sent_header": self.sent_header,
+                "recv_header": self.recv_header, "messages_sent": self.messages_sent,
+                "messages_received": self.messages_received, "sync_s": round(self.seconds, 6)}
+
+
+class StreamPool:
+    """CUDA streams handed to syncs for their moves (no-op streams on the CPU)."""
+
+    def __init__(self, size):
+        self._free = queue.SimpleQueue()
+        for _ in range(max(1, size)):
+            self._free.put(backend.new_stream())
+
+    def acquire(self):
+        return self._free.get()
+
+    def release(self, stream):
+        self._free.put(stream)
+
+
+class Stage:
+    """Host staging of one syncer: views on the CPU, reused pinned buffers on a GPU."""
+
+    def __init__(self, xp):
+        self.on_gpu = xp is not numpy
+        self._buffers = {}
+        self.stream = None
+
+    def buffer(self, key, shape, dtype):
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
+            buf = self._buffers[key] = backend.pinned_empty(tuple(shape), dtype)
+        return buf
+
+    def to_host(self, array, key):
+        """A host array with array's content (the array itself on the CPU). Call synchronize()
+        before reading it on a GPU."""
+        if not self.on_gpu:
+            return array
+        buf = self.buffer(key, array.shape, array.dtype)
+        array.get(stream=self.stream, out=buf)
+        return buf
+
+    def to_device(self, host, dest):
+        """Copy host values into the device (or host) array dest."""
+        if not self.on_gpu:
+            if host is not dest:
+                numpy.copyto(dest, host.reshape(dest.shape))
+            return
+        dest.set(host.reshape(dest.shape), stream=self.stream)
+
+    def device_array(self, host, xp):
+        """host -> an array on the net's module (the same object on the CPU)."""
+        if not self.on_gpu:
+            return host
+        out = xp.empty(host.shape, host.dtype)
+        out.set(host, stream=self.stream)
+        return out
+
+    def synchronize(self):
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def record_event(xp):
+    """A CUDA event recorded on the current stream after layer l's backward (None on the CPU): the
+    sync's stream waits on it, since a non-blocking stream does not wait for the default one."""
+    if xp is numpy:
+        return None
+    import cupy
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record()
+    return event
+
+
+class Syncer:
+    """Synchronises the parameters of one layer, with the scheme the book picks each iteration."""
+
+    def __init__(self, worker, li):
+        from .schemes import make_scheme
+        self.worker = worker
+        self.li = li
+        self.rec = worker.book.layer(li)
+        self.name = self.rec["name"]
+        self.layer = worker.net.layers[li]
+        self.pids = list(self.rec["params"])
+        self.stage = Stage(worker.net.xp)
+        self._make = make_scheme
+        self._schemes = {}
+
+    def scheme(self, name):
+        s = self._schemes.get(name)
+        if s is None:
+            s = self._schemes[name] = self._make(name, self)
+        return s
+
+    def sync(self, it, ready=None):
+        """Algorithm 2's SYNC(l): stream, Move, BestScheme, Send, Receive, Move back. `ready`: the
+        event after layer l's backward (GPU), which the moves wait for."""
+        w = self.worker
+        name = w.book.best_scheme(self.li)             # decided per layer, per iteration
+        stats = LayerStats(self.li, self.name, name)
+        stats.start = time.time()
+        stream = w.streams.acquire()
+        self.stage.stream = stream if self.stage.on_gpu else None
+        try:
+            if ready is not None:
+                stream.wait_event(ready)
+            with stream:
+                scheme = self.scheme(name)
+                scheme.send(it, stats)
+                scheme.receive(it, stats)
+                self.stage.synchronize()
+        finally:
+            self.stage.stream = None
+            w.streams.release(stream)
+        stats.end = time.time()
+        return stats

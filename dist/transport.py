@@ -1,0 +1,615 @@
+"""Messages between the processes of a job, over ZeroMQ.
+
+Why it is shaped this way:
+- Every message is one small binary header (struct: type, sender rank, iteration, key, aux, and for
+  each array its dtype code and shape) followed by one frame per array, sent zero-copy. Parameters
+  and factors are never pickled or turned into protobuf lists (the released Poseidon did that), and
+  the header bytes are counted apart from the payload bytes, so the measured payload can be checked
+  against what the cost model says a scheme must move.
+- Each process has ONE incoming socket (a PULL "inbox"; the coordinator's is a ROUTER) owned by a
+  receive thread that files messages in mailboxes keyed by (type, key, iteration). Sync threads
+  wait on their mailbox with a deadline, so a lost or diverging peer gives an error that names what
+  was awaited and from whom, not a silent hang (Horovod's most common complaint).
+- Outgoing sockets (a PUSH per peer, a DEALER to the coordinator) are used by several sync threads;
+  ZeroMQ sockets are not thread-safe, so each has its own lock. Large frames go with copy=False and
+  a tracker; a caller waits on the receipt before it reuses the buffer.
+- The receive thread also beats the heart: it sends a heartbeat to the coordinator and watches
+  that it hears from the coordinator, and an ABORT from the coordinator fails every waiter at once.
+- `Transport` is the small interface (bind, connect, send, receive/next, close) the rest of `dist`
+  uses; `ZmqTransport` is the ZeroMQ implementation, so another transport could be added.
+"""
+import enum
+import json
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import defaultdict, deque
+
+import numpy
+import zmq
+
+from .errors import AbortError, DeadlineError, DistError
+from .roles import COORDINATOR
+
+
+class Msg(enum.IntEnum):
+    # coordinator service
+    REGISTER = 1
+    BOOK = 2
+    BARRIER = 3
+    BARRIER_DONE = 4
+    ALLREDUCE = 5
+    ALLREDUCE_DONE = 6
+    GATHER = 7
+    GATHER_DONE = 8
+    HEARTBEAT = 9
+    ABORT = 10
+    FAILED = 11
+    DONE = 12
+    QUERY = 13
+    QUERY_REPLY = 14
+    # KV store
+    KV_INIT = 20
+    KV_INIT_DONE = 21
+    KV_INIT_ACK = 22
+    KV_PUSH = 23
+    KV_VALUE = 24
+    KV_GET = 25
+    KV_GET_REPLY = 26
+    KV_SHUTDOWN = 27
+    # worker to worker
+    SF = 30            # sufficient factors of one layer (SFB)
+    WEIGHTS = 31       # worker 0's parameters (and SFB solver state) to the other workers
+    CURSOR = 32        # worker 0 -> worker r: r's data cursor from a snapshot being resumed
+
+
+FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)
+
+_FIXED = struct.Struct("<BBhqiiH")     # type, flags, sender, iteration, key, aux, number of arrays
+_ARRAY = struct.Struct("<BB")          # dtype code, ndim (then ndim uint32 dims)
+_DTYPES = [numpy.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8")]
+_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
+ZERO_COPY_BYTES = 64 * 1024            # frames at least this big are sent with copy=False + tracker
+FIXED_HEADER_BYTES = _FIXED.size
+
+
+def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
+    parts = [_FIXED.pack(int(mtype), flags, sender, iteration, key, aux, len(arrays))]
+    for a in arrays:
+        try:
+            code = _CODES[a.dtype]
+        except KeyError:
+            raise TypeError(f"cannot send arrays of dtype {a.dtype}") from None
+        parts.append(_ARRAY.pack(code, a.ndim))
+        if a.ndim:
+            parts.append(struct.pack(f"<{a.ndim}I", *a.shape))
+    return b"".join(parts)
+
+
+def decode_header(buf):
+    mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(buf, 0)
+    off = _FIXED.size
+    specs = []
+    for _ in range(n):
+        code, ndim = _ARRAY.unpack_from(buf, off)
+        off += _ARRAY.size
+        shape = struct.unpack_from(f"<{ndim}I", buf, off) if ndim else ()
+        off += 4 * ndim
+        specs.append((_DTYPES[code], tuple(shape)))
+    return mtype, flags, sender, iteration, key, aux, specs
+
+
+class Message:
+    """A received message: header fields, arrays (read-only views over the frames) and sizes."""
+
+    __slots__ = ("type", "sender", "iteration", "key", "aux", "arrays", "obj", "header_bytes",
+                 "payload_bytes", "received_at")
+
+    def __init__(self, mtype, sender, iteration, key, aux, arrays, obj, header_bytes,
+                 payload_bytes):
+        try:
+            self.type = Msg(mtype)
+        except ValueError:
+            self.type = mtype
+        self.sender, self.iteration, self.key, self.aux = sender, iteration, key, aux
+        self.arrays, self.obj = arrays, obj
+        self.header_bytes, self.payload_bytes = header_bytes, payload_bytes
+        self.received_at = time.time()
+
+    def __repr__(self):
+        return (f"Message({getattr(self.type, 'name', self.type)}, from {self.sender}, "
+                f"it {self.iteration}, key {self.key}, {len(self.arrays)} arrays)")
+
+
+class Receipt:
+    """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames."""
+
+    __slots__ = ("payload_bytes", "header_bytes", "trackers")
+
+    def __init__(self, payload_bytes=0, header_bytes=0, trackers=()):
+        self.payload_bytes, self.header_bytes, self.trackers = payload_bytes, header_bytes, trackers
+
+    def wait(self, timeout=None):
+        """Block until ZeroMQ no longer needs the sent buffers (so they may be overwritten)."""
+        for t in self.trackers:
+            t.wait(-1 if timeout is None else timeout)
+        self.trackers = ()
+
+
+# ------------------------------------------------------------------------------------------------
+# rate cap
+# ------------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BANDWIDTH = re.compile(r"^([0-9.]+(?:e[0-9]+)?)\s*([kKmMgGtT]?)(bit|bits|b|bps|bE|be|B|byte|bytes)?(?:/s|ps)?$")
+
+
+def parse_bandwidth(text):
+    """'1Gbit', '10GbE', '500Mbit/s', '1e9' (bits/s), '125MB' or '125MB/s' (bytes) -> bytes per second.
+
+    A lower-case b (or 'bit') means bits, an upper-case B (or 'byte') bytes, as network people write."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        return float(text) / 8
+    m = _BANDWIDTH.match(str(text).strip())
+    if not m:
+        raise ValueError(f"cannot read the bandwidth '{text}': give e.g. 1Gbit, 100Mbit, 10GbE or 125MB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    unit = m.group(3) or "bit"
+    if value <= 0:
+        raise ValueError(f"the bandwidth must be positive, got '{text}'")
+    return value if unit in ("B", "byte", "bytes") else value / 8
+
+
+class TokenBucket:
+    """A send-rate cap for experiments (`--bandwidth`): senders take tokens (bytes) before sending."""
+
+    def __init__(self, bytes_per_second, burst=None):
+        self.rate = float(bytes_per_second)
+        self.capacity = float(burst or max(self.rate / 100, 64 * 1024))   # 10 ms worth
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+        self.lock = threading.Lock()
+
+    def consume(self, n):
+        with self.lock:       # one sender at a time keeps the order of who waits fair and simple
+            while True:
+                now = time.monotonic()
+                self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+                self.stamp = now
+                if self.tokens >= min(n, self.capacity):
+                    self.tokens -= n     # may go negative for a big frame: the debt is waited off
+                    return
+                time.sleep((min(n, self.capacity) - self.tokens) / self.rate)
+
+
+# ------------------------------------------------------------------------------------------------
+# mailboxes
+# ------------------------------------------------------------------------------------------------
+class Mailbox:
+    """Messages filed by (type, key, iteration) for the threads that wait on them; some types
+    (the ones a server or the coordinator serves in arrival order) go to one FIFO queue instead."""
+
+    def __init__(self, namer):
+        self._cond = threading.Condition()
+        self._boxes = defaultdict(list)
+        self._fifo = deque()
+        self._fifo_types = set()
+        self._error = None
+        self._namer = namer
+
+    def set_fifo(self, types):
+        """Serve these types in arrival order (messages already filed move to the queue)."""
+        with self._cond:
+            self._fifo_types = set(types)
+            early = [m for k in list(self._boxes) if k[0] in self._fifo_types
+                     for m in self._boxes.pop(k)]
+            early.sort(key=lambda m: m.received_at)
+            self._fifo.extend(early)
+            self._cond.notify_all()
+
+    def put(self, msg):
+        with self._cond:
+            if msg.type in self._fifo_types:
+                self._fifo.append(msg)
+            else:
+                self._boxes[(msg.type, msg.key, msg.iteration)].append(msg)
+            self._cond.notify_all()
+
+    def fail(self, error):
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    @property
+    def error(self):
+        return self._error
+
+    def take(self, mtype, key, iteration, count=1, timeout=30.0, what=None, senders=None):
+        """Wait for `count` messages of (type, key, iteration); returns them sorted by sender.
+
+        On the deadline raises DeadlineError naming `what` and the senders that did not answer."""
+        k = (mtype, key, iteration)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                box = self._boxes.get(k)
+                if box is not None and len(box) >= count:
+                    got = box[:count]
+                    del box[:count]
+                    if not box:
+                        del self._boxes[k]
+                    got.sort(key=lambda m: m.sender)
+                    return got
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    have = {m.sender for m in (box or [])}
+                    missing = [s for s in (senders or []) if s not in have]
+                    source = (", ".join(self._namer(s) for s in missing) if missing
+                              else f"{count - len(have)} sender(s)")
+                    label = what or f"{Msg(mtype).name} key {key} iteration {iteration}"
+                    raise DeadlineError(f"timed out after {timeout:g} s waiting for {label} "
+                                        f"from {source} (raise --timeout if the peers are just slow)")
+                self._cond.wait(left if left is None else min(left, 1.0))
+
+    def next(self, timeout=None):
+        """The next FIFO message, or None after `timeout` seconds (None: wait for ever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._fifo:
+                    return self._fifo.popleft()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# the transport
+# ------------------------------------------------------------------------------------------------
+class Transport:
+    """The interface the rest of `dist` uses. Ranks are integers; COORDINATOR (-1) is the
+    coordinator service. Implementations: ZmqTransport."""
+
+    def bind(self, host):
+        raise NotImplementedError
+
+    def connect(self, rank, address):
+        raise NotImplementedError
+
+    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None):
+        raise NotImplementedError
+
+    def receive(self, mtype, key, iteration, count=1, timeout=None, what=None, senders=None):
+        raise NotImplementedError
+
+    def next(self, timeout=None):
+        raise NotImplementedError
+
+    def close(self, linger=1.0):
+        raise NotImplementedError
+
+
+class ZmqTransport(Transport):
+    """ZeroMQ: a PULL inbox (ROUTER for the coordinator), a PUSH per peer, a DEALER to the
+    coordinator; a receive thread; counters of payload and header bytes sent and received."""
+
+    def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
+                 heartbeat=1.0, lost_after=10.0, name=None):
+        self.rank = rank
+        self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
+        self.name = name or self._namer(rank)
+        self.timeout = float(timeout)
+        self.ctx = zmq.Context(io_threads=1)
+        self._inbox = self.ctx.socket(zmq.ROUTER if router else zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.RCVHWM, 0)
+        self._router = router
+        self._out = {}                               # rank -> (socket, lock)
+        self._out_lock = threading.Lock()
+        self.mailbox = Mailbox(self._namer)
+        self.bucket = TokenBucket(bandwidth) if bandwidth else None
+        self.address = None
+        self.counters_lock = threading.Lock()
+        self.sent_payload = self.sent_header = self.recv_payload = self.recv_header = 0
+        self.sent_messages = self.recv_messages = 0
+        self.heartbeat = float(heartbeat)
+        self.lost_after = float(lost_after)
+        self._watched = {}                           # rank -> last time heard
+        self._handlers = {}                          # type -> fn(msg) run on the receive thread
+        self.on_abort = []                           # fn(error) run once when the job aborts
+        self._aborted = False
+        self._closing = threading.Event()
+        self._thread = None
+        self._beat_to_coordinator = False
+        self._last_beat = 0.0
+        self.handle(Msg.HEARTBEAT, lambda msg: None)
+        self.handle(Msg.ABORT, self._on_abort_message)
+
+    # ----- set-up ---------------------------------------------------------------------------------
+    def bind(self, host="127.0.0.1", port=None):
+        """Bind the inbox on host (a free port unless given); returns the tcp:// address peers use."""
+        bind_host = "*" if host in ("0.0.0.0", "*") else host
+        if port:
+            self._inbox.bind(f"tcp://{bind_host}:{port}")
+            endpoint = f"tcp://{host}:{port}"
+        else:
+            port = self._inbox.bind_to_random_port(f"tcp://{bind_host}")
+            endpoint = f"tcp://{host}:{port}"
+        self.address = endpoint
+        return endpoint
+
+    def advertise(self, host):
+        """The address others should use when the inbox was bound on all interfaces."""
+        port = self.address.rsplit(":", 1)[1]
+        self.address = f"tcp://{host}:{port}"
+        return self.address
+
+    def connect(self, rank, address):
+        """An outgoing socket to `rank` (a PUSH to its inbox, or a DEALER to the coordinator)."""
+        with self._out_lock:
+            if rank in self._out:
+                return
+            sock = self.ctx.socket(zmq.DEALER if rank == COORDINATOR else zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if rank == COORDINATOR:
+                sock.setsockopt(zmq.IDENTITY, struct.pack("<i", self.rank))
+            sock.connect(address)
+            self._out[rank] = (sock, threading.Lock())
+
+    def connected(self, rank):
+        return rank in self._out
+
+    def handle(self, mtype, fn):
+        """Run fn(msg) on the receive thread for this message type instead of filing it."""
+        self._handlers[mtype] = fn
+
+    def watch(self, rank):
+        """Fail every waiter if nothing arrives from `rank` for `lost_after` seconds."""
+        self._watched[rank] = time.monotonic()
+
+    def unwatch(self, rank):
+        self._watched.pop(rank, None)
+
+    def beat_to_coordinator(self, on=True):
+        self._beat_to_coordinator = on
+
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name=f"recv-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # ----- sending ----------------------------------------------------------------------------------
+    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None):
+        """Send arrays (numpy, contiguous) and/or a JSON-able obj; returns a Receipt.
+
+        Frames of at least ZERO_COPY_BYTES go zero-copy: wait on the receipt before changing them."""
+        flags = 0
+        arrays = list(arrays)
+        if obj is not None:
+            arrays.insert(0, numpy.frombuffer(json.dumps(obj).encode("utf-8"), numpy.uint8))
+            flags |= FLAG_JSON
+        arrays = [numpy.ascontiguousarray(a) for a in arrays]
+        header = encode_header(mtype, self.rank, int(iteration), int(key), int(aux), arrays, flags)
+        payload = sum(a.nbytes for a in arrays)
+        if self.bucket is not None:
+            self.bucket.consume(payload + len(header))
+        try:
+            sock, lock = self._out[dest]
+        except KeyError:
+            raise DistError(f"{self.name} has no connection to {self._namer(dest)}") from None
+        trackers = []
+        try:
+            with lock:
+                last = len(arrays)
+                sock.send(header, zmq.SNDMORE if last else 0, copy=True)
+                for i, a in enumerate(arrays):
+                    more = zmq.SNDMORE if i < last - 1 else 0
+                    if a.nbytes >= ZERO_COPY_BYTES:
+                        t = sock.send(memoryview(a.reshape(-1)).cast("B"), more, copy=False,
+                                      track=True)
+                        trackers.append(t)
+                    else:
+                        sock.send(a.tobytes(), more, copy=True)
+        except zmq.Again:
+            raise DeadlineError(f"{self.name} could not send {Msg(mtype).name} to "
+                                f"{self._namer(dest)} within {self.timeout:g} s: is it still "
+                                f"running?") from None
+        with self.counters_lock:
+            self.sent_payload += payload
+            self.sent_header += len(header)
+            self.sent_messages += 1
+        return Receipt(payload, len(header), trackers)
+
+    # ----- receiving ----------------------------------------------------------------------------------
+    def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None):
+        """Wait (deadline: timeout, default --timeout) for `count` messages of (type, key, it)."""
+        return self.mailbox.take(mtype, key, iteration, count,
+                                 self.timeout if timeout is None else timeout, what, senders)
+
+    def next(self, timeout=None):
+        return self.mailbox.next(timeout)
+
+    def set_fifo(self, types):
+        self.mailbox.set_fifo(types)
+
+    def fail(self, error):
+        """Make every present and future wait raise `error` (and run the on_abort hooks once)."""
+        self.mailbox.fail(error)
+        if not self._aborted:
+            self._aborted = True
+            for fn in list(self.on_abort):
+                try:
+                    fn(error)
+                except Exception:   # pragma: no cover - a hook must not stop the others
+                    pass
+
+    @property
+    def error(self):
+        return self.mailbox.error
+
+    def _on_abort_message(self, msg):
+        reason = (msg.obj or {}).get("reason", "the job was aborted")
+        self.fail(AbortError(reason))
+
+    def _decode(self, frames):
+        if self._router:
+            frames = frames[1:]                       # the DEALER's identity
+        head = frames[0].bytes
+        mtype, flags, sender, iteration, key, aux, specs = decode_header(head)
+        arrays = []
+        payload = 0
+        for (dtype, shape), frame in zip(specs, frames[1:]):
+            buf = frame.buffer
+            payload += len(buf)
+            arrays.append(numpy.frombuffer(buf, dtype).reshape(shape))
+        obj = None
+        if flags & FLAG_JSON:
+            obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
+        return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload)
+
+    def _loop(self):
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        while not self._closing.is_set():
+            try:
+                ready = dict(poller.poll(100))
+            except zmq.ZMQError:
+                break
+            if self._inbox in ready:
+                while True:
+                    try:
+                        frames = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError:
+                        return
+                    try:
+                        msg = self._decode(frames)
+                    except Exception as e:    # a malformed message is a bug: say so, go on
+                        print(f"{self.name}: dropped a malformed message ({e})", file=sys.stderr)
+                        continue
+                    with self.counters_lock:
+                        self.recv_payload += msg.payload_bytes
+                        self.recv_header += msg.header_bytes
+                        self.recv_messages += 1
+                    if msg.sender in self._watched:
+                        self._watched[msg.sender] = time.monotonic()
+                    handler = self._handlers.get(msg.type)
+                    if handler is not None:
+                        try:
+                            handler(msg)
+                        except Exception as e:
+                            self.fail(e if isinstance(e, DistError) else
+                                      DistError(f"{self.name}: handling {msg!r} failed: {e}"))
+                    else:
+                        self.mailbox.put(msg)
+            self._tick()
+
+    def _tick(self):
+        now = time.monotonic()
+        if self._beat_to_coordinator and now - self._last_beat >= self.heartbeat:
+            self._last_beat = now
+            try:
+                self.send(COORDINATOR, Msg.HEARTBEAT)
+            except DistError:
+                pass
+        if self.mailbox.error is None:
+            for rank, seen in list(self._watched.items()):
+                if now - seen > self.lost_after:
+                    self.fail(AbortError(
+                        f"{self.name}: lost contact with {self._namer(rank)}: nothing heard from it "
+                        f"for {self.lost_after:g} s (it has probably died; see its output)"))
+                    break
+
+    # ----- closing ---------------------------------------------------------------------------------
+    def counters(self):
+        with self.counters_lock:
+            return {"sent_payload": self.sent_payload, "sent_header": self.sent_header,
+                    "recv_payload": self.recv_payload, "recv_header": self.recv_header,
+                    "sent_messages": self.sent_messages, "recv_messages": self.recv_messages}
+
+    def close(self, linger=1.0):
+        """Stop the receive thread and close the sockets; `linger` seconds to flush what is queued."""
+        self._closing.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        with self._out_lock:
+            for sock, lock in self._out.values():
+                sock.setsockopt(zmq.LINGER, int(linger * 1000))
+                sock.close()
+            self._out.clear()
+        self._inbox.close(0)
+        self.ctx.term()
+
+
+# ------------------------------------------------------------------------------------------------
+# addresses
+# ------------------------------------------------------------------------------------------------
+def free_port(host="127.0.0.1"):
+    """A TCP port free right now on host (for the coordinator of a local job)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def split_address(address):
+    """'tcp://HOST:PORT' -> (HOST, PORT)."""
+    if not address.startswith("tcp://") or ":" not in address[6:]:
+        raise DistError(f"--coordinator takes tcp://HOST:PORT, got '{address}'")
+    host, port = address[6:].rsplit(":", 1)
+    try:
+        return host, int(port)
+    except ValueError:
+        raise DistError(f"--coordinator takes tcp://HOST:PORT, got '{address}'") from None
+
+
+def interface_address(interface):
+    """The IPv4 address of a network interface name (e.g. eth0), or the argument itself when it is
+    already an address or a host name."""
+    if not interface:
+        return None
+    try:
+        socket.inet_aton(interface)
+        return interface
+    except OSError:
+        pass
+    try:
+        import fcntl
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,      # SIOCGIFADDR
+                                 struct.pack("256s", interface[:15].encode()))
+            return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        pass
+    try:
+        return socket.gethostbyname(interface)
+    except OSError:
+        raise DistError(f"--interface '{interface}' is neither a network interface of this host "
+                        f"nor an address or host name") from None
+
+
+def route_address(toward_host):
+    """This host's address on the route toward `toward_host` (what peers can reach us at)."""
+    try:
+        target = socket.gethostbyname(toward_host)
+    except OSError:
+        raise DistError(f"cannot resolve the coordinator host '{toward_host}'") from None
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,175 @@
+"""Small nets, a small LMDB, and a way to run a whole job (coordinator, servers, workers) as threads
+in this process over real ZeroMQ sockets, for the distributed tests."""
+import threading
+
+import numpy
+from google.protobuf import text_format
+
+from engine.io.datum import array_to_datum
+from engine.io.lmdb_store import write_lmdb
+from engine.proto import caffe_pb2
+from engine.solvers import get_solver
+
+
+def make_lmdb(path, n=96, shape=(3, 8, 8), classes=5, seed=0):
+    """n uint8 images whose label depends on their content (so training moves the weights)."""
+    rs = numpy.random.RandomState(seed)
+    images = rs.randint(0, 256, size=(n,) + tuple(shape)).astype(numpy.uint8)
+    labels = (images.reshape(n, -1)[:, :classes].argmax(axis=1)).astype(int)
+    write_lmdb(str(path), (array_to_datum(img, int(lab)).SerializeToString()
+                           for img, lab in zip(images, labels)))
+    return str(path)
+
+
+def fc_net(source, batch, classes=5, test_source=None, test_batch=None):
+    """FC-heavy: three InnerProduct layers (192 -> 48 -> 24 -> classes)."""
+    test = ""
+    if test_source:
+        test = f"""
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TEST }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{test_source}" batch_size: {test_batch or batch} backend: LMDB }} }}
+layer {{ name: "accuracy" type: "Accuracy" bottom: "ip3" bottom: "label" top: "accuracy"
+  include {{ phase: TEST }} }}"""
+    return f"""
+name: "fc_small"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}{test}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+  param {{ lr_mult: 1 }} param {{ lr_mult: 2 decay_mult: 0 }}
+  inner_product_param {{ num_output: 48 weight_filler {{ type: "gaussian" std: 0.05 }}
+    bias_filler {{ type: "constant" value: 0.1 }} }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param {{ num_output: 24 weight_filler {{ type: "gaussian" std: 0.1 }}
+    bias_filler {{ type: "constant" value: 0.1 }} }} }}
+layer {{ name: "relu2" type: "ReLU" bottom: "ip2" top: "ip2" }}
+layer {{ name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+  inner_product_param {{ num_output: {classes} weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip3" bottom: "label" top: "loss" }}
+"""
+
+
+def conv_net(source, batch, classes=5, test_source=None, test_batch=None):
+    """cifar10_quick-style: conv, max pool, relu, conv, relu, ave pool, ip, ip."""
+    test = ""
+    if test_source:
+        test = f"""
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TEST }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{test_source}" batch_size: {test_batch or batch} backend: LMDB }} }}"""
+    accuracy = ""
+    if test_source:
+        accuracy = f"""
+layer {{ name: "accuracy" type: "Accuracy" bottom: "ip2" bottom: "label" top: "accuracy"
+  include {{ phase: TEST }} }}"""
+    return f"""
+name: "conv_small"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}{test}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  param {{ lr_mult: 1 }} param {{ lr_mult: 2 }}
+  convolution_param {{ num_output: 6 pad: 1 kernel_size: 3 weight_filler {{ type: "gaussian" std: 0.1 }}
+    bias_filler {{ type: "constant" }} }} }}
+layer {{ name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }}
+layer {{ name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param {{ num_output: 8 pad: 1 kernel_size: 3 weight_filler {{ type: "gaussian" std: 0.1 }}
+    bias_filler {{ type: "constant" }} }} }}
+layer {{ name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }}
+layer {{ name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+  pooling_param {{ pool: AVE kernel_size: 2 stride: 2 }} }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+  param {{ lr_mult: 1 }} param {{ lr_mult: 2 }}
+  inner_product_param {{ num_output: 16 weight_filler {{ type: "gaussian" std: 0.1 }}
+    bias_filler {{ type: "constant" }} }} }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param {{ num_output: {classes} weight_filler {{ type: "gaussian" std: 0.1 }}
+    bias_filler {{ type: "constant" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}{accuracy}
+"""
+
+
+def solver_param(net_text, max_iter=20, base_lr=0.05, momentum=0.9, weight_decay=0.001,
+                 solver_type="SGD", **extra):
+    p = caffe_pb2.SolverParameter()
+    text_format.Parse(net_text, p.net_param)
+    p.base_lr = base_lr
+    p.momentum = momentum
+    p.weight_decay = weight_decay
+    p.lr_policy = "step"
+    p.gamma = 0.5
+    p.stepsize = 7
+    p.max_iter = max_iter
+    p.display = 0
+    p.random_seed = 3
+    p.type = solver_type
+    for k, v in extra.items():
+        setattr(p, k, v)
+    return p
+
+
+def reference(param, dtype=numpy.float64, weights_out=None):
+    """(solver before training, trained params) of one process on the given (combined-batch) net;
+    saves the initial weights to weights_out first when given."""
+    solver = get_solver(param, dtype=dtype)
+    if weights_out:
+        solver.net.save(weights_out)
+    solver.step(param.max_iter)
+    params = [numpy.array(b.data) for b in solver.net.learnable_params]
+    solver.net.shutdown()
+    return params
+
+
+def run_threads(param, workers, servers, weights=None, snapshot=None, timeout=60, **options):
+    """Run every role of a job as threads of this process. Returns the workers' DistributedSolvers
+    (rank order); raises the first error of any role."""
+    from dist.process import run_role
+    from dist.transport import free_port
+    opts = dict(workers=workers, servers=servers,
+                coordinator=f"tcp://127.0.0.1:{free_port()}", local=True, timeout=timeout,
+                dtype="float64", start_timeout=timeout)
+    opts.update(options)
+    job = {"solver": param, "weights": weights, "snapshot": snapshot, "options": opts}
+    results, errors = {}, {}
+
+    def role(rank):
+        try:
+            results[rank] = run_role(job, rank, in_thread=True)
+        except BaseException as e:   # collected and re-raised below
+            errors[rank] = e
+
+    threads = [threading.Thread(target=role, args=(r,), name=f"role-{r}", daemon=True)
+               for r in range(workers + servers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    alive = [t.name for t in threads if t.is_alive()]
+    if errors:
+        rank = min(errors)
+        raise errors[rank]
+    if alive:
+        raise AssertionError(f"roles still running: {alive}")
+    solvers = [results[r] for r in range(workers)]
+    for ds in solvers:
+        ds.solver.net.shutdown()
+        for t in ds.solver.test_nets:
+            t.shutdown()
+    return solvers
+
+
+def params_of(solver):
+    from engine import backend
+    return [numpy.array(backend.to_numpy(b.data)) for b in solver.net.learnable_params]
+
+
+def assert_params_close(got, want, rtol=1e-5, label=""):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = max(numpy.abs(w).max(), 1e-12)
+        err = numpy.abs(g - w).max() / scale
+        assert err <= rtol, f"{label} param {i}: max relative error {err:.3g} > {rtol}"

@@ -1,0 +1,218 @@
+"""The coordinator service on its own (registration, book, Query, barrier, allreduce in rank order,
+gather, missing ranks), the KV server's handlers, and the Python API (dist.init) in processes.
+
+Run: python -m pytest tests/dist/test_coordinator.py -q
+"""
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy
+import pytest
+
+from dist.coordinator import Coordinator, CoordinatorClient
+from dist.errors import AbortError, DistError
+from dist.kvstore import KVServer
+from dist.roles import Roles
+from dist.transport import Msg, ZmqTransport, free_port
+
+from .helpers import fc_net, make_lmdb, run_threads, solver_param
+from .test_cost_book import _description
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_job(workers, servers, start_timeout=10.0):
+    roles = Roles(workers, servers)
+    port = free_port()
+    coord = Coordinator(roles, "127.0.0.1", port, timeout=5, start_timeout=start_timeout).start()
+    clients = []
+    for rank in range(roles.size):
+        t = ZmqTransport(rank, namer=roles.name, timeout=5)
+        t.bind("127.0.0.1")
+        t.start()
+        clients.append(CoordinatorClient(t, roles, f"tcp://127.0.0.1:{port}", start_timeout))
+    return roles, coord, clients
+
+
+def close(coord, clients):
+    for c in clients:
+        c.done()
+    coord.join(10)
+    for c in clients:
+        c.transport.close(0)
+
+
+def register_all(roles, clients, desc, options):
+    books = {}
+
+    def reg(rank):
+        info = {"role": roles.role(rank), "options": options, "pid": rank}
+        if roles.is_worker(rank):
+            info.update(description=desc, solver="base_lr: 0.1\n")
+        books[rank] = clients[rank].register(info)
+    threads = [threading.Thread(target=reg, args=(r,)) for r in range(roles.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return books
+
+
+OPTIONS = {"workers": 3, "servers": 1, "sync": "hybrid", "kv_pair_bytes": 1024,
+           "sum_gradients": False, "dtype": "float32"}
+
+
+def test_services():
+    roles, coord, clients = start_job(3, 1)
+    try:
+        desc = _description([("InnerProduct", 64, 32, 4, True), ("Convolution", 8, 27, 4, False)])
+        books = register_all(roles, clients, desc, OPTIONS)
+        assert {b.digest() for b in books.values()} == {coord.book.digest()}
+        book = books[0]
+        assert book.data["addresses"]["2"] == clients[2].transport.address
+        assert book.best_scheme(1) == "ps"
+        # Query over the socket
+        assert clients[1].query("best_scheme", index=0) == book.best_scheme(0)
+        assert clients[3].query("cluster")["workers"] == 3
+        with pytest.raises(DistError, match="unknown query"):
+            clients[0].query("nonsense")
+        # allreduce: mean over the workers in rank order; gather to worker 0; barrier
+        results = {}
+
+        def work(rank):
+            c = clients[rank]
+            results[rank] = c.allreduce("v", numpy.array([rank, 10.0 * rank]))
+            results[("sum", rank)] = c.allreduce("v", [1.0], op="sum")
+            results[("g", rank)] = c.gather("g", {"rank": rank})
+            c.barrier("b")
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        for r in range(3):
+            numpy.testing.assert_array_equal(results[r], [1.0, 10.0])
+            assert results[("sum", r)][0] == 3.0
+        assert results[("g", 0)] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+        assert results[("g", 1)] is None
+    finally:
+        close(coord, clients)
+
+
+def test_missing_rank_is_named():
+    roles, coord, clients = start_job(2, 1, start_timeout=1.0)
+    try:
+        desc = _description([("InnerProduct", 8, 8, 2, True)])
+        options = dict(OPTIONS, workers=2)
+        clients[0].start_timeout = clients[2].start_timeout = 5
+        errors = {}
+
+        def reg(rank):
+            try:
+                info = {"role": roles.role(rank), "options": options, "description": desc,
+                        "solver": ""}
+                clients[rank].register(info)
+            except DistError as e:
+                errors[rank] = e
+        threads = [threading.Thread(target=reg, args=(r,)) for r in (0, 2)]   # worker 1 absent
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert isinstance(errors[0], AbortError)
+        assert "only 2 of 3 processes registered" in str(errors[0])
+        assert "missing: worker 1" in str(errors[0])
+    finally:
+        for c in clients:
+            c.transport.close(0)
+        coord.join(5)
+
+
+# ----- KV server handlers -----------------------------------------------------------------------
+class FakeTransport:
+    def __init__(self, rank):
+        self.rank = rank
+        self.sent = []
+
+    def set_fifo(self, types):
+        pass
+
+    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None):
+        from dist.transport import Receipt
+        self.sent.append((dest, mtype, iteration, key, [numpy.array(a) for a in arrays]))
+        return Receipt(sum(numpy.asarray(a).nbytes for a in arrays), 24)
+
+
+class Msg_:
+    def __init__(self, mtype, sender, iteration, key, arrays):
+        self.type, self.sender, self.iteration, self.key = mtype, sender, iteration, key
+        self.arrays, self.payload_bytes, self.header_bytes = arrays, 8, 24
+
+
+@pytest.mark.parametrize("handler", ["update", "average"])
+def test_server_sums_in_rank_order_then_handles(handler):
+    from engine.solvers.rules import make_rule
+    from dist.book import InformationBook
+    desc = _description([("InnerProduct", 2, 3, 1, False)])
+    book = InformationBook.build(desc, 3, 1, dict(OPTIONS, dtype="float64"))
+    book.data["dtype"] = "float64"
+    param = solver_param(fc_net("x", 1), base_lr=0.5, momentum=0.0, weight_decay=0.0)
+    t = FakeTransport(3)
+    server = KVServer(t, book, Roles(3, 1), make_rule(param), handler=handler)
+    pair = book.pairs[0]
+    server.on_init(Msg_(Msg.KV_INIT, 0, 0, pair["id"], [numpy.ones(pair["length"])]))
+    grads = [numpy.full(pair["length"], g) for g in (1.0, 2.0, 6.0)]
+    for r in (2, 0, 1):                                      # arrival order does not matter
+        server.on_push(Msg_(Msg.KV_PUSH, r, 0, pair["id"], [grads[r]]))
+    replies = [s for s in t.sent if s[1] == Msg.KV_VALUE]
+    assert [s[0] for s in replies] == [0, 1, 2]
+    mean = (1.0 + 2.0 + 6.0) / 3
+    expected = 1.0 - 0.5 * mean if handler == "update" else mean
+    for s in replies:
+        numpy.testing.assert_allclose(s[4][0], expected)
+    with pytest.raises(DistError, match="expects iteration 1"):
+        server.on_push(Msg_(Msg.KV_PUSH, 0, 5, pair["id"], [grads[0]]))
+
+
+# ----- refusals -----------------------------------------------------------------------------------
+def test_clip_gradients_refused_clearly(tmp_path):
+    data = make_lmdb(tmp_path / "db")
+    p = solver_param(fc_net(data, 4), max_iter=2)
+    p.clip_gradients = 10
+    with pytest.raises(Exception, match="clip_gradients is not supported in distributed"):
+        run_threads(p, 2, 1, timeout=20)
+
+
+# ----- the Python API -----------------------------------------------------------------------------
+SCRIPT = """
+import sys
+import dist
+from engine.solvers import get_solver
+session = dist.init()                       # a server rank serves here and exits
+solver = dist.DistributedSolver(get_solver(sys.argv[1], **session.solver_kwargs()))
+solver.solve()
+print("done", session.rank, solver.iter, flush=True)
+"""
+
+
+def test_python_api_under_an_mpirun_like_environment(tmp_path):
+    data = make_lmdb(tmp_path / "db")
+    (tmp_path / "net.prototxt").write_text(fc_net(data, 4))
+    (tmp_path / "solver.prototxt").write_text(
+        f'net: "{tmp_path / "net.prototxt"}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 5\n'
+        f'snapshot_after_train: false\n')
+    (tmp_path / "train.py").write_text(SCRIPT)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), POSEIDON_WORKERS="2", POSEIDON_SERVERS="1",
+                   POSEIDON_COORDINATOR=address, PMI_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, "train.py", "solver.prototxt"], cwd=tmp_path,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert "done 0 5" in outs[0] and "done 1 5" in outs[1]
+    assert "done" not in outs[2]                             # the server exited inside init()

@@ -1,0 +1,150 @@
+"""The cost model, BestScheme (Algorithm 1) on the mission's worked figures, KV placement, options.
+
+Run: python -m pytest tests/dist/test_cost_book.py -q
+"""
+from pathlib import Path
+
+import pytest
+
+from dist.book import InformationBook, best_scheme, first_difference
+from dist.cost import adam_cost, ps_cost, sfb_cost
+from dist.errors import DistError
+from dist.placement import cut_pairs, parse_bytes, place_pairs, server_loads
+from engine import prototxt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----- the cost model and Algorithm 1 ---------------------------------------------------------------
+def test_worked_figure_4096_fc_goes_sfb():
+    M = N = 4096
+    ps, sfb = ps_cost(M, N, 8, 8), sfb_cost(M, N, 32, 8)
+    assert ps == pytest.approx(58.72e6, rel=1e-3)          # "PS 58.7 M floats"
+    assert sfb == pytest.approx(3.67e6, rel=1e-3)          # "SFB 3.67 M floats"
+    assert ps / sfb == pytest.approx(16, rel=0.01)         # "SFB wins by ~16x"
+    assert best_scheme(True, M, N, K=32, P1=8, P2=8) == "sfb"
+
+
+def test_worked_figure_googlenet_classifier_goes_ps():
+    M, N = 1000, 1024
+    assert sfb_cost(M, N, 128, 16) > ps_cost(M, N, 16, 16)
+    assert best_scheme(True, M, N, K=128, P1=16, P2=16) == "ps"
+
+
+def test_convolutions_always_ps_whatever_sync_says():
+    for sync in ("hybrid", "ps", "sfb"):
+        assert best_scheme(False, 64, 576, K=32, P1=8, P2=8, sync=sync) == "ps"
+        assert best_scheme(False, 64, 576, K=1, P1=2, P2=0, sync=sync) == "ps"
+
+
+def test_sync_override_and_no_servers():
+    assert best_scheme(True, 1000, 1024, K=128, P1=16, P2=16, sync="sfb") == "sfb"
+    assert best_scheme(True, 4096, 4096, K=32, P1=8, P2=8, sync="ps") == "ps"
+    assert best_scheme(True, 1000, 1024, K=128, P1=16, P2=0) == "sfb"   # no server: SFB
+
+
+def test_adam_comparator():
+    assert adam_cost(4096, 4096, 32, 8) == 8 * 32 * 8192 + 8 * 4096 * 4096
+
+
+def _description(layers):
+    params, recs = [], []
+    for li, (kind, M, N, K, sfb) in enumerate(layers):
+        pids = []
+        for bi, shape in enumerate([(M, N), (M,)]):
+            pid = len(params)
+            params.append({"id": pid, "name": f"l{li}[{bi}]", "layer": li, "owner": [li, bi],
+                           "shape": list(shape), "count": M * N if bi == 0 else M,
+                           "lr_mult": 1.0, "decay_mult": 1.0, "shared": False, "synced": True})
+            pids.append(pid)
+        recs.append({"index": li, "name": f"l{li}", "type": kind, "M": M, "N": N, "K": K,
+                     "sfb": sfb, "params": pids, "shapes": [[M, N], [M]]})
+    return {"net": "t", "dtype": "float32", "iter_size": 1, "layers": recs, "params": params}
+
+
+def test_book_decides_per_layer_and_places_only_ps_parameters():
+    desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 4096, 4096, 32, True),
+                         ("InnerProduct", 1000, 1024, 128, True)])
+    book = InformationBook.build(desc, 8, 8, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
+    assert [book.best_scheme(li) for li in (0, 1, 2)] == ["ps", "sfb", "ps"]
+    placed = {p["param"] for p in book.pairs}
+    assert placed == {0, 1, 4, 5}                         # conv and the 1000x1024 layer
+    assert all(p["length"] * 4 <= 2 << 20 for p in book.pairs)
+    assert book.query("best_scheme", index=1) == "sfb"
+    assert book.query("costs", index=1)["sfb"] == sfb_cost(4096, 4096, 32, 8)
+
+
+def test_servers_zero_needs_every_layer_sfb():
+    desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 512, 512, 8, True)])
+    with pytest.raises(DistError, match=r"--servers 0 .*'l0' \(Convolution\)"):
+        InformationBook.build(desc, 4, 0, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
+    fc_only = _description([("InnerProduct", 512, 512, 8, True)])
+    book = InformationBook.build(fc_only, 4, 0, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
+    assert book.best_scheme(0) == "sfb" and book.pairs == []
+    with pytest.raises(DistError, match="--sync ps"):
+        InformationBook.build(fc_only, 4, 0, {"sync": "ps", "kv_pair_bytes": 2 << 20})
+
+
+def test_first_difference_names_the_layer():
+    a = _description([("InnerProduct", 10, 20, 4, True)])
+    b = _description([("InnerProduct", 10, 30, 4, True)])
+    assert "['l0'].N: 20 vs 30" in first_difference(a, b)
+
+
+# ----- KV pairs and placement -------------------------------------------------------------------------
+def vgg19_param_counts():
+    """Parameter tensor sizes of prototxt/vgg19/deploy.prototxt, by shape inference on the file."""
+    net = prototxt.read_net(str(ROOT / "prototxt" / "vgg19" / "deploy.prototxt"))
+    channels, size = 3, 224
+    counts = []
+    for layer in net.layer:
+        if layer.type == "Input":
+            dims = list(layer.input_param.shape[0].dim)
+            channels, size = dims[1], dims[2]
+        elif layer.type == "Convolution":
+            p = layer.convolution_param
+            k = p.kernel_size[0]
+            pad = p.pad[0] if len(p.pad) else 0
+            stride = p.stride[0] if len(p.stride) else 1
+            counts += [p.num_output * channels * k * k, p.num_output]
+            channels, size = p.num_output, (size + 2 * pad - k) // stride + 1
+        elif layer.type == "Pooling":
+            p = layer.pooling_param
+            size = -(-(size - p.kernel_size) // p.stride) + 1
+        elif layer.type == "InnerProduct":
+            n_in = channels * size * size
+            m = layer.inner_product_param.num_output
+            counts += [m * n_in, m]
+            channels, size = m, 1
+    return counts
+
+
+def test_vgg19_pairs_balanced_over_four_servers():
+    counts = vgg19_param_counts()
+    assert sum(counts) == 143_667_240                     # VGG19's parameter count
+    pairs = cut_pairs(list(enumerate(counts)), 4, 2 * 1024 * 1024)
+    sizes = [length * 4 for (_, _, _, length) in pairs]
+    assert max(sizes) <= 2 * 1024 * 1024
+    loads = server_loads(sizes, place_pairs(sizes, 4), 4)
+    assert sum(loads) == sum(counts) * 4
+    assert max(loads) <= 1.1 * min(loads), loads
+    # fc6 alone (411 MB) is spread over every server
+    fc6 = max(range(len(counts)), key=counts.__getitem__)
+    where = place_pairs(sizes, 4)
+    assert {where[i] for i, p in enumerate(pairs) if p[1] == fc6} == {0, 1, 2, 3}
+
+
+def test_cut_pairs_covers_each_tensor_exactly():
+    pairs = cut_pairs([(0, 10), (1, 1), (2, 1000)], 4, 64)
+    for pid, count in ((0, 10), (1, 1), (2, 1000)):
+        mine = [p for p in pairs if p[1] == pid]
+        assert mine[0][2] == 0 and sum(p[3] for p in mine) == count
+        assert all(a[2] + a[3] == b[2] for a, b in zip(mine, mine[1:]))
+        assert all(p[3] * 4 <= 64 for p in mine)
+
+
+def test_parse_bytes():
+    assert parse_bytes("2MB") == 2 << 20 and parse_bytes("512KB") == 512 << 10
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(ValueError):
+        parse_bytes("lots")

@@ -1,0 +1,152 @@
+"""What goes over the wire, per layer and iteration (--stats), and what the timeline shows.
+
+Payload: PS moves the layer's M*N + M values up and down once per worker; SFB sends K*(M+N) + M
+values to each of the P1 - 1 peers. Headers are counted apart. The cost model's per-node figures
+follow from these counts. The timeline (--timeline) is one Chrome trace of every worker in which an
+upper layer's sync overlaps the backward of lower layers (and does not with --no-overlap).
+
+Run: python -m pytest tests/dist/test_counters_timeline.py -q
+"""
+import json
+
+import pytest
+
+from dist.cost import ps_cost, sfb_cost
+from dist.timeline import role_path
+from dist.transport import FIXED_HEADER_BYTES
+
+from .helpers import conv_net, fc_net, make_lmdb, run_threads, solver_param
+
+ITEM = 8            # float64
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("db") / "train")
+
+
+def read_jsonl(path):
+    with open(path, "r", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("sync", ["ps", "sfb"])
+def test_payload_per_layer_per_iteration(data, tmp_path, sync):
+    P1, P2, K, iters = 3, 2, 4, 4
+    stats = str(tmp_path / "stats.jsonl")
+    solvers = run_threads(solver_param(fc_net(data, K), max_iter=iters), P1, P2, sync=sync,
+                          stats=stats, kv_pair_bytes=8192)
+    book = solvers[0].book
+    dims = {rec["name"]: (rec["M"], rec["N"]) for rec in book.layers}
+    pairs_of = {rec["name"]: sum(len(book.pairs_of_param(p)) for p in rec["params"])
+                for rec in book.layers}
+    for rank in range(P1):
+        records = read_jsonl(role_path(stats, "worker", rank))
+        assert [r["iter"] for r in records] == list(range(iters))
+        for r in records:
+            assert r["role"] == "worker" and r["rank"] == rank
+            for name, layer in r["layers"].items():
+                M, N = dims[name]
+                assert layer["scheme"] == sync
+                if sync == "ps":
+                    assert layer["sent_payload"] == layer["recv_payload"] == (M * N + M) * ITEM
+                    n = pairs_of[name]
+                    assert layer["messages_sent"] == layer["messages_received"] == n
+                    assert layer["sent_header"] == layer["recv_header"] == n * (FIXED_HEADER_BYTES + 6)
+                else:
+                    per_peer = (K * (M + N) + M) * ITEM
+                    assert layer["sent_payload"] == layer["recv_payload"] == (P1 - 1) * per_peer
+                    header = FIXED_HEADER_BYTES + 2 * (2 + 8) + (2 + 4)   # G, X 2-D; bias 1-D
+                    assert layer["sent_header"] == (P1 - 1) * header
+                assert layer["sync_s"] > 0
+            assert r["sent_payload"] == sum(v["sent_payload"] for v in r["layers"].values())
+    for index in range(P2):
+        records = read_jsonl(role_path(stats, "server", index))
+        held = sum(p["length"] for p in book.pairs_on_server(index)) * ITEM
+        if sync == "sfb":
+            assert records == []                         # nothing to hold
+            continue
+        assert [r["iter"] for r in records] == list(range(iters))
+        for r in records:
+            assert r["bytes_held"] == held
+            assert r["recv_payload"] == r["sent_payload"] == P1 * held
+
+    # The per-node cost model follows from the counts. Node r hosts worker r and server r:
+    # SFB: the worker sends K(M+N) (+M bias) to P1-1 peers and receives as much.
+    if sync == "sfb":
+        last = read_jsonl(role_path(stats, "worker", 0))[-1]["layers"]
+        for name, layer in last.items():
+            M, N = dims[name]
+            floats = (layer["sent_payload"] + layer["recv_payload"]) / ITEM
+            assert floats == sfb_cost(M, N, K, P1) + 2 * (P1 - 1) * M
+    else:
+        # PS with P2 = P1 servers co-located: the worker's traffic to the OTHER servers plus the
+        # server's traffic with the OTHER workers is 2MN(P1+P2-2)/P2 when the pairs are spread evenly.
+        for name in dims:
+            M, N = dims[name]
+            worker = (M * N + M) * 2                      # measured above: up and down, per worker
+            assert worker * ITEM == read_jsonl(role_path(stats, "worker", 0))[0]["layers"][name][
+                "sent_payload"] * 2
+            node = worker * (P2 - 1) / P2 + worker * (P1 - 1) / P2
+            assert node == pytest.approx(ps_cost(M, N, P1, P2) + 2 * M * (P1 + P2 - 2) / P2)
+
+
+def _events(trace, pid, prefix):
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == pid
+            and e["name"].startswith(prefix)]
+
+
+def overlaps(trace, pid):
+    """(upper layer's sync, lower layer's backward) pairs that overlap in time on worker pid."""
+    found = []
+    syncs = _events(trace, pid, "sync ")
+    backs = _events(trace, pid, "backward ")
+    for s in syncs:
+        for b in backs:
+            if (b["args"]["iter"] == s["args"]["iter"] and b["args"]["layer"] < s["args"]["layer"]
+                    and b["ts"] < s["ts"] + s["dur"] and s["ts"] < b["ts"] + b["dur"]):
+                found.append((s["name"], b["name"]))
+    return found
+
+
+def test_timeline_shows_wfbp_overlap(data, tmp_path):
+    path = str(tmp_path / "trace.json")
+    run_threads(solver_param(conv_net(data, 8), max_iter=6), 2, 1, timeline=path)
+    with open(path, "r", encoding="utf-8") as f:
+        trace = json.load(f)
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert names == {(0, "worker 0"), (1, "worker 1")}
+    threads = {e["args"]["name"] for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e["name"] == "thread_name" and e["pid"] == 0}
+    assert "compute (forward, backward)" in threads and any(t.startswith("sync") for t in threads)
+    for pid in (0, 1):
+        assert len(_events(trace, pid, "forward")) == 6
+        assert len(_events(trace, pid, "sync ")) == 6 * 4           # conv1, conv2, ip1, ip2
+        assert overlaps(trace, pid), "no sync of an upper layer overlaps a lower layer's backward"
+
+
+def test_no_overlap_syncs_after_the_whole_backward(data, tmp_path):
+    path = str(tmp_path / "trace.json")
+    run_threads(solver_param(conv_net(data, 8), max_iter=4), 2, 1, timeline=path,
+                no_overlap=True)
+    with open(path, "r", encoding="utf-8") as f:
+        trace = json.load(f)
+    for pid in (0, 1):
+        assert overlaps(trace, pid) == []
+        for it in range(4):
+            backs = [e for e in _events(trace, pid, "backward ") if e["args"]["iter"] == it]
+            syncs = [e for e in _events(trace, pid, "sync ") if e["args"]["iter"] == it]
+            assert min(s["ts"] for s in syncs) >= max(b["ts"] + b["dur"] for b in backs) - 1
+
+
+def test_bandwidth_cap_is_applied(data, tmp_path):
+    """--bandwidth 20Mbit: every process's sends go through a 2.5 MB/s token bucket."""
+    import time
+    t0 = time.monotonic()
+    solvers = run_threads(solver_param(fc_net(data, 4), max_iter=3), 2, 1, sync="ps",
+                          bandwidth="20Mbit")
+    elapsed = time.monotonic() - t0
+    assert solvers[0].transport.bucket.rate == 2.5e6
+    # each worker pushes and the server answers ~84 kB per iteration per worker: >= 3 x 34 ms
+    assert elapsed > 0.1

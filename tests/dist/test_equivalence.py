@@ -1,0 +1,112 @@
+"""Equivalence: P1 workers of batch K (with P2 servers, any --sync, with and without overlap) end
+with the parameters of ONE process trained on the combined batch P1*K, in float64.
+
+Every role runs as a thread of this process over real ZeroMQ sockets (tests/dist/helpers.py). The
+nets: an FC-heavy one (three InnerProducts) and a cifar10_quick-style conv net, both on a small
+LMDB; 20 iterations of SGD with momentum, weight decay, lr_mult 2 biases and a step lr policy, so
+the servers' and the SFB workers' use of the solver rule (state, lr by iteration, multipliers) is
+exercised. Also: the replicas are bitwise identical to each other.
+
+Run: python -m pytest tests/dist/test_equivalence.py -q
+"""
+import itertools
+
+import numpy
+import pytest
+
+from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, reference,
+                      run_threads, solver_param)
+
+ITERS = 20
+NETS = {"fc": (fc_net, 8), "conv": (conv_net, 2)}      # builder, per-worker batch K
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("db") / "train")
+
+
+@pytest.fixture(scope="module")
+def references(data, tmp_path_factory):
+    cache = {}
+    folder = tmp_path_factory.mktemp("init")
+
+    def get(net, P1):
+        if (net, P1) not in cache:
+            build, K = NETS[net]
+            weights = str(folder / f"{net}-{P1}.caffemodel")
+            want = reference(solver_param(build(data, P1 * K), max_iter=ITERS), weights_out=weights)
+            cache[(net, P1)] = (weights, want)
+        return cache[(net, P1)]
+    return get
+
+
+CASES = list(itertools.product(["fc", "conv"], [2, 4], [1, 2], ["ps", "sfb", "hybrid"],
+                               [False, True]))
+
+
+@pytest.mark.parametrize("net,P1,P2,sync,no_overlap", CASES,
+                         ids=[f"{n}-w{a}-s{b}-{s}{'-noov' if o else ''}" for n, a, b, s, o in CASES])
+def test_equals_one_process_on_the_combined_batch(data, references, net, P1, P2, sync, no_overlap):
+    build, K = NETS[net]
+    weights, want = references(net, P1)
+    solvers = run_threads(solver_param(build(data, K), max_iter=ITERS), P1, P2, weights=weights,
+                          sync=sync, no_overlap=no_overlap)
+    schemes = {rec["name"]: rec["scheme"] for rec in solvers[0].book.layers}
+    if net == "conv":
+        assert schemes["conv1"] == schemes["conv2"] == "ps"          # whatever --sync says
+    if sync != "hybrid":
+        assert all(s == sync for n, s in schemes.items() if not n.startswith("conv"))
+    for s in solvers:
+        assert s.solver.iter == ITERS
+        assert_params_close(params_of(s), want, rtol=1e-5, label=f"{net} P1={P1} P2={P2} {sync}")
+    first = params_of(solvers[0])
+    for s in solvers[1:]:
+        for a, b in zip(params_of(s), first):
+            assert numpy.array_equal(a, b), "replicas differ"
+
+
+def test_hybrid_mixes_schemes_on_the_fc_net(data, references):
+    """At K=8, P1=4, P2=2 BestScheme sends the two big layers by SFB and the 5x24 classifier by PS."""
+    weights, _ = references("fc", 4)
+    solvers = run_threads(solver_param(fc_net(data, 8), max_iter=2), 4, 2, weights=weights)
+    schemes = [rec["scheme"] for rec in solvers[0].book.layers]
+    assert schemes == ["sfb", "sfb", "ps"]
+
+
+def test_sum_gradients_is_the_papers_sum(data, tmp_path):
+    """--sum-gradients: the update uses the SUM of the workers' gradients, i.e. one process with
+    P1 x base_lr and weight_decay / P1 (momentum SGD)."""
+    P1, K = 2, 8
+    ref = solver_param(fc_net(data, P1 * K), max_iter=6, base_lr=0.05 * P1, weight_decay=0.001 / P1)
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(ref, weights_out=weights)
+    for sync in ("ps", "sfb"):
+        solvers = run_threads(solver_param(fc_net(data, K), max_iter=6), P1, 1, weights=weights,
+                              sync=sync, sum_gradients=True)
+        assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label=f"sum {sync}")
+
+
+def test_adam_state_lives_on_servers_and_workers(data, tmp_path):
+    """A two-state rule (Adam): history kept per KV pair and per SFB layer still gives one process."""
+    P1, K = 2, 8
+    extra = dict(solver_type="Adam", base_lr=0.01, momentum=0.9, momentum2=0.999, delta=1e-8)
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(fc_net(data, P1 * K), max_iter=8, **extra), weights_out=weights)
+    solvers = run_threads(solver_param(fc_net(data, K), max_iter=8, **extra), P1, 2,
+                          weights=weights, sync="hybrid")
+    assert_params_close(params_of(solvers[1]), want, rtol=1e-5, label="adam")
+
+
+def test_iter_size_accumulates_then_syncs_once(data, tmp_path):
+    """iter_size 2: gradients of two passes accumulate, the sync runs after the last one (SFB needs
+    one pass's factors, so every layer goes by PS) and equals one process with iter_size 2."""
+    P1, K = 2, 4
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(conv_net(data, P1 * K), max_iter=6, iter_size=2),
+                     weights_out=weights)
+    solvers = run_threads(solver_param(conv_net(data, K), max_iter=6, iter_size=2), P1, 1,
+                          weights=weights)
+    assert {rec["scheme"] for rec in solvers[0].book.layers} == {"ps"}
+    assert solvers[0].book.data["grad_scale"] == 1 / (P1 * 2)
+    assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="iter_size 2")

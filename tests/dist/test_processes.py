@@ -1,0 +1,300 @@
+"""Real processes: the multi-host form on one machine (explicit --rank / mpirun's variable), a
+process SIGKILLed mid-run (launcher and multi-host), the local launcher on the digits demo net,
+and the checks that stop a job whose processes disagree.
+
+Run: python -m pytest tests/dist/test_processes.py -q
+"""
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy
+import pytest
+
+from dist.errors import DistError
+from dist.transport import free_port
+from engine.io import caffemodel, manifest
+from engine.solvers import get_solver
+
+from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, run_threads, solver_param)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in e.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    e["PYTHONUNBUFFERED"] = "1"
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        e.pop(name, None)
+    return e
+
+
+def write_solver(folder, net_text, max_iter, snapshot=0, extra=""):
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "net.prototxt").write_text(net_text)
+    (folder / "solver.prototxt").write_text(f"""
+net: "{folder / 'net.prototxt'}"
+base_lr: 0.05
+momentum: 0.9
+weight_decay: 0.001
+lr_policy: "step"
+gamma: 0.5
+stepsize: 7
+max_iter: {max_iter}
+display: 0
+snapshot: {snapshot}
+snapshot_prefix: "{folder / 'snap' / 'run'}"
+random_seed: 3
+{extra}
+""")
+    return str(folder / "solver.prototxt")
+
+
+def cli(*args):
+    return [sys.executable, "-m", "tools.cli", "train", *map(str, args)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("db") / "train")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:      # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ----- multi-host form -----------------------------------------------------------------------------
+def test_multi_host_form_with_explicit_ranks(data, tmp_path):
+    """Three separate processes, each with --coordinator and its own rank (rank 1 from mpirun's
+    OMPI_COMM_WORLD_RANK), train to the same parameters as one process on the combined batch."""
+    P1, P2, K, iters = 2, 1, 8, 8
+    ref = get_solver(solver_param(fc_net(data, P1 * K), max_iter=iters), dtype=numpy.float64)
+    weights = str(tmp_path / "init.caffemodel")
+    ref.net.save(weights)
+    ref.net.copy_from(weights)          # the file holds float32: start both runs from it
+    ref.step(iters)
+    want = [numpy.array(b.data) for b in ref.net.learnable_params]
+    ref.net.shutdown()
+
+    solver = write_solver(tmp_path / "job", fc_net(data, K), iters)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--solver", solver, "--workers", P1, "--servers", P2, "--coordinator", address,
+              "--dtype", "float64", "--weights", weights, "--timeout", 30]
+    procs = []
+    for rank in range(P1 + P2):
+        e = env()
+        args = list(common)
+        if rank == 1:
+            e["OMPI_COMM_WORLD_RANK"] = "1"          # as mpirun would set it
+        else:
+            args += ["--rank", rank]
+        procs.append(subprocess.Popen(cli(*args), env=e, cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    snap = tmp_path / "job" / "snap" / f"run_iter_{iters}.caffemodel"
+    assert snap.exists(), outs[0]
+    proto = caffemodel.read_net_proto(str(snap))
+    got = [caffemodel.proto_to_array(b) for lp in proto.layer for b in lp.blobs]
+    assert_params_close([g.reshape(w.shape) for g, w in zip(got, want)], want, rtol=1e-5,
+                        label="multi-host")
+
+
+# ----- a process killed mid-run --------------------------------------------------------------------
+def _last_snapshot(folder):
+    manifests = glob.glob(str(Path(folder) / "run_iter_*.manifest.json"))
+    assert manifests, "no complete snapshot was written before the kill"
+    last = max(manifests, key=lambda p: int(re.search(r"_iter_(\d+)\.", p).group(1)))
+    manifest.verify_manifest(last)                         # every file complete and unaltered
+    state = last.replace(".manifest.json", ".solverstate")
+    st = caffemodel.read_solverstate(state)
+    assert st.iter > 0 and len(st.history) > 0
+    assert os.path.exists(state.replace(".solverstate", ".cursors.worker-1.json"))
+    return state
+
+
+def _wait_for_snapshot(folder, procs, limit=60):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if glob.glob(str(Path(folder) / "run_iter_*.manifest.json")):
+            return
+        for p in procs:
+            assert p.poll() is None, "a process ended before the first snapshot"
+        time.sleep(0.1)
+    raise AssertionError("no snapshot within the time limit")
+
+
+def test_sigkill_under_the_launcher_stops_everyone(data, tmp_path):
+    solver = write_solver(tmp_path / "job", conv_net(data, 4), 1_000_000, snapshot=5)
+    launcher = subprocess.Popen(cli("--solver", solver, "--workers", 2, "--servers", 1),
+                                env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+    lines = []
+    pids = None
+    while pids is None:
+        line = launcher.stdout.readline().decode()
+        assert line, "launcher ended early:\n" + "".join(lines)
+        lines.append(line)
+        m = re.match(r"poseidon: worker 0 pid (\d+), worker 1 pid (\d+), server 0 pid (\d+)", line)
+        if m:
+            pids = [int(x) for x in m.groups()]
+    _wait_for_snapshot(tmp_path / "job" / "snap", [launcher])
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    out, _ = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    text = "".join(lines) + out.decode()
+    assert elapsed < 30, f"took {elapsed:.1f} s to stop"
+    assert launcher.returncode != 0
+    assert f"worker 1 (pid {pids[1]}) was killed by SIGKILL" in text
+    for who in ("worker 0", "server 0"):
+        assert re.search(rf"\[{who}\] .*stopping: .*worker 1", text), text[-3000:]
+    assert not any(alive(pid) for pid in pids), "a process was left behind"
+    _last_snapshot(tmp_path / "job" / "snap")
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["server", "worker0-with-coordinator"])
+def test_sigkill_in_a_multi_host_job(data, tmp_path, victim):
+    """No launcher: the others learn of the loss from the heartbeats and stop, naming it."""
+    solver = write_solver(tmp_path / "job", conv_net(data, 4), 1_000_000, snapshot=5)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(cli("--solver", solver, "--workers", 2, "--servers", 1,
+                                  "--coordinator", address, "--rank", r, "--heartbeat-timeout", 3),
+                              env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+             for r in range(3)]
+    try:
+        _wait_for_snapshot(tmp_path / "job" / "snap", procs)
+        procs[victim].kill()
+        t0 = time.monotonic()
+        outs = {}
+        for r, p in enumerate(procs):
+            if r != victim:
+                outs[r] = p.communicate(timeout=45)[0].decode()
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert elapsed < 30, f"took {elapsed:.1f} s to stop"
+    lost = "server 0 (rank 2)" if victim == 2 else "the coordinator (beside worker 0)"
+    for r, out in outs.items():
+        assert procs[r].returncode != 0
+        assert "stopping" in out and lost in out, out[-2000:]
+    _last_snapshot(tmp_path / "job" / "snap")
+
+
+# ----- the launcher on the demo net ----------------------------------------------------------------
+def test_launcher_trains_the_digits_demo_net(tmp_path):
+    """`poseidon train --workers 2 --servers 1` on the digits demo set and model (a test copy of
+    prototxt/digits_quick with smaller batches and 6 iterations)."""
+    from engine.io.datasets import make_digits_lmdb
+    make_digits_lmdb(str(tmp_path / "data" / "digits"))
+    net = (ROOT / "prototxt" / "digits_quick" / "train_val.prototxt").read_text()
+    net = net.replace("batch_size: 64", "batch_size: 16").replace("batch_size: 100",
+                                                                  "batch_size: 25")
+    (tmp_path / "train_val.prototxt").write_text(net)
+    solver = (ROOT / "prototxt" / "digits_quick" / "solver.prototxt").read_text()
+    for key, value in (("max_iter", 6), ("test_interval", 6), ("test_iter", 2), ("display", 3),
+                       ("snapshot", 0)):
+        solver = re.sub(rf"\n{key}: \d+", f"\n{key}: {value}", solver)
+    (tmp_path / "solver.prototxt").write_text(solver)
+    stats = tmp_path / "stats.jsonl"
+    r = subprocess.run(cli("--solver", "solver.prototxt", "--workers", 2, "--servers", 1,
+                           "--stats", stats, "--timeline", tmp_path / "trace.json"),
+                       env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, timeout=240)
+    out = r.stdout.decode()
+    assert r.returncode == 0, out[-4000:]
+    assert "[worker 0]" in out and "poseidon: all processes finished" in out
+    assert re.search(r"\[worker 0\] Final test accuracy \(net #0\): [0-9.]+", out), out[-3000:]
+    assert (tmp_path / "stats.worker-1.jsonl").exists() and (tmp_path / "stats.server-0.jsonl").exists()
+    assert (tmp_path / "trace.json").exists()
+    assert (tmp_path / "snapshots" / "digits_quick_iter_6.caffemodel").exists()
+
+
+# ----- disagreement and impossible layouts (threads: fast) --------------------------------------------
+def test_ranks_with_different_options_are_stopped_naming_both(data, tmp_path):
+    from dist.process import run_role
+    import threading
+    address = f"tcp://127.0.0.1:{free_port()}"
+    errors = {}
+
+    def role(rank, sync):
+        job = {"solver": solver_param(fc_net(data, 4), max_iter=2), "options": dict(
+            workers=2, servers=1, coordinator=address, local=True, sync=sync, timeout=20,
+            start_timeout=20, dtype="float64")}
+        try:
+            run_role(job, rank, in_thread=True)
+        except Exception as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=role, args=(r, s)) for r, s in
+               ((0, "hybrid"), (1, "ps"), (2, "hybrid"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(errors) == {0, 1, 2}
+    for e in errors.values():
+        assert isinstance(e, DistError)
+        assert "worker 0 and worker 1 were started with different options" in str(e)
+        assert "sync: 'hybrid' vs 'ps'" in str(e)
+
+
+def test_workers_with_different_networks_are_stopped(data, tmp_path):
+    from dist.process import run_role
+    import threading
+    address = f"tcp://127.0.0.1:{free_port()}"
+    errors = {}
+
+    def role(rank, classes):
+        job = {"solver": solver_param(fc_net(data, 4, classes=classes), max_iter=2),
+               "options": dict(workers=2, servers=1, coordinator=address, local=True,
+                               timeout=20, start_timeout=20, dtype="float64")}
+        try:
+            run_role(job, rank, in_thread=True)
+        except Exception as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=role, args=(r, c)) for r, c in ((0, 5), (1, 6), (2, 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(errors) == {0, 1, 2}
+    text = str(errors[2])
+    assert "worker 0 and worker 1 do not train the same network" in text and "'ip3'" in text
+
+
+def test_no_servers_refused_for_convolutions(data):
+    with pytest.raises(DistError, match=r"--servers 0 needs every layer .*'conv1' \(Convolution\)"):
+        run_threads(solver_param(conv_net(data, 2), max_iter=2), 2, 0, timeout=20)
+
+
+def test_no_servers_with_an_all_fc_net(data, tmp_path):
+    weights = str(tmp_path / "w.caffemodel")
+    ref = solver_param(fc_net(data, 8), max_iter=5)
+    from .helpers import reference, params_of
+    want = reference(ref, weights_out=weights)
+    solvers = run_threads(solver_param(fc_net(data, 4), max_iter=5), 2, 0, weights=weights)
+    assert all(rec["scheme"] == "sfb" for rec in solvers[0].book.layers)
+    assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="servers 0")

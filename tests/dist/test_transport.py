@@ -1,0 +1,124 @@
+"""The ZeroMQ transport: header encoding, payload vs header counters, zero-copy sends, deadlines
+that name what was awaited, abort, the rate cap.
+
+Run: python -m pytest tests/dist/test_transport.py -q
+"""
+import time
+
+import numpy
+import pytest
+
+from dist.errors import AbortError, DeadlineError
+from dist.roles import Roles
+from dist.transport import (FIXED_HEADER_BYTES, Msg, TokenBucket, ZmqTransport, decode_header,
+                            encode_header, parse_bandwidth)
+
+
+@pytest.fixture
+def pair():
+    roles = Roles(2, 1)
+    a = ZmqTransport(0, namer=roles.name, timeout=2.0)
+    b = ZmqTransport(2, namer=roles.name, timeout=2.0)
+    for t in (a, b):
+        t.bind("127.0.0.1")
+        t.start()
+    a.connect(2, b.address)
+    b.connect(0, a.address)
+    yield a, b
+    a.close(0)
+    b.close(0)
+
+
+def test_header_round_trip():
+    arrays = [numpy.zeros((3, 4), numpy.float32), numpy.zeros(7, numpy.float64),
+              numpy.zeros((), numpy.int64)]
+    head = encode_header(Msg.SF, 5, 123456789012, 42, -3, arrays)
+    assert len(head) == FIXED_HEADER_BYTES + 3 * 2 + 4 * 3
+    mtype, flags, sender, it, key, aux, specs = decode_header(head)
+    assert (mtype, sender, it, key, aux) == (Msg.SF, 5, 123456789012, 42, -3)
+    assert specs == [(numpy.dtype("float32"), (3, 4)), (numpy.dtype("float64"), (7,)),
+                     (numpy.dtype("int64"), ())]
+
+
+def test_payload_and_header_bytes_counted_apart(pair):
+    a, b = pair
+    big = numpy.arange(100_000, dtype=numpy.float32)          # zero-copy frame
+    small = numpy.arange(10, dtype=numpy.float64)
+    receipt = a.send(2, Msg.KV_PUSH, iteration=3, key=7, arrays=[big, small])
+    assert receipt.payload_bytes == big.nbytes + small.nbytes
+    assert receipt.header_bytes == FIXED_HEADER_BYTES + 2 * (2 + 4)
+    assert len(receipt.trackers) == 1                          # only the big frame is tracked
+    receipt.wait()
+    msg = b.receive(Msg.KV_PUSH, 7, 3)[0]
+    assert msg.sender == 0 and msg.payload_bytes == receipt.payload_bytes
+    assert msg.header_bytes == receipt.header_bytes
+    numpy.testing.assert_array_equal(msg.arrays[0], big)
+    numpy.testing.assert_array_equal(msg.arrays[1], small)
+    c_a, c_b = a.counters(), b.counters()
+    assert c_a["sent_payload"] == c_b["recv_payload"] == big.nbytes + small.nbytes
+    assert c_a["sent_header"] == c_b["recv_header"] == receipt.header_bytes
+
+
+def test_json_control_message(pair):
+    a, b = pair
+    a.send(2, Msg.QUERY, key=1, obj={"what": "cluster", "x": [1, 2]})
+    msg = b.receive(Msg.QUERY, 1, 0)[0]
+    assert msg.obj == {"what": "cluster", "x": [1, 2]}
+
+
+def test_mailbox_keys_and_sender_order(pair):
+    a, b = pair
+    b.send(0, Msg.SF, iteration=2, key=5, arrays=[numpy.ones(3)])
+    b.send(0, Msg.SF, iteration=1, key=5, arrays=[numpy.zeros(3)])
+    first = a.receive(Msg.SF, 5, 1)[0]
+    assert first.iteration == 1 and first.arrays[0].sum() == 0
+    assert a.receive(Msg.SF, 5, 2)[0].arrays[0].sum() == 3
+
+
+def test_deadline_names_what_and_whom(pair):
+    a, _ = pair
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineError) as err:
+        a.receive(Msg.KV_VALUE, 9, 4, timeout=0.3, senders=[2],
+                  what="the new values of KV pair 9 (layer 'fc7', iteration 4)")
+    assert time.monotonic() - t0 < 2
+    text = str(err.value)
+    assert "KV pair 9" in text and "layer 'fc7'" in text and "server 0 (rank 2)" in text
+
+
+def test_abort_wakes_waiters_with_the_reason(pair):
+    a, b = pair
+    b.send(0, Msg.ABORT, obj={"reason": "worker 1 was lost"})
+    with pytest.raises(AbortError, match="worker 1 was lost"):
+        a.receive(Msg.SF, 1, 1, timeout=5)
+
+
+def test_lost_peer_detected_by_silence():
+    roles = Roles(1, 1)
+    a = ZmqTransport(0, namer=roles.name, timeout=2.0, lost_after=0.3)
+    a.bind("127.0.0.1")
+    a.start()
+    a.watch(1)
+    try:
+        with pytest.raises(AbortError, match=r"lost contact with server 0 \(rank 1\)"):
+            a.receive(Msg.SF, 1, 1, timeout=5)
+    finally:
+        a.close(0)
+
+
+def test_token_bucket_caps_the_rate():
+    bucket = TokenBucket(1_000_000)           # 1 MB/s
+    t0 = time.monotonic()
+    for _ in range(5):
+        bucket.consume(100_000)
+    elapsed = time.monotonic() - t0
+    assert 0.3 < elapsed < 1.5                # 500 kB minus the 64 kB burst at 1 MB/s
+
+
+def test_parse_bandwidth():
+    assert parse_bandwidth("1Gbit") == 125e6
+    assert parse_bandwidth("10GbE") == 1.25e9
+    assert parse_bandwidth("100Mbit/s") == 12.5e6
+    assert parse_bandwidth("125MB") == 125e6
+    with pytest.raises(ValueError):
+        parse_bandwidth("fast")
