@@ -357,7 +357,9 @@ class Net:
             lout.ClearField("blobs")
             for blob in layer.blobs:
                 diff = backend.to_numpy(blob.diff) if write_diff else None
-                blob_to_proto(backend.to_numpy(blob.data), lout.blobs.add(), diff=diff)
+                # float64 nets write double_data, as Caffe's Blob<double> does: exact resumes
+                blob_to_proto(backend.to_numpy(blob.data), lout.blobs.add(), diff=diff,
+                              double=self.dtype == numpy.float64)
         return out
 
     def save(self, path):
