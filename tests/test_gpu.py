@@ -127,7 +127,8 @@ def test_training_on_cupy_matches_numpy_and_resumes_bitwise(tmp_path):
     make_digits_lmdb(str(tmp_path / "data" / "digits"))
     param = prototxt.read_solver(str(root / "prototxt" / "digits_quick" / "solver.prototxt"))
     param.net = str(root / "prototxt" / "digits_quick" / "train_val.prototxt")
-    param.max_iter, param.test_interval, param.display = 6, 0, 0
+    param.max_iter, param.test_interval, param.display = 6, 1000, 0
+    param.test_initialization = False
     param.snapshot = 3
     param.snapshot_prefix = str(tmp_path / "snap")
     import os

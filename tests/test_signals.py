@@ -28,7 +28,8 @@ def _start(tmp_path, extra=()):
     (tmp_path / "solver.prototxt").write_text(
         f'net: "{tmp_path / "net.prototxt"}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 1000000\n'
         f'display: 0\nsnapshot_prefix: "{tmp_path / "snap"}"\nrandom_seed: 1\n')
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "train", "--solver",
                              str(tmp_path / "solver.prototxt"), "--no-progress", *extra],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
