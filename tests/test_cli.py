@@ -1,0 +1,365 @@
+"""The `poseidon` command line, run as a user runs it: `python -m tools.cli ...` in a subprocess,
+in a temporary working directory, with the repository on PYTHONPATH.
+
+* `summary` on every deploy file of prototxt/ and of ../shared/caffe-models (Caffe's totals).
+* `time --iterations 1` on every deploy file of ../shared/caffe-models (Caffe's lines).
+* bad input: a non-zero exit, one clear message on stderr naming file:line or the layer, no traceback.
+* `data digits`, `mean`, `train`, `test`, and train N vs N/2 + snapshot + resume N/2 (bitwise).
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"
+NO_SHARED = f"the real Caffe files are not present ({SHARED} does not exist)"
+DIGITS_TRAIN_VAL = ROOT / "prototxt" / "digits_quick" / "train_val.prototxt"
+DIGITS_SOLVER = ROOT / "prototxt" / "digits_quick" / "solver.prototxt"
+
+
+def poseidon(*args, cwd, timeout=300):
+    """Run the `poseidon` entry point; returns the CompletedProcess (text stdout/stderr)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]]
+                                                         if env.get("PYTHONPATH") else []))
+    return subprocess.run([sys.executable, "-m", "tools.cli", *map(str, args)], cwd=str(cwd),
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result):
+    assert result.returncode == 0, (f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
+                                    f"stderr:\n{result.stderr[-3000:]}")
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def fails(result, *patterns):
+    """A clean failure: non-zero exit, no traceback, ONE error message on stderr matching patterns."""
+    assert result.returncode != 0, f"exit 0\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    err = result.stderr
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, f"expected one error line, got:\n{err}"
+    for pattern in patterns:
+        assert re.search(pattern, errors[0]), f"{pattern!r} not in {errors[0]!r}"
+    return errors[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# poseidon summary
+# ------------------------------------------------------------------------------------------------
+OWN_TOTALS = {"cifar10_quick": 145578, "alexnet": 60965224, "vgg19": 143667240,
+              "vgg19_22k": 229052817, "googlenet": 6998552, "resnet152": 60192808,
+              "inception_v3": 23834568}
+
+SHARED_DEPLOYS = {"cifar10/cifar10_quick.prototxt": 145578,
+                  "bvlc_alexnet/deploy.prototxt": 60965224,
+                  "bvlc_googlenet/deploy.prototxt": 6998552,
+                  "vgg/VGG_ILSVRC_19_layers_deploy.prototxt": 143667240,
+                  "resnet/ResNet-152-deploy.prototxt": 60192808,
+                  "inception/deploy_inception-v3.prototxt": 23834568}
+HAS_BATCHNORM = {"resnet/ResNet-152-deploy.prototxt", "inception/deploy_inception-v3.prototxt",
+                 "resnet152", "inception_v3"}
+
+ROW = re.compile(r"^(\S+)\s+(\S+)\s+.*?\s(\d+)( \(statistics\))?$")
+
+
+def check_summary(result, total, batchnorm):
+    lines = ok(result).stdout.rstrip("\n").splitlines()
+    assert lines[-1] == f"Total parameters: {total}"
+    # one row per layer: name, type, top shapes, parameter count (BatchNorm's tagged)
+    rows = [ROW.match(line) for line in lines[2:-1] if not line.startswith("Stored statistics")]
+    assert all(rows), lines
+    assert sum(int(m.group(3)) for m in rows if not m.group(4)) == total
+    tagged = [m for m in rows if m.group(4)]
+    stats_lines = [line for line in lines if line.startswith("Stored statistics")]
+    if not batchnorm:
+        assert not stats_lines and not tagged
+        return
+    # BatchNorm's stored statistics: on a line of their own, not in the total
+    assert len(stats_lines) == 1, lines[-5:]
+    stats = int(stats_lines[0].rsplit(":", 1)[1])
+    assert tagged and all(m.group(2) == "BatchNorm" for m in tagged)
+    assert stats == sum(int(m.group(3)) for m in tagged)
+
+
+@pytest.mark.parametrize("model", sorted(OWN_TOTALS))
+def test_summary_totals_of_own_deploy_files(tmp_path, model):
+    result = poseidon("summary", "--model", ROOT / "prototxt" / model / "deploy.prototxt",
+                      cwd=tmp_path)
+    check_summary(result, OWN_TOTALS[model], model in HAS_BATCHNORM)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason=NO_SHARED)
+@pytest.mark.parametrize("rel", sorted(SHARED_DEPLOYS))
+def test_summary_totals_of_real_caffe_deploy_files(tmp_path, rel):
+    result = poseidon("summary", "--model", SHARED / rel, cwd=tmp_path)
+    check_summary(result, SHARED_DEPLOYS[rel], rel in HAS_BATCHNORM)
+
+
+# ------------------------------------------------------------------------------------------------
+# poseidon time
+# ------------------------------------------------------------------------------------------------
+MS = r"\d+(\.\d+)? ms\."
+
+
+# VGG19 at batch 10 x 224 x 224 is the heavy one: forward+backward twice (Caffe's warm-up pass and
+# the timed one), about 26 s and 6.3 GB on the 2-core machine with the vectorised convolution.
+@pytest.mark.skipif(not SHARED.exists(), reason=NO_SHARED)
+@pytest.mark.parametrize("rel", [
+    "cifar10/cifar10_quick.prototxt", "bvlc_alexnet/deploy.prototxt",
+    "bvlc_googlenet/deploy.prototxt", "resnet/ResNet-152-deploy.prototxt",
+    "inception/deploy_inception-v3.prototxt", "vgg/VGG_ILSVRC_19_layers_deploy.prototxt"])
+def test_time_runs_on_real_caffe_deploy_files(tmp_path, rel):
+    result = ok(poseidon("time", "--model", SHARED / rel, "--iterations", 1, cwd=tmp_path,
+                         timeout=600))
+    lines = result.stdout.splitlines()
+    for head in ("Average Forward pass: ", "Average Backward pass: ", "Average Forward-Backward: ",
+                 "Total Time: "):
+        found = [line for line in lines if line.startswith(head)]
+        assert len(found) == 1 and re.fullmatch(re.escape(head) + MS, found[0]), found
+    assert "Average time per layer: " in lines
+    assert lines[-1] == "*** Benchmark ends ***"
+    forward = [re.fullmatch(r"\s*(\S+)\tforward: " + MS, line) for line in lines]
+    backward = [re.fullmatch(r"\s*(\S+)\tbackward: " + MS, line) for line in lines]
+    forward_layers = [m.group(1) for m in forward if m]
+    assert len(forward_layers) > 3
+    assert forward_layers == [m.group(1) for m in backward if m]
+    summary = ok(poseidon("summary", "--model", SHARED / rel, "--phase", "TRAIN", cwd=tmp_path)) \
+        if rel.startswith("cifar10") else None
+    if summary is not None:   # every layer of the net is timed
+        names = [ROW.match(line).group(1) for line in summary.stdout.splitlines()[2:-1]]
+        assert forward_layers == names
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: one clear message, no traceback
+# ------------------------------------------------------------------------------------------------
+INPUT = 'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }\n'
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_error_prototxt_syntax(tmp_path):
+    model = write(tmp_path / "bad.prototxt", 'name: "x"\n' + INPUT +
+                  'layer {\n  name: "ip"\n  type: "InnerProduct"\n  bottom: "data"\n')
+    fails(poseidon("summary", "--model", model, cwd=tmp_path), r"bad\.prototxt:\d+:\d+",
+          "not a valid net file")
+
+
+def test_error_unknown_layer_type(tmp_path):
+    model = write(tmp_path / "m.prototxt", 'name: "x"\n' + INPUT +
+                  'layer { name: "odd" type: "NoSuchType" bottom: "data" top: "odd" }\n')
+    fails(poseidon("summary", "--model", model, cwd=tmp_path), r"m\.prototxt:3:", "layer 'odd'",
+          "unknown layer type 'NoSuchType'")
+
+
+def test_error_unknown_field(tmp_path):
+    model = write(tmp_path / "m.prototxt", 'name: "x"\n' + INPUT +
+                  'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"\n'
+                  '  inner_product_param { num_outputs: 3 } }\n')
+    fails(poseidon("time", "--model", model, "--iterations", 1, cwd=tmp_path),
+          r"m\.prototxt:4:\d+", "num_outputs")
+
+
+def test_error_shape_mismatch_in_concat(tmp_path):
+    model = write(tmp_path / "m.prototxt", 'name: "x"\n'
+                  'layer { name: "a" type: "Input" top: "a" input_param { shape { dim: 2 dim: 3 '
+                  'dim: 4 dim: 4 } } }\n'
+                  'layer { name: "b" type: "Input" top: "b" input_param { shape { dim: 2 dim: 3 '
+                  'dim: 5 dim: 5 } } }\n'
+                  'layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "c" }\n')
+    fails(poseidon("summary", "--model", model, cwd=tmp_path), r"m\.prototxt:4:", "layer 'cat'",
+          "Concat", r"\(2, 3, 5, 5\)")
+
+
+def test_error_shape_mismatch_in_weights(tmp_path):
+    model = write(tmp_path / "m.prototxt", 'name: "x"\n' + INPUT +
+                  'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"\n'
+                  '  inner_product_param { num_output: 4 } }\n')
+    other = write(tmp_path / "other.prototxt", model.read_text().replace("num_output: 4",
+                                                                         "num_output: 5"))
+    from engine.net import Net
+    net = Net(str(other), "TEST")
+    net.save(str(tmp_path / "w.caffemodel"))
+    fails(poseidon("test", "--model", model, "--weights", "w.caffemodel", "--iterations", 1,
+                   cwd=tmp_path), r"w\.caffemodel", "layer 'ip'", r"\(5, 3\)", r"\(4, 3\)")
+
+
+def test_error_missing_bottom(tmp_path):
+    model = write(tmp_path / "m.prototxt", 'name: "x"\n' + INPUT +
+                  'layer { name: "ip" type: "InnerProduct" bottom: "dta" top: "ip"\n'
+                  '  inner_product_param { num_output: 3 } }\n')
+    fails(poseidon("summary", "--model", model, cwd=tmp_path), r"m\.prototxt:3:", "layer 'ip'",
+          "bottom 'dta'")
+
+
+DATA_NET = '''name: "d"
+layer { name: "data" type: "Data" top: "data" top: "label"
+  data_param { source: "%s" batch_size: 2 backend: LMDB } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+def test_error_missing_lmdb_path(tmp_path):
+    write(tmp_path / "train_val.prototxt", DATA_NET % "examples/no_such_train_lmdb")
+    write(tmp_path / "solver.prototxt", 'net: "train_val.prototxt"\nbase_lr: 0.01\n'
+          'lr_policy: "fixed"\nmax_iter: 2\nsnapshot_after_train: false\n')
+    fails(poseidon("train", "--solver", "solver.prototxt", cwd=tmp_path),
+          r"train_val\.prototxt:2:", "layer 'data'", "examples/no_such_train_lmdb",
+          "does not exist")
+
+
+def test_error_corrupt_datum(tmp_path):
+    import lmdb
+    from engine.io.datum import array_to_datum
+    env = lmdb.open(str(tmp_path / "bad_lmdb"), map_size=1 << 22)
+    with env.begin(write=True) as txn:
+        txn.put(b"00000000", array_to_datum(numpy.zeros((1, 4, 4), numpy.uint8), 1)
+                .SerializeToString())
+        txn.put(b"00000001", b"\x0a\xff\xff\xff\xff garbage")  # truncated field
+    env.close()
+    write(tmp_path / "m.prototxt", DATA_NET % "bad_lmdb")
+    error = fails(poseidon("time", "--model", "m.prototxt", "--iterations", 1, cwd=tmp_path),
+                  "layer 'data'", "record '00000001'", "bad_lmdb", "not a valid Datum")
+    assert "poseidon time: error:" in error
+
+
+def test_error_bad_command_line_values(tmp_path):
+    model = write(tmp_path / "m.prototxt", 'name: "x"\n' + INPUT)
+    fails(poseidon("time", "--model", model, "--iterations", 0, cwd=tmp_path),
+          "--iterations", "positive integer")
+    fails(poseidon("test", "--model", model, "--weights", "w", "--iterations", "-3", cwd=tmp_path),
+          "--iterations")
+    fails(poseidon("train", "--solver", "no_such_solver.prototxt", cwd=tmp_path),
+          "no_such_solver.prototxt", "does not exist")
+    fails(poseidon("summary", "--model", "no_such_model.prototxt", cwd=tmp_path),
+          "no_such_model.prototxt", "does not exist")
+
+
+# ------------------------------------------------------------------------------------------------
+# data, mean, train, test on the digits demo set
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """A working directory holding data/digits (2 shards each) made by `poseidon data digits`."""
+    work = tmp_path_factory.mktemp("digits")
+    result = poseidon("data", "digits", "data/digits", "--shards", 2, cwd=work)
+    return work, result
+
+
+def solver_copy(work, name, **fields):
+    """A copy of the digits demo solver with some fields replaced; `net` points at the repo's file."""
+    text = DIGITS_SOLVER.read_text()
+    fields.setdefault("net", f'"{DIGITS_TRAIN_VAL}"')
+    for key, value in fields.items():
+        text, n = re.subn(rf"^{key}: .*$", f"{key}: {value}", text, flags=re.M)
+        if not n:
+            text += f"{key}: {value}\n"
+    path = work / name
+    path.write_text(text)
+    return path
+
+
+def load_params(path):
+    from engine.io.caffemodel import proto_to_array, read_net_proto
+    return {(layer.name, i): proto_to_array(blob) for layer in read_net_proto(str(path)).layer
+            for i, blob in enumerate(layer.blobs)}
+
+
+def test_data_digits_and_mean(digits, tmp_path):
+    from engine.io.caffemodel import read_binaryproto
+    from engine.io.lmdb_store import ShardedReader, decode_batch, inspect_source
+    work, result = digits
+    ok(result)
+    counts = {}
+    for part in ("train", "test"):
+        kind, shards = inspect_source(str(work / "data" / "digits" / part))
+        assert kind == "folder" and len(shards) == 2
+        with ShardedReader(str(work / "data" / "digits" / part)) as reader:
+            counts[part] = len(reader)
+    assert counts == {"train": 1438, "test": 359}            # 1797 digits, 20% held out
+
+    mean = ok(poseidon("mean", work / "data" / "digits" / "train", "mean.binaryproto",
+                       cwd=tmp_path))
+    assert "Wrote mean.binaryproto (3x32x32)" in mean.stdout
+    stored = numpy.asarray(read_binaryproto(str(tmp_path / "mean.binaryproto"))).reshape(3, 32, 32)
+    with ShardedReader(str(work / "data" / "digits" / "train")) as reader:
+        images, _ = decode_batch(reader.read(len(reader)))
+    numpy.testing.assert_allclose(stored, images.mean(axis=0), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def straight20(digits):
+    """`poseidon train` for 20 iterations on the digits set, snapshotting at the end."""
+    work, _ = digits
+    solver = solver_copy(work, "straight.prototxt", max_iter=20, test_interval=10, test_iter=2,
+                         display=5, snapshot=0, snapshot_prefix='"snap/straight"')
+    return work, ok(poseidon("train", "--solver", solver, cwd=work))
+
+
+def test_train_short_run_logs_and_snapshots(straight20):
+    work, result = straight20
+    for pattern in (r"Iteration 0 .*loss = ", r"Iteration 5, lr = 0\.01",
+                    r"Iteration 10, Testing net \(#0\)", r"Test net output #0: accuracy = ",
+                    r"Snapshotting to binary proto file snap/straight_iter_20\.caffemodel",
+                    r"Optimization Done\."):
+        assert re.search(pattern, result.stderr), pattern
+    for ext in (".caffemodel", ".solverstate", ".cursors.json"):
+        assert (work / "snap" / f"straight_iter_20{ext}").exists()
+
+
+def test_test_command_prints_caffe_lines(straight20):
+    work, _ = straight20
+    result = ok(poseidon("test", "--model", DIGITS_TRAIN_VAL, "--weights",
+                         "snap/straight_iter_20.caffemodel", "--iterations", 2, cwd=work))
+    lines = result.stdout.splitlines()
+    number = r"-?\d+(\.\d+)?(e-?\d+)?"
+    for b in (0, 1):
+        assert any(re.fullmatch(rf"Batch {b}, accuracy = {number}", line) for line in lines)
+        assert any(re.fullmatch(rf"Batch {b}, loss = {number}", line) for line in lines)
+    assert any(re.fullmatch(rf"Loss: {number}", line) for line in lines)
+    accuracy = [line for line in lines if re.fullmatch(rf"accuracy = {number}", line)]
+    assert len(accuracy) == 1 and 0 <= float(accuracy[0].split("= ")[1]) <= 1
+    assert any(re.fullmatch(rf"loss = {number} \(\* 1 = {number} loss\)", line) for line in lines)
+
+
+def test_resume_via_cli_is_bitwise_identical(straight20):
+    work, _ = straight20
+    half = solver_copy(work, "half.prototxt", max_iter=10, test_interval=10, test_iter=2,
+                       display=5, snapshot=0, snapshot_prefix='"snap/half"')
+    ok(poseidon("train", "--solver", half, cwd=work))
+    resumed = solver_copy(work, "resumed.prototxt", max_iter=20, test_interval=10, test_iter=2,
+                          display=5, snapshot=0, snapshot_prefix='"snap/resumed"')
+    result = ok(poseidon("train", "--solver", resumed, "--snapshot",
+                         "snap/half_iter_10.solverstate", cwd=work))
+    assert "Restoring previous solver status from snap/half_iter_10.solverstate" in result.stderr
+    assert "Iteration 0 " not in result.stderr       # it went on from iteration 10
+    straight = load_params(work / "snap" / "straight_iter_20.caffemodel")
+    again = load_params(work / "snap" / "resumed_iter_20.caffemodel")
+    halfway = load_params(work / "snap" / "half_iter_10.caffemodel")
+    assert straight.keys() == again.keys() and len(straight) == 10
+    for key in straight:
+        assert numpy.array_equal(straight[key], again[key]), key
+    assert any(not numpy.array_equal(straight[k], halfway[k]) for k in straight)
+
+
+def test_train_digits_reaches_90_percent(digits):
+    """The README's demo (>= 95% after 1000 iterations) shortened to 300 iterations (~92%)."""
+    work, _ = digits
+    solver = solver_copy(work, "short.prototxt", max_iter=300, test_interval=300,
+                         display=100, snapshot=0, snapshot_after_train="false")
+    result = ok(poseidon("train", "--solver", solver, cwd=work))
+    final = re.search(r"Final test accuracy \(net #0\): ([\d.]+)", result.stdout)
+    assert final, result.stdout
+    assert float(final.group(1)) >= 0.90
