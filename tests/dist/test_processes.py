@@ -298,3 +298,35 @@ def test_no_servers_with_an_all_fc_net(data, tmp_path):
     solvers = run_threads(solver_param(fc_net(data, 4), max_iter=5), 2, 0, weights=weights)
     assert all(rec["scheme"] == "sfb" for rec in solvers[0].book.layers)
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="servers 0")
+
+
+# ----- convergence: 4 workers + 2 servers vs one process on the combined batch -------------------
+def _digits_run(tmp_path, name, batch, extra_args):
+    folder = tmp_path / name
+    folder.mkdir()
+    net = (ROOT / "prototxt" / "digits_quick" / "train_val.prototxt").read_text()
+    net = net.replace("batch_size: 64", f"batch_size: {batch}")
+    net = net.replace("data/digits/", str(tmp_path / "data" / "digits") + "/")
+    (folder / "train_val.prototxt").write_text(net)
+    solver = (ROOT / "prototxt" / "digits_quick" / "solver.prototxt").read_text()
+    for key, value in (("max_iter", 300), ("test_interval", 300), ("display", 100),
+                       ("snapshot", 0)):
+        solver = re.sub(rf"\n{key}: \d+", f"\n{key}: {value}", solver)
+    (folder / "solver.prototxt").write_text(solver)
+    r = subprocess.run(cli("--solver", "solver.prototxt", "--no-progress", *extra_args), env=env(),
+                       cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    out = r.stdout.decode()
+    assert r.returncode == 0, out[-3000:]
+    return float(re.findall(r"Final test accuracy \(net #0\): ([0-9.]+)", out)[-1])
+
+
+def test_four_workers_two_servers_converge_like_one_process_on_the_combined_batch(tmp_path):
+    """The digits demo set, 300 iterations (about 13 epochs of the combined batch 64)."""
+    from engine.io.datasets import make_digits_lmdb
+    make_digits_lmdb(str(tmp_path / "data" / "digits"))
+    single = _digits_run(tmp_path, "single", 64, [])
+    distributed = _digits_run(tmp_path, "dist", 16, ["--workers", 4, "--servers", 2])
+    print(f"\ntest accuracy after 300 iterations: one process (batch 64) {single:.4f}, "
+          f"4 workers x 16 + 2 servers {distributed:.4f}")
+    assert single > 0.8
+    assert abs(single - distributed) <= 0.01
