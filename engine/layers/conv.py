@@ -64,8 +64,8 @@ class _ConvCore:
     def _block(self, rows, plane, n, xp, itemsize):
         """Samples per block: the block's columns (rows x block*plane) fit COLUMN_BLOCK_BYTES
         (the whole range on CuPy, where one large GEMM is best)."""
-        if xp is not numpy:
-            return max(n, 1)
+        if xp is not numpy or parallel().workers == 1:
+            return max(n, 1)       # one thread: BLAS keeps its threads, large GEMMs are best
         return max(1, min(n, self.COLUMN_BLOCK_BYTES // max(rows * plane * itemsize, 1)))
 
     # ----- the padded input ----------------------------------------------------------------------

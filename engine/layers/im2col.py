@@ -117,10 +117,15 @@ def window_view(src, geom, out_h, out_w, xp):
 # weight gradient's long reduction gains nothing from a second thread). So the convolutions cut the
 # batch into one contiguous range of samples per core, and each range into blocks small enough that
 # a block's columns stay in that core's L2 cache; the ranges run on Python threads (numpy releases
-# the GIL in copies, ufuncs and BLAS calls) with OpenBLAS held to one thread meanwhile. Each thread
-# keeps its own scratch buffers and partial weight gradient; partials are added in thread order, so
-# results do not depend on timing. On CuPy (or with threadpoolctl missing) everything runs as one
-# range on the calling thread.
+# the GIL in copies, ufuncs and BLAS calls), and InnerProduct splits its GEMMs the same way. Each
+# thread keeps its own scratch buffers and partial weight gradient; partials are added in thread
+# order, so results do not depend on timing.
+#
+# While this runs, numpy's OpenBLAS is held to one thread for the whole process (threadpoolctl,
+# from the first layer that uses it on): OpenBLAS's own helper threads busy-wait for about 0.1 s
+# after each multi-threaded call, and one left spinning beside our threads halves their speed.
+# POSEIDON_THREADS=1 turns this off (one Python thread, BLAS threads untouched, batch-wide GEMMs);
+# so does a missing threadpoolctl. On CuPy everything runs as one range on the calling thread.
 COLUMN_BLOCK_BYTES = 1 << 20
 
 
@@ -145,15 +150,23 @@ class _Parallel:
     def __init__(self):
         self.workers = _cores()
         self._pool = None
-        self._blas = None
+        self._limit = None
         if self.workers > 1:
             try:
                 from threadpoolctl import ThreadpoolController
-                self._blas = ThreadpoolController().select(user_api="blas")
+                self._limit = ThreadpoolController().select(user_api="blas").limit(limits=1)
             except Exception:   # no threadpoolctl: cannot hold BLAS to one thread; stay serial
                 self.workers = 1
 
-    def ranges(self, n, workers):
+    def release(self):
+        """Give numpy's BLAS its threads back and run serially from now on."""
+        if self._limit is not None:
+            self._limit.restore_original_limits()
+            self._limit = None
+        self.workers = 1
+
+    @staticmethod
+    def ranges(n, workers):
         step, extra = divmod(n, workers)
         out, lo = [], 0
         for w in range(workers):
@@ -163,20 +176,22 @@ class _Parallel:
             lo = hi
         return out
 
-    def run(self, fn, n, xp):
+    def run(self, fn, n, xp, min_per_worker=1):
+        """fn(worker, lo, hi) for each range; returns the number of ranges (workers used)."""
         workers = self.workers if xp is numpy else 1
-        parts = self.ranges(n, min(workers, n))
-        if len(parts) == 1:
+        workers = max(1, min(workers, n // max(min_per_worker, 1)))
+        parts = self.ranges(n, workers)
+        if len(parts) <= 1:
             fn(0, 0, n)
             return 1
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(max_workers=self.workers - 1,
-                                            thread_name_prefix="conv")
-        with self._blas.limit(limits=1):
-            futures = [self._pool.submit(fn, w, lo, hi)
-                       for w, (lo, hi) in enumerate(parts) if w > 0]
+                                            thread_name_prefix="poseidon")
+        futures = [self._pool.submit(fn, w, lo, hi) for w, (lo, hi) in enumerate(parts) if w > 0]
+        try:
             fn(0, *parts[0])
+        finally:
             for f in futures:
                 f.result()
         return len(parts)

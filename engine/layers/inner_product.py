@@ -6,6 +6,11 @@ G is K×M (M = num_output) and the input X is K×N (N = N_in); the weight gradie
 rank-1 products: the layer's *sufficient factors*, which dist/sfb.py broadcasts instead of the gradient.
 """
 from ..layer import Layer, register
+from .im2col import parallel
+
+# Weights at least this large are multiplied by the cores at once (columns of the weight split
+# into one range per core, see im2col.parallel); smaller ones in one call.
+PARALLEL_MIN_WEIGHTS = 1 << 20
 
 
 @register("InnerProduct")
@@ -51,28 +56,59 @@ class InnerProductLayer(Layer):
         top[0].reshape(tuple(b.shape[:axis]) + (self.num_output,))
 
     # ----- the GEMMs ----------------------------------------------------------------------------
+    def _split(self, n, fn):
+        """fn(lo, hi) over ranges of [0, n) on the cores when the weight is large, else once."""
+        if self.blobs[0].count < PARALLEL_MIN_WEIGHTS:
+            fn(0, n)
+            return
+        parallel().run(lambda worker, lo, hi: fn(lo, hi), n, self.xp, min_per_worker=64)
+
     def forward(self, bottom, top):
         xp = self.xp
         x = bottom[0].data.reshape(self.k, self.n_in)           # K×N view
         y = top[0].data.reshape(self.k, self.num_output)        # K×M view
         w = self.blobs[0].data
-        xp.dot(x, w if self.transpose else w.T, out=y)          # K×M = X·Wᵀ (or X·W)
-        if self.bias_term:
-            y += self.blobs[1].data
+        wt = w if self.transpose else w.T                       # N×M
+        b = self.blobs[1].data if self.bias_term else None
+
+        def part(lo, hi):                                       # output columns lo..hi
+            xp.matmul(x, wt[:, lo:hi], out=y[:, lo:hi])         # K×M = X·Wᵀ (or X·W)
+            if b is not None:
+                y[:, lo:hi] += b[lo:hi]
+
+        self._split(self.num_output, part)
 
     def backward(self, top, propagate_down, bottom):
         xp = self.xp
         g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
         w = self.blobs[0]
-        if self.param_propagate_down[0]:
-            if self._grad_buffer is None or self._grad_buffer.shape != w.shape:
-                self._grad_buffer = xp.empty(w.shape, self.dtype)
-            w.diff += self._weight_grad(g, x, self._grad_buffer)
-        if self.bias_term and self.param_propagate_down[1]:
-            self.blobs[1].diff += g.sum(axis=0)
+        grad_w = self.param_propagate_down[0]
+        grad_b = self.bias_term and self.param_propagate_down[1]
+        if grad_w and (self._grad_buffer is None or self._grad_buffer.shape != w.shape):
+            self._grad_buffer = xp.empty(w.shape, self.dtype)
+        buf = self._grad_buffer
+
+        def params(lo, hi):                                     # outputs lo..hi
+            if grad_w:
+                if self.transpose:                              # N×M = Xᵀ·G
+                    xp.matmul(x.T, g[:, lo:hi], out=buf[:, lo:hi])
+                    w.diff[:, lo:hi] += buf[:, lo:hi]
+                else:                                           # M×N = Gᵀ·X
+                    xp.matmul(g[:, lo:hi].T, x, out=buf[lo:hi])
+                    w.diff[lo:hi] += buf[lo:hi]
+            if grad_b:
+                self.blobs[1].diff[lo:hi] += g[:, lo:hi].sum(axis=0)
+
+        if grad_w or grad_b:
+            self._split(self.num_output, params)
         if propagate_down[0]:
             dx = bottom[0].diff.reshape(self.k, self.n_in)
-            xp.dot(g, w.data.T if self.transpose else w.data, out=dx)   # K×N = G·W (or G·Wᵀ)
+            wd = w.data.T if self.transpose else w.data         # M×N
+
+            def data(lo, hi):                                   # inputs lo..hi
+                xp.matmul(g, wd[:, lo:hi], out=dx[:, lo:hi])    # K×N = G·W (or G·Wᵀ)
+
+            self._split(self.n_in, data)
 
     # ----- sufficient factors (used by dist/sfb.py) ---------------------------------------------
     def sufficient_factors(self, bottom, top):

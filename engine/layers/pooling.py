@@ -27,7 +27,7 @@ import numpy
 
 from ..backend import get_array_module
 from ..layer import Layer, register
-from .im2col import NEG_FLT_MAX, BufferCache, Geometry, offset_slices
+from .im2col import NEG_FLT_MAX, BufferCache, Geometry, offset_slices, parallel
 
 MAX, AVE, STOCHASTIC = 0, 1, 2
 CEIL, FLOOR = 0, 1
@@ -258,6 +258,7 @@ class PoolingLayer(Layer):
         self.round_mode = int(pp.round_mode)
         self.geom = Geometry(kh, kw, sh, sw, ph, pw, 1, 1)
         self.buffers = BufferCache()
+        self._worker_buffers = {}
         self._plan = None
         self._plan_key = None
 
@@ -295,6 +296,7 @@ class PoolingLayer(Layer):
             self._plan = _Plan(h, w, out_h, out_w, g, x.dtype, self.xp)
             self._plan_key = key
             self.buffers.clear()   # padded buffers keep their border only for one geometry
+            self._worker_buffers.clear()
 
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, bottom, top):
@@ -322,11 +324,23 @@ class PoolingLayer(Layer):
             self._forward_max_argmax(src, ymax, top[1].data, plan, xp)
             y[...] = ymax
             return
+        parallel().run(lambda worker, lo, hi: self._forward_grid(
+            x[lo:hi], y[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
+
+    def _wbuf(self, worker):
+        """Scratch buffers of one worker thread (one sample range each, see im2col.parallel)."""
+        buf = self._worker_buffers.get(worker)
+        if buf is None:
+            buf = self._worker_buffers[worker] = BufferCache()
+        return buf
+
+    def _forward_grid(self, x, y, plan, buffers, xp):
+        n, c = x.shape[:2]
         fill = 0 if self.method == AVE else NEG_FLT_MAX
-        phases = plan.phases(x, self.buffers, fill, xp)
+        phases = plan.phases(x, buffers, fill, xp)
         size = plan.grid_size(n, c)
         # MAX keeps its own grid of maxima for backward (the top may be changed in place later)
-        grid = self.buffers.get("grid", (size,), x.dtype, xp)
+        grid = buffers.get("grid", (size,), x.dtype, xp)
         op = xp.add if self.method == AVE else xp.maximum
         (p0, o0), rest = plan.offsets[0], plan.offsets[1:]
         grid[...] = phases[p0, o0:o0 + size]
@@ -369,12 +383,17 @@ class PoolingLayer(Layer):
         if self.method == MAX and len(top) > 1:
             self._backward_max_direct(x, dy, dx, plan, xp)
             return
+        parallel().run(lambda worker, lo, hi: self._backward_grid(
+            dy[lo:hi], dx[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
+
+    def _backward_grid(self, dy, dx, plan, buffers, xp):
+        n, c = dy.shape[:2]
         size = plan.grid_size(n, c)
         # the top gradient on the grid; the cells past out_h x out_w stay 0 (set at allocation)
-        left = self.buffers.get("dgrid", (size,), dy.dtype, xp, 0)
+        left = buffers.get("dgrid", (size,), dy.dtype, xp, 0)
         # (made zero: with a kernel smaller than the stride some phases are never written)
-        dphases = self.buffers.get("dphases", (len(plan.regions), size + plan.margin), dy.dtype,
-                                   xp, 0)
+        dphases = buffers.get("dphases", (len(plan.regions), size + plan.margin), dy.dtype,
+                              xp, 0)
         if not plan.disjoint:
             dphases.fill(0)
         if self.method == AVE:
@@ -389,11 +408,11 @@ class PoolingLayer(Layer):
         # MAX: walk the offsets in row-major order, hand the remaining gradient to the cells equal
         # to the maximum and remove it from what remains, so a later tie receives nothing.
         plan.valid(left, n, c)[...] = dy
-        phases = self.buffers.get(f"phases{NEG_FLT_MAX}", (len(plan.regions), size + plan.margin),
-                                  dy.dtype, xp, NEG_FLT_MAX)          # forward's copy of x
-        grid = self.buffers.get("grid", (size,), dy.dtype, xp)      # forward's maxima
-        equal = self.buffers.get("equal", (size,), bool, xp)
-        part = self.buffers.get("part", (size,), dy.dtype, xp)
+        phases = buffers.get(f"phases{NEG_FLT_MAX}", (len(plan.regions), size + plan.margin),
+                             dy.dtype, xp, NEG_FLT_MAX)          # forward's copy of x
+        grid = buffers.get("grid", (size,), dy.dtype, xp)        # forward's maxima
+        equal = buffers.get("equal", (size,), bool, xp)
+        part = buffers.get("part", (size,), dy.dtype, xp)
         last = len(plan.offsets) - 1
         for k, (p, off) in enumerate(plan.offsets):
             xp.equal(phases[p, off:off + size], grid, out=equal)

@@ -94,6 +94,10 @@ def clip_scale(solver_param, grads, norm_sq=None):
     return clip_factor(clip, global_norm_sq(grads) if norm_sq is None else norm_sq)
 
 
+# Parameters of at least BLOCKED_MIN elements are updated block by block (see UpdateRule.update).
+BLOCKED_MIN = 1 << 18
+BLOCK = 1 << 17
+
 # ----- per-thread scratch buffers -------------------------------------------------------------------
 _local = threading.local()
 
@@ -173,7 +177,31 @@ class UpdateRule:
                rate=None):
         """Apply one update to `value` and `state` in place. `grad` is the raw accumulated gradient
         and is used as scratch: its content afterwards is unspecified. `rate` (optional) is
-        rate(it), for callers that already computed it."""
+        rate(it), for callers that already computed it.
+
+        Large numpy parameters are updated in blocks of BLOCK elements (the handful of passes of
+        the rule then run in cache instead of main memory), the blocks split over the cores
+        (engine.layers.im2col.parallel). The rule is elementwise, so every element gets the same
+        arithmetic in the same order as an update of the whole array."""
+        if rate is None:
+            rate = self.rate(it)
+        arrays = [value, grad] + list(state)
+        if (value.size < BLOCKED_MIN or get_array_module(value) is not numpy
+                or not all(a.flags.c_contiguous and a.size == value.size for a in arrays)):
+            self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
+            return
+        from ..layers.im2col import parallel
+        flat = [a.reshape(-1) for a in arrays]
+
+        def work(worker, lo, hi):
+            for a in range(lo, hi, BLOCK):
+                b = min(a + BLOCK, hi)
+                v, g, *st = (x[a:b] for x in flat)
+                self._update(v, g, st, it, lr_mult, decay_mult, grad_scale, rate)
+
+        parallel().run(work, value.size, numpy, min_per_worker=BLOCK)
+
+    def _update(self, value, grad, state, it, lr_mult, decay_mult, grad_scale, rate):
         s = value.dtype.type
         if grad_scale != 1:
             grad *= s(grad_scale)
@@ -186,7 +214,7 @@ class UpdateRule:
                 get_array_module(value).sign(value, out=t)
                 t *= local_decay
             grad += t
-        local_rate = s(self.rate(it) if rate is None else rate) * s(lr_mult)
+        local_rate = s(rate) * s(lr_mult)
         self._step(value, grad, state, it, local_rate, s)
 
     def _step(self, value, g, state, it, local_rate, s):

@@ -276,3 +276,59 @@ def test_deconv_errors():
     with pytest.raises(LayerError, match="output would be"):
         run_forward(conv("kernel_size: 1 pad: 1", 4, kind="Deconvolution"),
                     [numpy.zeros((1, 3, 1, 1))])
+
+
+# ----- batch blocks and worker threads (im2col.parallel) -----------------------------------------
+BLOCK_CONFIGS = [c for c in CONV_CONFIGS if c[0] in ("basic", "pad_stride", "group2", "dilation2",
+                                                     "stride_dilation_group")]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", BLOCK_CONFIGS,
+                         ids=[c[0] for c in BLOCK_CONFIGS])
+def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra, kw, workers,
+                                                 monkeypatch):
+    """A batch of 7 cut into one-sample blocks on 1-3 threads: forward matches the loops, and
+    backward (weights, bias, input) matches the same layer run as one batch-wide block."""
+    from engine.layers import im2col
+    batch = (7,) + shape[1:]
+    x = numpy.random.RandomState(5).standard_normal(batch)
+    dy_seed = numpy.random.RandomState(6)
+
+    def run(block_bytes, n_workers):
+        monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(im2col.parallel(), "workers", n_workers)
+        layer = conv(extra, num_output)
+        bottom, top = run_forward(layer, [x])
+        top[0].diff[...] = dy_seed.standard_normal(top[0].shape) if not hasattr(run, "dy") \
+            else run.dy
+        run.dy = top[0].diff.copy()
+        layer.backward(top, [True], bottom)
+        return (top[0].data.copy(), bottom[0].diff.copy(),
+                [b.diff.copy() for b in layer.blobs], layer)
+
+    y1, dx1, dp1, layer = run(1, workers)
+    w = layer.blobs[0].data
+    b = layer.blobs[1].data if "bias_term: false" not in extra else None
+    numpy.testing.assert_allclose(y1, ref_conv(x, w, b, **kw), rtol=1e-10, atol=1e-10)
+    y0, dx0, dp0, _ = run(1 << 30, 1)
+    numpy.testing.assert_allclose(y1, y0, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(dx1, dx0, rtol=1e-12, atol=1e-12)
+    for a, c in zip(dp1, dp0):
+        numpy.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-10)
+
+
+def test_conv_threads_are_deterministic(monkeypatch):
+    """Same input twice on two threads with blocks: bitwise the same weight gradient."""
+    from engine.layers import im2col
+    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    x = numpy.random.RandomState(7).standard_normal((9, 3, 6, 6)).astype(numpy.float32)
+    grads = []
+    for _ in range(2):
+        layer = conv("kernel_size: 3 pad: 1", 4, dtype=numpy.float32)
+        bottom, top = run_forward(layer, [x], dtype=numpy.float32)
+        top[0].diff[...] = 1
+        layer.backward(top, [True], bottom)
+        grads.append(layer.blobs[0].diff.copy())
+    assert numpy.array_equal(grads[0], grads[1])

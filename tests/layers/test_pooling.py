@@ -258,3 +258,45 @@ ERRORS = [
 def test_errors(extra, n_tops, shape, message):
     with pytest.raises(LayerError, match=message):
         run_forward(pool(extra), [numpy.zeros(shape)], n_tops=n_tops)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("extra", ["pool: MAX kernel_size: 3 stride: 2",
+                                   "pool: MAX kernel_size: 3 stride: 1 pad: 1",
+                                   "pool: AVE kernel_size: 3 stride: 2 pad: 1",
+                                   "pool: MAX kernel_size: 2 stride: 3",
+                                   "pool: AVE kernel_size: 2 stride: 2"])
+def test_batch_split_over_threads_matches_caffe_loops(extra, workers, monkeypatch):
+    """A batch of 9 (split into sample ranges on the worker threads) against Caffe's loops, with
+    integer-valued inputs so MAX has ties."""
+    from engine.layers import im2col
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    rs = numpy.random.RandomState(3)
+    x = rs.randint(-3, 4, size=(9, 2, 7, 8)).astype(numpy.float64)
+    dy_layer = pool(extra)
+    bottom, top = run_forward(dy_layer, [x])
+    dy = rs.standard_normal(top[0].shape)
+    top[0].diff[...] = dy
+    dy_layer.backward(top, [True], bottom)
+    words = extra.split()
+    kw = dict(kh=int(words[words.index("kernel_size:") + 1]))
+    kw["kw"] = kw["kh"]
+    s = int(words[words.index("stride:") + 1]) if "stride:" in words else 1
+    p = int(words[words.index("pad:") + 1]) if "pad:" in words else 0
+    ref_top, _, ref_dx = ref_pool(x, words[1], kw["kh"], kw["kw"], s, s, p, p, dy=dy)
+    numpy.testing.assert_allclose(top[0].data, ref_top, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(bottom[0].diff, ref_dx, rtol=1e-12, atol=1e-12)
+
+
+def test_input_size_change_rebuilds_the_padded_buffers():
+    """After a reshape to another image size the padding cells are neutral again."""
+    layer = pool("pool: MAX kernel_size: 3 stride: 2")
+    rs = numpy.random.RandomState(4)
+    x1 = rs.standard_normal((2, 2, 7, 7)) + 100
+    bottom, top = run_forward(layer, [x1])
+    x2 = rs.standard_normal((2, 2, 6, 6)) - 100
+    bottom[0].reshape(x2.shape)
+    bottom[0].data[...] = x2
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    numpy.testing.assert_allclose(top[0].data, ref_pool(x2, "MAX", 3, 3, 2, 2)[0])

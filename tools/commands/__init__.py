@@ -1,7 +1,7 @@
 """One module per `poseidon` subcommand; each has `add(subparsers)` setting `run`."""
-from . import data, mean, summary, test, timing, train
+from . import bench, data, mean, summary, test, timing, train
 
 
 def register_all(sub):
-    for module in (train, test, timing, summary, data, mean):
+    for module in (train, test, timing, summary, data, mean, bench):
         module.add(sub)

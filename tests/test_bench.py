@@ -1,0 +1,53 @@
+"""`poseidon bench --quick`: the one-minute smoke run writes the JSON, the markdown table and (with
+matplotlib) the plots, with the keys the docs rely on and positive figures. No timing assertions."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_quick_writes_results(tmp_path):
+    out = tmp_path / "bench"
+    plots = importlib.util.find_spec("matplotlib") is not None
+    cmd = [sys.executable, "-m", "tools.cli", "bench", "--quick", "--out", str(out)]
+    if not plots:
+        cmd.append("--no-plots")
+    proc = subprocess.run(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    for key in ("meta", "gemm_peak", "throughput", "layers", "distributed", "targets",
+                "runtime_s"):
+        assert key in results, key
+    meta = results["meta"]
+    for key in ("command", "cpu", "cores", "numpy", "blas", "env", "threads", "runs"):
+        assert key in meta, key
+    assert set(meta["env"]) >= {"OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"}
+    assert results["gemm_peak"]["peak"] > 0
+    assert set(results["throughput"]) == {"cifar10_quick", "fc_heavy", "vgg_block"}
+    for row in results["throughput"].values():
+        assert row["engine"]["median"] > 0 and row["engine"]["min"] <= row["engine"]["max"]
+        assert len(row["engine"]["runs"]) == meta["runs"]
+        if row["torch"] is not None:
+            assert row["torch"]["median"] > 0 and row["ratio"] > 0
+        else:
+            assert row["torch_note"]
+    for net in results["layers"].values():
+        assert net["step_ms"] > 0 and net["gemm_layers_gflop"] > 0
+        convs = [r for r in net["layers"] if r["type"] in ("Convolution", "InnerProduct")]
+        assert convs and all(r["gflop_forward"] > 0 and r["peak_share"] > 0 for r in convs)
+        assert all(r["forward_ms"]["median"] >= 0 for r in net["layers"])
+    for part in ("single_node_overhead", "transport", "scaling"):
+        assert results["distributed"][part]["status"] in ("measured", "not measured", "failed")
+        if results["distributed"][part]["status"] != "measured":
+            assert results["distributed"][part]["reason"]
+    assert len(results["targets"]) == 6
+    md = (out / "results.md").read_text()
+    assert "## Targets" in md and "cifar10_quick" in md
+    if plots:
+        for name in results["plots"]:
+            assert (out / name).stat().st_size > 0
+        assert "throughput.png" in results["plots"]

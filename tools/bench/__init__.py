@@ -1,0 +1,13 @@
+"""`poseidon bench`: one command that measures the engine beside PyTorch CPU and writes the results.
+
+Parts (each a module here, each a function that returns a JSON-able dict):
+  a. throughput  - training images/s (forward + backward + update through engine.solvers) for
+                   cifar10_quick, fc_heavy and a VGG-style block, interleaved with PyTorch CPU on the
+                   same architecture, batch and thread count (torch is a benchmark-only reference);
+  b. layers      - per-layer forward/backward times and, for Convolution and InnerProduct, the share
+                   of the machine's GEMM peak measured in the same run (gemm.py);
+  c-e. dist_parts - single-node overhead of the distributed path, KV-store push+pull versus raw
+                   ZeroMQ, scaling under a bandwidth cap (through `poseidon train --workers ...`).
+report.py writes results.json, results.md and the PNG plots. env.py records the machine, the BLAS
+kernel and threads, and the environment variables that change them.
+"""

@@ -1,0 +1,134 @@
+"""What the numbers were measured on: machine, BLAS kernel and threads, the environment variables
+that change them, load; the GEMM peak; and thread limits for numpy's BLAS during a measurement."""
+import contextlib
+import datetime
+import os
+import platform
+import sys
+import time
+
+import numpy
+
+ENV_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def blas_info():
+    """numpy's BLAS: library, kernel (architecture) and thread count, from threadpoolctl when it
+    imports, else from numpy.show_config()."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        threadpoolctl = None
+    if threadpoolctl is not None:
+        pools = [p for p in threadpoolctl.threadpool_info() if p.get("user_api") == "blas"]
+        if pools:
+            p = pools[0]
+            return {"source": "threadpoolctl", "library": p.get("internal_api"),
+                    "version": p.get("version"), "kernel": p.get("architecture"),
+                    "threads": p.get("num_threads"), "threading_layer": p.get("threading_layer"),
+                    "filepath": p.get("filepath")}
+    info = {"source": "numpy.show_config", "library": None, "kernel": None, "threads": None}
+    try:
+        cfg = numpy.show_config(mode="dicts")
+        blas = cfg.get("Build Dependencies", {}).get("blas", {})
+        info.update(library=blas.get("name"), version=blas.get("version"),
+                    config=blas.get("openblas configuration"))
+    except Exception as e:  # pragma: no cover - old numpy
+        info["error"] = str(e)
+    return info
+
+
+def torch_info():
+    try:
+        import torch
+    except Exception as e:
+        return {"available": False, "reason": f"torch is not importable ({type(e).__name__}: {e})"}
+    info = {"available": True, "version": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        info["mkldnn"] = bool(torch.backends.mkldnn.is_available())
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        pass
+    return info
+
+
+def describe(argv=None):
+    return {
+        "command": " ".join(["poseidon", "bench"] + list(argv or [])),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": platform.node(), "cpu": cpu_model(), "cores": cpu_count(),
+        "python": sys.version.split()[0], "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "blas": blas_info(),
+        "env": {name: os.environ.get(name) for name in ENV_VARS},
+        "loadavg_start": _loadavg(),
+    }
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        return None
+
+
+def loadavg():
+    return _loadavg()
+
+
+@contextlib.contextmanager
+def blas_threads(n):
+    """Limit numpy's BLAS to n threads for the block (threadpoolctl; a no-op without it, then
+    the threads are what OPENBLAS_NUM_THREADS gave at start-up)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield False
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield True
+
+
+def stats(values):
+    """median / min / max (and the runs) of a list of numbers."""
+    v = sorted(float(x) for x in values)
+    return {"median": float(numpy.median(v)), "min": v[0], "max": v[-1], "runs": v}
+
+
+def gemm_peak(size=2048, runs=7, dtype=numpy.float32):
+    """GFLOP/s of a large square float32 numpy matmul (out= a preallocated array), several runs."""
+    rs = numpy.random.default_rng(0)
+    a = rs.standard_normal((size, size)).astype(dtype)
+    b = rs.standard_normal((size, size)).astype(dtype)
+    c = numpy.empty((size, size), dtype)
+    numpy.matmul(a, b, out=c)
+    flops = 2.0 * size ** 3
+    rates = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        numpy.matmul(a, b, out=c)
+        rates.append(flops / (time.perf_counter() - t) / 1e9)
+    out = stats(rates)
+    out.update(size=size, dtype=numpy.dtype(dtype).name, peak=out["max"],
+               note="GFLOP/s of a float32 matmul of two square matrices; 'peak' is the best run "
+                    "(the machine's capability: a loaded machine only lowers runs)")
+    return out

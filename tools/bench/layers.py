@@ -1,0 +1,116 @@
+"""b. Per-layer forward/backward times of the training nets and, for Convolution and InnerProduct,
+the GEMM FLOPs they do and the share of the machine's GEMM peak (measured in the same run) that
+their time represents: share = FLOPs / layer time / peak, so everything the layer does besides the
+GEMM (im2col, transposes, bias) counts against it.
+"""
+import time
+
+import numpy
+
+from . import nets
+from .env import stats
+
+
+def _sync(xp):
+    if xp is not numpy:
+        xp.cuda.Stream.null.synchronize()
+
+
+def gemm_flops(net, li):
+    """(forward FLOPs, backward FLOPs) of the GEMMs of layer li (0, 0 for other types)."""
+    layer = net.layers[li]
+    bottom, top = net.bottom_vecs[li], net.top_vecs[li]
+    t = layer.type
+    if t in ("Convolution", "Deconvolution"):
+        g = layer.geom
+        n = bottom[0].shape[0]
+        conv_in = layer.channels if t == "Convolution" else layer.num_output
+        conv_out = layer.num_output if t == "Convolution" else layer.channels
+        plane = top[0].shape[2] * top[0].shape[3] if t == "Convolution" else \
+            bottom[0].shape[2] * bottom[0].shape[3]
+        one = 2.0 * n * conv_out * (conv_in // layer.group) * g.kh * g.kw * plane * len(bottom)
+        bwd = one * (1 if layer.param_propagate_down[0] else 0)
+        bwd += one * (1 if net.bottom_need_backward[li][0] else 0)
+        return one, bwd
+    if t == "InnerProduct":
+        one = 2.0 * layer.k * layer.n_in * layer.num_output
+        bwd = one * (1 if layer.param_propagate_down[0] else 0)
+        bwd += one * (1 if net.bottom_need_backward[li][0] else 0)
+        return one, bwd
+    return 0.0, 0.0
+
+
+def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log=print):
+    out = {}
+    for bn in bench_nets:
+        # the engine runs its own threads (POSEIDON_THREADS, set by the command)
+        solver = nets.make_solver(bn, xp=xp)
+        net = solver.net
+        n_layers = len(net.layers)
+        solver.step(2)                                        # warm-up
+        fwd = [[] for _ in range(n_layers)]
+        bwd = [[] for _ in range(n_layers)]
+        upd = []
+        for _ in range(runs):
+            f = numpy.zeros(n_layers)
+            b = numpy.zeros(n_layers)
+            u = 0.0
+            for _ in range(iterations):
+                net.ClearParamDiffs()
+                for li in range(n_layers):
+                    _sync(net.xp)
+                    t = time.perf_counter()
+                    net.ForwardLayer(li)
+                    _sync(net.xp)
+                    f[li] += time.perf_counter() - t
+                for li in range(n_layers - 1, -1, -1):
+                    t = time.perf_counter()
+                    net.BackwardThrough(li)
+                    _sync(net.xp)
+                    b[li] += time.perf_counter() - t
+                t = time.perf_counter()
+                solver.apply_update()
+                solver.iter += 1
+                _sync(net.xp)
+                u += time.perf_counter() - t
+            for li in range(n_layers):
+                fwd[li].append(f[li] / iterations * 1e3)
+                bwd[li].append(b[li] / iterations * 1e3)
+            upd.append(u / iterations * 1e3)
+        rows = []
+        gemm_time = gemm_fl = 0.0
+        for li, name in enumerate(net.layer_names):
+            layer = net.layers[li]
+            ff, bf = gemm_flops(net, li)
+            row = {"name": name, "type": layer.type, "forward_ms": stats(fwd[li]),
+                   "backward_ms": stats(bwd[li])}
+            if ff:
+                tf = row["forward_ms"]["median"] / 1e3
+                tb = row["backward_ms"]["median"] / 1e3
+                row["gflop_forward"] = ff / 1e9
+                row["gflop_backward"] = bf / 1e9
+                row["gflops_forward"] = ff / tf / 1e9 if tf else None
+                row["gflops_backward"] = bf / tb / 1e9 if tb and bf else None
+                row["peak_share_forward"] = row["gflops_forward"] / peak_gflops \
+                    if row["gflops_forward"] else None
+                row["peak_share_backward"] = row["gflops_backward"] / peak_gflops \
+                    if row["gflops_backward"] else None
+                row["peak_share"] = (ff + bf) / (tf + tb) / 1e9 / peak_gflops
+                gemm_time += tf + tb
+                gemm_fl += ff + bf
+            rows.append(row)
+        update = stats(upd)
+        total_f = sum(r["forward_ms"]["median"] for r in rows)
+        total_b = sum(r["backward_ms"]["median"] for r in rows)
+        out[bn.key] = {"net": bn.title, "layers": rows, "update_ms": update,
+                       "forward_ms": total_f, "backward_ms": total_b,
+                       "step_ms": total_f + total_b + update["median"],
+                       "gemm_layers_ms": gemm_time * 1e3,
+                       "gemm_layers_gflop": gemm_fl / 1e9,
+                       "gemm_layers_peak_share": gemm_fl / gemm_time / 1e9 / peak_gflops
+                       if gemm_time else None}
+        log(f"  {bn.key}: forward {total_f:.1f} ms, backward {total_b:.1f} ms, update "
+            f"{update['median']:.1f} ms; conv/IP layers at "
+            f"{100 * (out[bn.key]['gemm_layers_peak_share'] or 0):.0f}% of the GEMM peak")
+        del solver, net
+    return out

@@ -1,0 +1,195 @@
+"""`poseidon bench`: the engine's speed beside PyTorch CPU and the distributed path's costs, in one
+command that writes results.json, results.md and PNG plots into --out (default bench-results/).
+
+    poseidon bench                      # everything (about 10-15 minutes on a 2-core machine)
+    poseidon bench --quick              # a one-minute smoke run (small batches, 2 runs, no jobs)
+    poseidon bench --parts a,b          # only throughput and per-layer times
+    poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
+
+Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
+path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth (see tools/bench/). PyTorch is a
+benchmark-only reference: without it the PyTorch columns say so; matplotlib comes with the bench
+extra (pip install -e '.[bench]'), or pass --no-plots.
+"""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.errors import PoseidonError
+
+from .common import out, positive_int
+
+PARTS = ("a", "b", "c", "d", "e")
+
+
+def add(sub):
+    p = sub.add_parser("bench", help="benchmark training speed (vs PyTorch CPU) and the "
+                                     "distributed path; writes JSON, markdown and plots")
+    p.add_argument("--out", default="bench-results", help="output folder (default bench-results/)")
+    p.add_argument("--quick", action="store_true",
+                   help="a one-minute smoke run: small batches, 2 runs, no distributed jobs")
+    p.add_argument("--runs", type=positive_int, help="runs per figure (default 5; --quick 2)")
+    p.add_argument("--threads", type=positive_int,
+                   help="BLAS / PyTorch threads (default: the cores this process may use)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="comma-separated parts to run: a throughput, b per-layer, c single-node "
+                        "overhead, d transport, e scaling (default all)")
+    p.add_argument("--bandwidth", default="1Gbit", help="send cap per process for part e")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib)")
+    p.add_argument("--unpinned", action="store_true",
+                   help="add a labelled second throughput run with OPENBLAS_CORETYPE and "
+                        "OPENBLAS_L2_SIZE unset (what a user's own machine gives)")
+    p.add_argument("--gpu", default=None, help="also run part a on this GPU: CuPy beside "
+                                               "PyTorch CUDA")
+    p.set_defaults(run=run)
+
+
+def run(args):
+    from tools.bench import env, report
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        raise PoseidonError(f"--parts: unknown part(s) {', '.join(bad)}; choose from "
+                            f"{', '.join(PARTS)}")
+    if not args.no_plots:
+        try:
+            report._pyplot()
+        except report.PlotsUnavailable as e:
+            raise PoseidonError(str(e)) from None
+    t_start = time.perf_counter()
+    runs = args.runs or (2 if args.quick else 5)
+    threads = args.threads or env.cpu_count()
+    # the engine's own threads (engine/layers/im2col.parallel: sample ranges on Python threads,
+    # numpy's BLAS held to one thread meanwhile); PyTorch gets the same count
+    os.environ["POSEIDON_THREADS"] = str(threads)
+    argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
+    meta = env.describe(argv)
+    meta.update(threads=threads, runs=runs, quick=bool(args.quick), parts=parts)
+    if not args.no_torch:
+        meta["torch"] = env.torch_info()
+    else:
+        meta["torch"] = {"available": False, "reason": "--no-torch"}
+    out(f"poseidon bench: {meta['cpu']}, {meta['cores']} cores, numpy BLAS "
+        f"{meta['blas'].get('library')} kernel {meta['blas'].get('kernel')}, {threads} threads, "
+        f"{runs} runs per figure{' (quick)' if args.quick else ''}")
+    results = {"meta": meta}
+    from tools.bench import nets
+    bench_nets = nets.all_nets(quick=args.quick)
+
+    with env.blas_threads(threads):
+        results["gemm_peak"] = env.gemm_peak(size=1024 if args.quick else 2048,
+                                             runs=3 if args.quick else 7)
+    out(f"GEMM peak: {results['gemm_peak']['peak']:.0f} GFLOP/s (best of "
+        f"{len(results['gemm_peak']['runs'])}; median {results['gemm_peak']['median']:.0f})")
+
+    if "a" in parts:
+        from tools.bench import throughput
+        out("a. training throughput (engine vs PyTorch CPU, interleaved)")
+        results["throughput"] = throughput.measure(
+            bench_nets, threads, runs=runs, run_s=0.3 if args.quick else 2.0,
+            with_torch=not args.no_torch, log=out)
+    if "b" in parts:
+        from tools.bench import layers
+        out("b. per-layer times")
+        results["layers"] = layers.measure(bench_nets, threads, results["gemm_peak"]["peak"],
+                                           runs=runs, iterations=1 if args.quick else 4, log=out)
+    dist_results = {}
+    need_dist = [p for p in ("c", "d", "e") if p in parts]
+    if need_dist:
+        from tools.bench import dist_parts
+        work = Path(args.out) / "jobs"
+        if "c" in parts:
+            out("c. single-node overhead of the distributed path")
+            if args.quick:
+                dist_results["single_node_overhead"] = dist_parts.not_measured(
+                    "skipped in --quick (it starts a distributed job)")
+            else:
+                dist_results["single_node_overhead"] = dist_parts.single_node_overhead(
+                    work, runs=runs)
+            out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
+        if "d" in parts:
+            out("d. KV-store push+pull vs raw ZeroMQ")
+            if args.quick:
+                dist_results["transport"] = dist_parts.not_measured(
+                    "skipped in --quick (it starts a distributed job)")
+            else:
+                dist_results["transport"] = dist_parts.transport(work, runs=runs)
+            out(f"  {_status(dist_results['transport'], 'ratio', '{:.0%}')}")
+        if "e" in parts:
+            out(f"e. scaling under a {args.bandwidth} cap")
+            dist_results["scaling"] = dist_parts.scaling(work, quick=args.quick,
+                                                         bandwidth=args.bandwidth)
+            out(f"  {dist_results['scaling']['status']}"
+                + (f": {dist_results['scaling'].get('reason')}"
+                   if dist_results['scaling'].get('reason') else ""))
+    for key in ("single_node_overhead", "transport", "scaling"):
+        dist_results.setdefault(key, {"status": "not measured",
+                                      "reason": "part not selected (--parts)"})
+    results["distributed"] = dist_results
+
+    if args.unpinned:
+        results["unpinned"] = _unpinned(args, threads, runs)
+    if args.gpu is not None:
+        results["gpu"] = _gpu(args, bench_nets, runs)
+
+    meta["loadavg_end"] = env.loadavg()
+    results["runtime_s"] = time.perf_counter() - t_start
+    out_dir = report.write(results, args.out, with_plots=not args.no_plots)
+    out(f"wrote {out_dir / 'results.json'}, {out_dir / 'results.md'}"
+        + (f" and {len(results['plots'])} plots" if results.get("plots") else "")
+        + f" in {results['runtime_s']:.0f} s")
+    return 0
+
+
+def _status(part, key, fmt):
+    if part.get("status") == "measured":
+        return f"{key} {fmt.format(part[key])}"
+    return f"{part.get('status')}: {part.get('reason')}"
+
+
+def _unpinned(args, threads, runs):
+    """Part a again in a child process with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset."""
+    import json
+    pinned = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    if not any(pinned.values()):
+        return {"status": "not measured",
+                "reason": "OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are already unset: the main "
+                          "run is the unpinned one"}
+    child_out = Path(args.out) / "unpinned"
+    env_vars = {k: v for k, v in os.environ.items() if k not in pinned}
+    cmd = [sys.executable, "-m", "tools.cli", "bench", "--parts", "a", "--no-plots",
+           "--out", str(child_out), "--runs", str(runs), "--threads", str(threads)]
+    if args.quick:
+        cmd.append("--quick")
+    if args.no_torch:
+        cmd.append("--no-torch")
+    out("unpinned: part a again with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset")
+    proc = subprocess.run(cmd, env=env_vars, cwd=str(Path(__file__).resolve().parents[2]))
+    if proc.returncode != 0:
+        return {"status": "failed", "reason": f"exit status {proc.returncode}"}
+    child = json.loads((child_out / "results.json").read_text())
+    return {"status": "measured", "unset": pinned, "blas": child["meta"]["blas"],
+            "gemm_peak": child["gemm_peak"], "throughput": child["throughput"]}
+
+
+def _gpu(args, bench_nets, runs):
+    from engine import backend
+    from tools.bench import throughput
+    try:
+        backend.set_mode_gpu(int(args.gpu))
+    except Exception as e:
+        return {"status": "not measured", "reason": f"no GPU: {e}"}
+    try:
+        import cupy
+        name = cupy.cuda.runtime.getDeviceProperties(int(args.gpu))["name"]
+        device = name.decode() if isinstance(name, bytes) else str(name)
+        out(f"GPU: {device}: engine on CuPy vs PyTorch CUDA")
+        thr = throughput.measure(bench_nets, 1, runs=runs, run_s=0.3 if args.quick else 2.0,
+                                 torch_device=f"cuda:{int(args.gpu)}", xp=cupy,
+                                 with_torch=not args.no_torch, log=out)
+    finally:
+        backend.set_mode_cpu()
+    return {"status": "measured", "device": device, "throughput": thr}
