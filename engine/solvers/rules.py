@@ -256,6 +256,22 @@ class Nesterov(UpdateRule):
         value -= u
 
 
+def _refuse_momentum(rule):
+    if rule.momentum != 0:
+        raise ModelError(f"solver: momentum cannot be used with {rule.type}; remove momentum "
+                         f"from the solver file")
+
+
+def _divide_by_root(value, g, h, u, local_rate, delta):
+    """w -= lr * g / (sqrt(h) + delta), with u as scratch (AdaGrad and RMSProp share this step)."""
+    xp = get_array_module(value)
+    xp.sqrt(h, out=u)
+    u += delta
+    xp.divide(g, u, out=u)
+    u *= local_rate
+    value -= u
+
+
 @_register
 class AdaGrad(UpdateRule):
     """h += g^2 ; w -= lr * g / (sqrt(h) + delta)."""
@@ -263,9 +279,7 @@ class AdaGrad(UpdateRule):
     type = "AdaGrad"
 
     def check(self):
-        if self.momentum != 0:
-            raise ModelError("solver: momentum cannot be used with AdaGrad; remove momentum "
-                             "from the solver file")
+        _refuse_momentum(self)
 
     def _step(self, value, g, state, it, local_rate, s):
         xp = get_array_module(value)
@@ -273,11 +287,7 @@ class AdaGrad(UpdateRule):
         u = _scratch(value)
         xp.multiply(g, g, out=u)
         h += u
-        xp.sqrt(h, out=u)
-        u += s(self.delta)
-        xp.divide(g, u, out=u)
-        u *= local_rate
-        value -= u
+        _divide_by_root(value, g, h, u, local_rate, s(self.delta))
 
 
 @_register
@@ -287,9 +297,7 @@ class RMSProp(UpdateRule):
     type = "RMSProp"
 
     def check(self):
-        if self.momentum != 0:
-            raise ModelError("solver: momentum cannot be used with RMSProp; remove momentum "
-                             "from the solver file")
+        _refuse_momentum(self)
         if not 0 <= self.param.rms_decay < 1:
             raise ModelError(f"solver: rms_decay should lie in [0, 1), got {self.param.rms_decay}")
 
@@ -302,11 +310,7 @@ class RMSProp(UpdateRule):
         h *= decay
         u *= s(1) - decay
         h += u
-        xp.sqrt(h, out=u)
-        u += s(self.delta)
-        xp.divide(g, u, out=u)
-        u *= local_rate
-        value -= u
+        _divide_by_root(value, g, h, u, local_rate, s(self.delta))
 
 
 @_register
