@@ -73,10 +73,8 @@ def _g(x):
 
 def worker_cursor_path(state_path, rank):
     """<prefix>_iter_N.solverstate -> <prefix>_iter_N.cursors.worker-R.json."""
-    base = state_path[:-3] if state_path.endswith(".h5") else state_path
-    if base.endswith(".solverstate"):
-        base = base[:-len(".solverstate")]
-    return f"{base}.cursors.worker-{rank}.json"
+    from engine.io.manifest import snapshot_base
+    return f"{snapshot_base(state_path)}.cursors.worker-{rank}.json"
 
 
 class DistributedSolver:

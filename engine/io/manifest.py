@@ -12,12 +12,17 @@ from ..errors import ModelError
 from .caffemodel import write_atomic
 
 
-def manifest_path(state_path):
-    """`<prefix>_iter_N.manifest.json` for `<prefix>_iter_N.solverstate[.h5]`."""
+def snapshot_base(state_path):
+    """`<prefix>_iter_N` for `<prefix>_iter_N.solverstate[.h5]`: the stem every snapshot file shares."""
     base = state_path[:-3] if state_path.endswith(".h5") else state_path
     if base.endswith(".solverstate"):
         base = base[:-len(".solverstate")]
-    return base + ".manifest.json"
+    return base
+
+
+def manifest_path(state_path):
+    """`<prefix>_iter_N.manifest.json` for `<prefix>_iter_N.solverstate[.h5]`."""
+    return snapshot_base(state_path) + ".manifest.json"
 
 
 def file_digest(path):

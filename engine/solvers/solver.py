@@ -564,10 +564,7 @@ class Solver:
 
 
 def _sidecar_path(state_path):
-    base = state_path[:-3] if state_path.endswith(".h5") else state_path
-    if base.endswith(".solverstate"):
-        base = base[:-len(".solverstate")]
-    return base + ".cursors.json"
+    return manifest.snapshot_base(state_path) + ".cursors.json"
 
 
 def _loss_suffix(weight, value):
