@@ -32,16 +32,21 @@ def _key(name):
     return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
 
 
+LOSS_KEY = _key("loss")     # the allreduce every worker makes once per iteration
+
+
 class Coordinator:
     """The coordinator service thread. `start()` binds (so a busy port fails at once) and runs."""
 
     def __init__(self, roles, bind_host, port, timeout=30.0, start_timeout=120.0, heartbeat=1.0,
-                 lost_after=10.0, log=None):
+                 lost_after=10.0, log=None, stall_warning=0.0, warn=None):
         self.roles = roles
+        self.stall_warning = float(stall_warning or 0)
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.heartbeat = heartbeat
         self.log = log or (lambda line: None)
+        self.warn = warn or self.log
         self.transport = ZmqTransport(COORDINATOR, namer=roles.name, timeout=timeout,
                                       router=True, heartbeat=heartbeat, lost_after=lost_after,
                                       name="the coordinator")
@@ -61,6 +66,14 @@ class Coordinator:
         self._barriers = {}
         self._reduces = {}
         self._gathers = {}
+        self._waits = {}              # (kind, key, seq) -> [label, group, arrived set, since, warned]
+        self._requested = None        # 'snapshot' or 'stop' (a signal), told with the next loss
+
+    def request(self, action):
+        """Have every worker snapshot or stop after the iteration whose loss is reduced next
+        (safe from a signal handler: it only sets a field)."""
+        if self._requested != "stop":
+            self._requested = action
 
     def start(self):
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
@@ -174,6 +187,8 @@ class Coordinator:
                 if handler is not None:
                     handler(msg)
             now = time.monotonic()
+            if self.stall_warning:
+                self._inspect_stalls(now)
             if now - last_beat >= self.heartbeat:
                 last_beat = now
                 for rank in range(roles.size):
@@ -187,11 +202,31 @@ class Coordinator:
     def _group(self, name):
         return self.roles.worker_ranks() if name == "workers" else list(range(self.roles.size))
 
+    def _waiting(self, kind, msg, group, arrived):
+        """Note who has arrived at a collective, for the stall inspector."""
+        k = (kind, msg.key, msg.iteration)
+        if len(arrived) == len(group):
+            self._waits.pop(k, None)
+        elif k not in self._waits:
+            name = (msg.obj or {}).get("name", msg.key) if isinstance(msg.obj, dict) else msg.key
+            now = time.monotonic()
+            self._waits[k] = [f"{kind} '{name}' (call {msg.iteration})", group, arrived, now, now]
+
+    def _inspect_stalls(self, now):
+        """One line per --stall-warning interval per collective still waiting: for whom."""
+        for entry in self._waits.values():
+            label, group, arrived, since, warned = entry
+            if now - warned >= self.stall_warning:
+                entry[4] = now
+                missing = ", ".join(self.roles.name(r) for r in group if r not in arrived)
+                self.warn(f"the coordinator: {label}: waiting {now - since:.0f} s for {missing}")
+
     def _on_barrier(self, msg):
         group = self._group((msg.obj or {}).get("group", "workers"))
         k = (msg.key, msg.iteration, tuple(group))
         arrived = self._barriers.setdefault(k, set())
         arrived.add(msg.sender)
+        self._waiting("barrier", msg, group, arrived)
         if len(arrived) == len(group):
             del self._barriers[k]
             for rank in group:
@@ -202,6 +237,7 @@ class Coordinator:
         got = self._reduces.setdefault(k, {})
         got[msg.sender] = numpy.array(msg.arrays[0], numpy.float64)
         workers = self.roles.worker_ranks()
+        self._waiting("allreduce", msg, workers, got)
         if len(got) == len(workers):
             del self._reduces[k]
             acc = got[workers[0]].copy()
@@ -213,15 +249,19 @@ class Coordinator:
                 acc += got[rank]
             if msg.aux == 0:
                 acc /= len(workers)
+            told = None
+            if msg.key == LOSS_KEY and self._requested:     # every worker acts at this iteration
+                told, self._requested = {"action": self._requested}, None
             for rank in workers:
                 self.transport.send(rank, Msg.ALLREDUCE_DONE, iteration=msg.iteration,
-                                    key=msg.key, arrays=[acc])
+                                    key=msg.key, arrays=[acc], obj=told)
 
     def _on_gather(self, msg):
         k = (msg.key, msg.iteration)
         got = self._gathers.setdefault(k, {})
-        got[msg.sender] = msg.obj
+        got[msg.sender] = msg.obj["item"]
         workers = self.roles.worker_ranks()
+        self._waiting("gather", msg, workers, got)
         if len(got) == len(workers):
             del self._gathers[k]
             items = [got[r] for r in workers]
@@ -231,6 +271,11 @@ class Coordinator:
     def _on_query(self, msg):
         q = dict(msg.obj or {})
         what = q.pop("what", "")
+        if what == "request_action":          # a signal on a rank other than worker 0
+            self.request(q.get("action"))
+            self.transport.send(msg.sender, Msg.QUERY_REPLY, iteration=msg.iteration,
+                                key=msg.key, obj={"result": True})
+            return
         try:
             result = {"result": self.book.query(what, **q)}
         except (DistError, KeyError, ValueError) as e:
@@ -268,6 +313,7 @@ class CoordinatorClient:
         self.address = address
         self.start_timeout = start_timeout
         self._seq = {}
+        self.action = None            # 'snapshot' / 'stop' told by the coordinator (signals)
         transport.connect(COORDINATOR, address)    # at once: a failure before registering is told
 
     def _next(self, name):
@@ -295,7 +341,8 @@ class CoordinatorClient:
 
     def barrier(self, name, group="workers", timeout=None):
         key, it = _key(name), self._next(("b", name))
-        self.transport.send(COORDINATOR, Msg.BARRIER, iteration=it, key=key, obj={"group": group})
+        self.transport.send(COORDINATOR, Msg.BARRIER, iteration=it, key=key,
+                            obj={"group": group, "name": name})
         self.transport.receive(Msg.BARRIER_DONE, key, it, timeout=timeout,
                                what=f"the end of barrier '{name}' (the other ranks)",
                                senders=[COORDINATOR])
@@ -305,7 +352,7 @@ class CoordinatorClient:
         key, it = _key(name), self._next(("r", name))
         vec = numpy.ascontiguousarray(numpy.asarray(vector, numpy.float64).reshape(-1))
         self.transport.send(COORDINATOR, Msg.ALLREDUCE, iteration=it, key=key,
-                            aux=0 if op == "mean" else 1, arrays=[vec], obj=None)
+                            aux=0 if op == "mean" else 1, arrays=[vec], obj={"name": name})
         msg = self.transport.receive(Msg.ALLREDUCE_DONE, key, it, timeout=timeout,
                                      what=f"the result of allreduce '{name}'",
                                      senders=[COORDINATOR])[0]
@@ -316,19 +363,22 @@ class CoordinatorClient:
         key, it = _key(name), self._next(("r", name))
         vec = numpy.ascontiguousarray(numpy.asarray(vector, numpy.float64).reshape(-1))
         self.transport.send(COORDINATOR, Msg.ALLREDUCE, iteration=it, key=key,
-                            aux=0 if op == "mean" else 1, arrays=[vec])
+                            aux=0 if op == "mean" else 1, arrays=[vec], obj={"name": name})
 
         def wait(timeout=None):
             msg = self.transport.receive(Msg.ALLREDUCE_DONE, key, it, timeout=timeout,
                                          what=f"the result of allreduce '{name}'",
                                          senders=[COORDINATOR])[0]
+            if isinstance(msg.obj, dict) and msg.obj.get("action"):
+                self.action = msg.obj["action"]
             return numpy.array(msg.arrays[0])
         return wait
 
     def gather(self, name, obj, root=0, timeout=None):
         """JSON-able obj from every worker; the list (rank order) on `root`, None elsewhere."""
         key, it = _key(name), self._next(("g", name))
-        self.transport.send(COORDINATOR, Msg.GATHER, iteration=it, key=key, aux=root, obj=obj)
+        self.transport.send(COORDINATOR, Msg.GATHER, iteration=it, key=key, aux=root,
+                            obj={"name": name, "item": obj})
         if self.transport.rank != root:
             return None
         msg = self.transport.receive(Msg.GATHER_DONE, key, it, timeout=timeout,
@@ -343,6 +393,18 @@ class CoordinatorClient:
         if "error" in msg.obj:
             raise DistError(msg.obj["error"])
         return msg.obj["result"]
+
+    def take_action(self):
+        """The snapshot/stop the coordinator told with the last loss (once), or None."""
+        action, self.action = self.action, None
+        return action
+
+    def request_action(self, action):
+        """Ask the coordinator to have every worker snapshot or stop (see Coordinator.request)."""
+        try:
+            self.query("request_action", action=action, timeout=10)
+        except DistError:
+            pass
 
     def failed(self, reason):
         """Tell the coordinator this rank cannot go on (it aborts the job, naming this rank)."""

@@ -28,16 +28,22 @@ from .roles import Roles, rank_from_environment
 from .transport import free_port, split_address
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTLE_S = 3.0          # after a failure: time the others get to stop by themselves
+SETTLE_S = 0.5          # after a failure: time the others get to stop by themselves
 GRACE_S = 5.0           # after SIGTERM: time before SIGKILL
 
 
 def job_from_args(args, options):
+    snapshot = getattr(args, "snapshot", None)
+    if getattr(args, "resume", None) == "auto":
+        snapshot = "auto"                   # rank 0 (worker 0 or this launcher) looks it up
+    elif snapshot:
+        snapshot = os.path.abspath(snapshot)
     return {"solver": os.path.abspath(args.solver) if args.solver else None,
             "weights": ",".join(os.path.abspath(p) for p in args.weights.split(","))
             if getattr(args, "weights", None) else None,
-            "snapshot": os.path.abspath(args.snapshot) if getattr(args, "snapshot", None) else None,
-            "gpu": getattr(args, "gpu", None), "options": options.as_dict()}
+            "snapshot": snapshot, "gpu": getattr(args, "gpu", None), "options": options.as_dict(),
+            "sigint_effect": getattr(args, "sigint_effect", "stop"),
+            "sighup_effect": getattr(args, "sighup_effect", "snapshot")}
 
 
 def launch(args):
@@ -53,6 +59,7 @@ def launch(args):
                                 "given to every process of the job")
         options.rank = rank
         return run_main(job_from_args(args, options), rank)
+    fixed_port = bool(options.coordinator)
     if options.coordinator:
         host, port = split_address(options.coordinator)
         if host not in ("127.0.0.1", "localhost"):
@@ -62,20 +69,31 @@ def launch(args):
     else:
         options.coordinator = f"tcp://127.0.0.1:{free_port()}"
     options.local = True
-    return LocalJob(job_from_args(args, options), options).run()
+    job = LocalJob(job_from_args(args, options), options,
+                   max_restarts=getattr(args, "max_restarts", 3) or 0)
+    job.fixed_port = fixed_port
+    return job.run()
 
 
 class LocalJob:
-    def __init__(self, job, options):
+    """The P1 + P2 children of a local job, and (with --resume auto) the restarts after a loss."""
+
+    def __init__(self, job, options, max_restarts=0):
         self.job = job
         self.options = options
+        self.resume_auto = job.get("snapshot") == "auto"
+        self.max_restarts = max_restarts if self.resume_auto else 0
+        self.fixed_port = True
         self.roles = Roles(options.workers, options.servers)
         self.children = {}
+        self.every_child = []
         self._print_lock = threading.Lock()
         self._readers = []
         self._tmp = tempfile.mkdtemp(prefix="poseidon-job-")
         self.abort_file = os.path.join(self._tmp, "abort")
         self._stopping = False
+        self._stop_requested = False       # a graceful stop (SIGINT): no restart after it
+        self._signalled = False
 
     def _say(self, line):
         with self._print_lock:
@@ -89,19 +107,23 @@ class LocalJob:
             self._say(prefix + line)
         stream.close()
 
-    def start(self):
+    def start(self, snapshot):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "")
                                                            .split(os.pathsep) if p])
         env["PYTHONUNBUFFERED"] = "1"
+        self.children = {}
+        self._readers = []
         for rank in range(self.roles.size):
-            job = dict(self.job, local_rank=rank)
+            job = dict(self.job, local_rank=rank, snapshot=snapshot,
+                       options=self.options.as_dict())
             cmd = [sys.executable, "-m", "dist.process", "--job", json.dumps(job),
                    "--rank", str(rank), "--parent-pid", str(os.getpid()),
                    "--abort-file", self.abort_file]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
             self.children[rank] = proc
+            self.every_child.append(proc)
             t = threading.Thread(target=self._pump, args=(rank, proc.stdout), daemon=True)
             t.start()
             self._readers.append(t)
@@ -142,9 +164,44 @@ class LocalJob:
                 pass
 
     def _kill_quietly(self):
-        for p in self.children.values():
+        for p in self.every_child:
             if p.poll() is None:
                 _signal_group(p, signal.SIGKILL)
+
+    def _on_signal(self, signum, frame):
+        """SIGINT / SIGHUP: Caffe's effect, carried out by the whole job at one iteration (worker
+        0 asks the coordinator, which tells every worker with the next iteration's loss); a
+        second SIGINT after a stop request, SIGTERM, or no running worker 0: stop every process."""
+        name = signal.Signals(signum).name
+        effect = {signal.SIGINT: self.job.get("sigint_effect", "stop"),
+                  signal.SIGHUP: self.job.get("sighup_effect", "snapshot")}.get(signum, "kill")
+        worker0 = self.children.get(0)
+        running = worker0 is not None and worker0.poll() is None and not self._stopping
+        if effect == "none":
+            self._say(f"poseidon: {name} ignored (--{name[3:].lower()}_effect none)")
+            return
+        if effect == "kill" or (effect == "stop" and self._stop_requested) or not running:
+            self._say(f"poseidon: {name}: stopping every process")
+            self._signalled = True
+            self.stop_all(f"the launcher was stopped by {name}")
+            raise SystemExit(128 + signum)
+        if effect == "stop":
+            self._stop_requested = True
+        self._say(f"poseidon: {name}: the job will {effect} after the current iteration"
+                  + (" (send it again to stop at once)" if effect == "stop" else ""))
+        os.kill(worker0.pid, signal.SIGUSR2 if effect == "stop" else signal.SIGUSR1)
+
+    def _newest_snapshot(self):
+        from .resume import newest_complete, snapshot_prefix
+        prefix = snapshot_prefix(self.job["solver"])
+        state = newest_complete(prefix, self.roles.workers,
+                                say=lambda line: self._say(f"poseidon: {line}"))
+        if state is None:
+            self._say(f"poseidon: no complete snapshot under {prefix}_iter_*: starting from the "
+                      f"beginning")
+        else:
+            self._say(f"poseidon: resuming from the newest complete snapshot {state}")
+        return state
 
     def run(self):
         opts = self.options
@@ -152,23 +209,28 @@ class LocalJob:
                   f"on this machine, coordinator {opts.coordinator}, --sync {opts.sync}"
                   f"{', --no-overlap' if opts.no_overlap else ''}")
         previous = {}
-
-        def on_signal(signum, frame):
-            self._say(f"poseidon: {signal.Signals(signum).name}: stopping every process")
-            self.stop_all(f"the launcher was stopped by {signal.Signals(signum).name}")
-            raise SystemExit(128 + signum)
-
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
-                previous[sig] = signal.signal(sig, on_signal)
+                previous[sig] = signal.signal(sig, self._on_signal)
             except (ValueError, OSError):     # not the main thread
                 pass
         atexit.register(self._kill_quietly)
         try:
-            self.start()
-            self._say("poseidon: " + ", ".join(f"{self.roles.short(r)} pid {p.pid}"
-                                               for r, p in self.children.items()))
-            return self._monitor()
+            snapshot = self._newest_snapshot() if self.resume_auto else self.job.get("snapshot")
+            restarts = 0
+            while True:
+                status, reason = self._attempt(snapshot)
+                if status == 0 or not self.resume_auto or self._stop_requested:
+                    return status
+                if restarts >= self.max_restarts:
+                    self._say(f"poseidon: the job failed after {restarts} restart(s) "
+                              f"(--max-restarts {self.max_restarts}): {reason}")
+                    return status
+                restarts += 1
+                self._say(f"poseidon: restart {restarts} of {self.max_restarts} after: {reason}")
+                snapshot = self._newest_snapshot()
+                if not self.fixed_port:
+                    opts.coordinator = f"tcp://127.0.0.1:{free_port()}"
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -183,6 +245,20 @@ class LocalJob:
             except OSError:
                 pass
 
+    def _attempt(self, snapshot):
+        """One start of every process; (exit status, reason of a failure or None)."""
+        self._stopping = False
+        if os.path.exists(self.abort_file):
+            os.remove(self.abort_file)
+        try:
+            self.start(snapshot)
+            self._say("poseidon: " + ", ".join(f"{self.roles.short(r)} pid {p.pid}"
+                                               for r, p in self.children.items()))
+            return self._monitor()
+        finally:
+            for t in self._readers:
+                t.join(2)
+
     def _monitor(self):
         while True:
             codes = {r: p.poll() for r, p in self.children.items()}
@@ -190,6 +266,7 @@ class LocalJob:
             if failed:
                 # several may be seen at once (the others abort quickly): a signal death is the
                 # cause rather than a consequence; otherwise the lowest rank
+                t0 = time.monotonic()
                 rank = min(failed, key=lambda r: (codes[r] > 0, r))
                 reason = self._describe_exit(rank, codes[rank])
                 self._say(f"poseidon: {reason}; stopping the other processes")
@@ -198,11 +275,15 @@ class LocalJob:
                         p.poll() is None for p in self.children.values()):
                     time.sleep(0.05)
                 self.stop_all(reason)
+                left = [p.pid for p in self.children.values() if p.poll() is None]
+                self._say(f"poseidon: every process stopped {time.monotonic() - t0:.1f} s after "
+                          f"the failure" if not left else
+                          f"poseidon: pids {left} did not stop after SIGKILL")
                 self._say(f"poseidon: the job failed: {reason}")
-                return 1
+                return 1, reason
             if all(c == 0 for c in codes.values()):
                 self._say("poseidon: all processes finished")
-                return 0
+                return 0, None
             time.sleep(0.1)
 
 

@@ -52,6 +52,10 @@ def _seconds(text):
     return value
 
 
+def _seconds_or_zero(text):
+    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+
+
 def add_dist_options(parser):
     g = parser.add_argument_group(
         "distributed training",
@@ -88,6 +92,12 @@ def add_dist_options(parser):
                    help="a process silent this long is declared lost and the job stops (default 10)")
     g.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="S",
                    help="seconds to wait for every process to register (default 120)")
+    g.add_argument("--stall-warning", type=_seconds_or_zero, default=10.0, metavar="S",
+                   help="log which ranks a wait is still waiting for every S seconds (default 10; "
+                   "0: never)")
+    g.add_argument("--max-restarts", type=_nonneg_int, default=3, metavar="N",
+                   help="with --resume auto, the local launcher restarts the whole job from the "
+                   "newest complete snapshot at most N times when a process is lost (default 3)")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="float type of the nets (float64 for equivalence tests)")
     g.add_argument("--interface", metavar="NAME|ADDR",
@@ -102,7 +112,7 @@ class DistOptions:
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
               "kv_pair_bytes": DEFAULT_PAIR_BYTES, "sum_gradients": False, "bandwidth": None,
-              "timeout": 30.0, "heartbeat_timeout": 10.0, "start_timeout": 120.0,
+              "timeout": 30.0, "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False}
 
     def __init__(self, **kw):

@@ -19,10 +19,12 @@ import traceback
 
 from engine.errors import PoseidonError
 
+from . import faults
 from .errors import AbortError
 from .options import DistOptions
 from .session import Session
 from .timeline import role_path
+from .transport import Msg
 
 ABORT_GRACE_S = 15.0
 
@@ -39,7 +41,9 @@ def _build_solver(job, session):
 def run_role(job, rank, in_thread=False, on_session=None):
     """Run rank `rank` of the job to the end. Returns the DistributedSolver (workers) or None.
 
-    job: {"solver": path or SolverParameter, "weights", "snapshot", "options": DistOptions dict}."""
+    job: {"solver": path or SolverParameter, "weights", "snapshot", "options": DistOptions dict}.
+    snapshot "auto": worker 0 resumes the newest complete snapshot, if any, and tells the others
+    (which read no snapshot file themselves: a multi-host job's snapshots are on worker 0's disk)."""
     from .worker import DistributedSolver
     options = job["options"]
     if not isinstance(options, DistOptions):
@@ -58,8 +62,14 @@ def run_role(job, rank, in_thread=False, on_session=None):
             session.close()
             return None
         solver = _build_solver(job, session)
+        snapshot = job.get("snapshot")
+        if snapshot == "auto" and rank == 0:
+            snapshot = _newest_snapshot(solver.param.snapshot_prefix, session.roles.workers, log)
         ds = DistributedSolver(solver, session)
-        ds.solve(resume_file=job.get("snapshot"))
+        if snapshot is None and job.get("snapshot") == "auto":
+            for r in session.roles.worker_ranks()[1:]:       # they wait for a cursor: none
+                session.transport.send(r, Msg.CURSOR, obj={"fresh": True})
+        ds.solve(resume_file=snapshot)
         return ds
     except AbortError:
         session.abort_close()
@@ -69,6 +79,43 @@ def run_role(job, rank, in_thread=False, on_session=None):
         session.fail(reason)
         session.abort_close()
         raise
+
+
+def _newest_snapshot(prefix, workers, log):
+    from .resume import newest_complete
+    state = newest_complete(prefix, workers, say=log.warning)
+    log.info(f"--resume auto: resuming from {state}" if state else
+             f"--resume auto: no complete snapshot under {prefix}_iter_*: starting from the "
+             f"beginning")
+    return state
+
+
+def _signal_requests(job):
+    """SIGINT / SIGHUP with Caffe's effects, SIGUSR1 (snapshot) and SIGUSR2 (stop) from the local
+    launcher: the request goes to the coordinator, which has every worker act at one iteration.
+    A second stop request stops this process at once."""
+    effects = {signal.SIGUSR1: "snapshot", signal.SIGUSR2: "stop",
+               signal.SIGINT: job.get("sigint_effect", "stop"),
+               signal.SIGHUP: job.get("sighup_effect", "snapshot")}
+    asked = set()
+
+    def install(session):
+        def handler(signum, frame):
+            action = effects[signum]
+            if action == "stop" and "stop" in asked:
+                raise KeyboardInterrupt
+            asked.add(action)
+            sys.stderr.write(f"{session.name}: {signal.Signals(signum).name}: the job will "
+                             f"{action} after the current iteration\n")
+            if session.coordinator is not None:
+                session.coordinator.request(action)
+            else:                          # not in the handler: it may interrupt a send
+                threading.Thread(target=session.client.request_action, args=(action,),
+                                 daemon=True).start()
+
+        for sig, action in effects.items():
+            signal.signal(sig, signal.SIG_IGN if action == "none" else handler)
+    return install
 
 
 def _watchdog(session):
@@ -133,7 +180,8 @@ def run_main(job, rank, parent_pid=None, abort_file=None):
             if local is None:
                 local = local_rank_from_environment(rank)
             apply_gpu(argparse.Namespace(gpu=job["gpu"]), local)
-        ds = run_role(job, rank)
+        faults.arm(roles.role(rank), roles.index(rank))
+        ds = run_role(job, rank, on_session=_signal_requests(job))
         if ds is not None and rank == 0:
             from tools.commands.train import report_final
             report_final(ds.solver)

@@ -6,9 +6,11 @@ binds this process's inbox and connects to the coordinator. On a server rank it 
 job ends and then exits the program (as ps-lite and BytePS servers do), so a training script needs
 no branch for servers. On a worker it returns the Session that `DistributedSolver` uses.
 """
+import logging
 import os
 import sys
 
+from . import faults
 from .coordinator import Coordinator, CoordinatorClient
 from .errors import DistError
 from .options import DistOptions
@@ -16,6 +18,10 @@ from .roles import COORDINATOR, Roles, rank_from_environment
 from .transport import ZmqTransport, interface_address, route_address, split_address
 
 _current = None
+
+
+def _warn(line):
+    logging.getLogger("poseidon").warning(line)
 
 
 def current():
@@ -54,10 +60,13 @@ class Session:
                                            port, timeout=options.timeout,
                                            start_timeout=options.start_timeout,
                                            lost_after=options.heartbeat_timeout,
-                                           log=self.log).start()
+                                           log=self.log, stall_warning=options.stall_warning,
+                                           warn=_warn).start()
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout)
+        self.transport.mailbox.owner = self.name               # for the stall inspector
+        self.transport.mailbox.stall_warning = options.stall_warning
         self.transport.bind(bind)
         if bind == "0.0.0.0":
             self.transport.advertise(advertise)
@@ -91,6 +100,7 @@ class Session:
 
     def register(self, info):
         """Register with the coordinator, wait for the book, connect to the peers that matter."""
+        faults.point("register")
         self.book = self.client.register(dict(info, options=self.options.shared(),
                                               pid=os.getpid()))
         peers = (range(self.roles.size) if self.is_worker else self.roles.worker_ranks())
@@ -109,6 +119,7 @@ class Session:
         from engine.solvers.rules import make_rule
         from .kvstore import KVServer
         self.transport.set_fifo(KVServer.MESSAGES)     # before the book: INIT may come at once
+        faults.watch_server(self.transport)
         book = self.register({"role": "server"})
         param = caffe_pb2.SolverParameter()
         text_format.Parse(book.data["solver"], param)

@@ -232,9 +232,22 @@ class Mailbox:
     def take(self, mtype, key, iteration, count=1, timeout=30.0, what=None, senders=None):
         """Wait for `count` messages of (type, key, iteration); returns them sorted by sender.
 
-        On the deadline raises DeadlineError naming `what` and the senders that did not answer."""
+        On the deadline raises DeadlineError naming `what` and the senders that did not answer.
+        Every `stall_warning` seconds of waiting (an attribute the session sets; 0: never) it logs
+        one line naming what is awaited and from whom (the stall inspector)."""
         k = (mtype, key, iteration)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        stall = getattr(self, "stall_warning", 0) or 0
+        warn_at = start + stall
+
+        def missing_from(box):
+            have = {m.sender for m in (box or [])}
+            missing = [s for s in (senders or []) if s not in have]
+            return (", ".join(self._namer(s) for s in missing) if missing
+                    else f"{count - len(have)} sender(s)")
+
+        label = what or f"{getattr(Msg(mtype), 'name', mtype)} key {key} iteration {iteration}"
         with self._cond:
             while True:
                 if self._error is not None:
@@ -247,16 +260,22 @@ class Mailbox:
                         del self._boxes[k]
                     got.sort(key=lambda m: m.sender)
                     return got
-                left = None if deadline is None else deadline - time.monotonic()
+                now = time.monotonic()
+                left = None if deadline is None else deadline - now
                 if left is not None and left <= 0:
-                    have = {m.sender for m in (box or [])}
-                    missing = [s for s in (senders or []) if s not in have]
-                    source = (", ".join(self._namer(s) for s in missing) if missing
-                              else f"{count - len(have)} sender(s)")
-                    label = what or f"{Msg(mtype).name} key {key} iteration {iteration}"
                     raise DeadlineError(f"timed out after {timeout:g} s waiting for {label} "
-                                        f"from {source} (raise --timeout if the peers are just slow)")
-                self._cond.wait(left if left is None else min(left, 1.0))
+                                        f"from {missing_from(box)} (raise --timeout if the peers "
+                                        f"are just slow)")
+                if stall and now >= warn_at:
+                    warn_at = now + stall
+                    where = ("" if COORDINATOR in (senders or [])
+                             else f"iteration {iteration}: ")
+                    got = f"; got {len(box or [])} of {count}" if count > 1 else ""
+                    import logging
+                    logging.getLogger("poseidon").warning(
+                        f"{getattr(self, 'owner', None) or 'this process'}: {where}waiting "
+                        f"{now - start:.0f} s for {label} from {missing_from(box)}{got}")
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
 
     def next(self, timeout=None):
         """The next FIFO message, or None after `timeout` seconds (None: wait for ever)."""

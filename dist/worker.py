@@ -29,6 +29,7 @@ import numpy
 from engine import backend, rng
 from engine.errors import ModelError
 
+from . import faults
 from .book import describe_net
 from .errors import DistError
 from .session import current
@@ -177,8 +178,10 @@ class DistributedSolver:
         self._started = True
         if self.rank == 0:
             self._init_servers()
+            faults.point("init", self.solver.iter)
             self._send_state()
         else:
+            faults.point("init", self.solver.iter)
             self._receive_state()
         self.client.barrier("start", timeout=self._slow)
 
@@ -247,6 +250,7 @@ class DistributedSolver:
             last = p == n - 1
             t0 = time.time()
             total += net.Forward()
+            faults.point("forward", it)
             t1 = time.time()
             tl.event("forward", "forward", t0, t1, thread="compute", args={"iter": it})
             if last:
@@ -264,6 +268,7 @@ class DistributedSolver:
                 if last and overlap and li in self.syncers:
                     ready = record_event(net.xp)
                     futures.append(self.pool.submit(self.syncers[li].sync, it, ready))   # WFBP
+                    faults.point("backward", it)
         if not overlap:
             ready = record_event(net.xp)
             for li in sorted(self.syncers, reverse=True):
@@ -275,6 +280,9 @@ class DistributedSolver:
         except DistError:
             self._drain()
             raise
+        action = self.client.take_action()         # a signal: every worker at this iteration
+        if action:
+            s.request(action)
         self._iter_info["loss"] = loss
         return loss
 
@@ -291,6 +299,7 @@ class DistributedSolver:
         if p.display and it % p.display == 0:
             log.info(f"Iteration {it}, lr = {_g(self.rule.rate(it))}")
         t0 = time.time()
+        faults.point("barrier", it)
         done, _ = wait(self._pending, timeout=None, return_when=FIRST_EXCEPTION)
         errors = [f.exception() for f in done if f.exception() is not None]
         if errors:
@@ -362,6 +371,7 @@ class DistributedSolver:
                 for acc, v in zip(sums, values):
                     acc += v
         local = numpy.concatenate([[loss]] + (sums or [])) / n
+        faults.point("test", s.iter)
         mean = self.client.allreduce(f"test-{i}", local, timeout=self._slow)
         if p.test_compute_loss:
             log.info(f"Test loss: {_g(mean[0])}")
@@ -414,6 +424,7 @@ class DistributedSolver:
         with the servers' history, worker 0's cursors), one cursor file per other worker (sent to
         worker 0), and the engine's manifest over all of them, written last."""
         s = self.solver
+        faults.point("snapshot", s.iter)
         self._average_statistics()
         cursors = self.client.gather("cursors", self._cursor_state(), timeout=self._slow)
         state_file = None
@@ -427,6 +438,7 @@ class DistributedSolver:
             log.info(f"Distributed snapshot at iteration {s.iter}: {state_file} (+ cursor files "
                      f"of {self.roles.workers - 1} other worker(s))")
         self.client.barrier("snapshot", timeout=self._slow)
+        faults.point("snapshot-done", s.iter)
         return state_file
 
     def _write_manifest(self, state_file, extra_files=()):
@@ -438,6 +450,7 @@ class DistributedSolver:
             path = worker_cursor_path(state_file, cursor["rank"])
             caffemodel.write_atomic(path, json.dumps(cursor).encode("utf-8"))
             extra.append(path)
+        faults.point("snapshot-files", self.solver.iter)
         return self._engine["write_manifest"](state_file, extra)
 
     def _restore(self, path):
@@ -462,6 +475,8 @@ class DistributedSolver:
         else:
             state = t.receive(Msg.CURSOR, 0, 0, timeout=self._slow, senders=[0],
                               what="this worker's data cursor from worker 0's snapshot")[0].obj
+            if state.get("fresh"):                 # --resume auto found no snapshot
+                return
             s.iter = int(state["iter"])
             if state.get("rng") is not None:
                 rng.set_state(state["rng"])

@@ -5,6 +5,8 @@
     poseidon train --demo [--workers 2 --servers 1]                # the embedded digits demo
 
 With --workers/--servers (or --coordinator/--rank on each host) the run is distributed: see dist/.
+SIGINT and SIGHUP have Caffe's effects (--sigint_effect stop, --sighup_effect snapshot) on one
+process and on a distributed job alike (there every worker acts at the same iteration).
 """
 import os
 from pathlib import Path
@@ -24,6 +26,11 @@ def add(sub):
     p.add_argument("--workdir", default="poseidon-demo", help="where --demo puts data and snapshots")
     p.add_argument("--weights", help="comma-separated .caffemodel files to initialise from")
     p.add_argument("--snapshot", help=".solverstate (or .h5) to resume from")
+    p.add_argument("--resume", choices=("auto",),
+                   help="auto: resume from the newest complete snapshot of the solver's "
+                        "snapshot_prefix if there is one (re-running a crashed command); a local "
+                        "distributed job is also restarted from it when a process is lost, up to "
+                        "--max-restarts times")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--sigint_effect", "--sigint-effect", default="stop",
                    choices=("stop", "snapshot", "none"),
@@ -66,6 +73,8 @@ def run(args):
         raise PoseidonError("give --solver SOLVER.prototxt (or --demo for the built-in example)")
     if args.weights and args.snapshot:
         raise PoseidonError("give either --weights or --snapshot, not both")
+    if args.resume and args.snapshot:
+        raise PoseidonError("give either --snapshot or --resume auto, not both")
     if is_distributed(args):
         from dist.launch import launch
         return launch(args)
@@ -73,6 +82,12 @@ def run(args):
     apply_gpu(args)
     from engine.solvers import get_solver
     solver = get_solver(args.solver, progress=not args.no_progress)
+    if args.resume == "auto":
+        from dist.resume import newest_complete
+        args.snapshot = newest_complete(solver.param.snapshot_prefix,
+                                        say=lambda line: out(f"--resume auto: {line}"))
+        out(f"--resume auto: resuming from {args.snapshot}" if args.snapshot else
+            "--resume auto: no complete snapshot yet: starting from the beginning")
     if args.weights:
         for path in args.weights.split(","):
             solver.net.copy_from(path)

@@ -1,0 +1,69 @@
+"""`--resume auto`: find the newest COMPLETE snapshot of a solver's snapshot_prefix.
+
+A snapshot counts only when its manifest (written last) is there and every file it names still
+matches its checksum; a newer set torn by a crash (files without a manifest, or a file cut short)
+is skipped with a line saying why. A distributed snapshot must also carry a cursor file for every
+other worker of this job (the data cursors are per shard), else it belongs to a run with another
+worker count and is skipped too. Only rank 0 (the local launcher, or worker 0 of a multi-host
+job) looks: the snapshot lives on worker 0's disk and worker 0 hands the others their state.
+"""
+import glob
+import os
+import re
+
+from engine.errors import ModelError
+from engine.io import manifest
+
+_ITER = re.compile(r"_iter_(\d+)\.(manifest\.json|caffemodel(\.h5)?|solverstate(\.h5)?)$")
+
+
+def snapshot_prefix(solver_path):
+    """The snapshot_prefix the engine will use for this solver file (Caffe's defaults applied)."""
+    from engine.solvers.solver import _read_solver, _upgrade_snapshot_prefix
+    param = _read_solver(solver_path)
+    _upgrade_snapshot_prefix(param, solver_path)
+    return param.snapshot_prefix
+
+
+def _state_file(manifest_file):
+    import json
+    with open(manifest_file, "r", encoding="utf-8") as f:
+        entries = json.load(f)["files"]
+    folder = os.path.dirname(os.path.abspath(manifest_file))
+    for entry in entries:
+        if entry["file"].endswith((".solverstate", ".solverstate.h5")):
+            return os.path.join(folder, entry["file"]), [e["file"] for e in entries]
+    raise ModelError(f"{manifest_file}: names no .solverstate file")
+
+
+def newest_complete(prefix, workers=1, say=print):
+    """The .solverstate of the newest complete snapshot under `prefix`, or None. `say` gets one
+    line per newer snapshot that was skipped and why."""
+    found, unlisted = [], set()
+    for path in glob.glob(glob.escape(prefix) + "_iter_*"):
+        m = _ITER.search(path)
+        if m and path[:m.start()] == prefix:
+            if m.group(2) == "manifest.json":
+                found.append((int(m.group(1)), path))
+            else:
+                unlisted.add(int(m.group(1)))
+    unlisted -= {it for it, _ in found}
+    for it, path in sorted(found + [(it, None) for it in unlisted], reverse=True):
+        if path is None:
+            say(f"skipping the snapshot of iteration {it}: it has no manifest (a crash while it "
+                f"was being written)")
+            continue
+        try:
+            manifest.verify_manifest(path)
+            state, files = _state_file(path)
+        except (ModelError, OSError, ValueError, KeyError) as e:
+            say(f"skipping the snapshot of iteration {it}: {e}")
+            continue
+        base = os.path.basename(manifest.snapshot_base(state))
+        missing = [r for r in range(1, workers) if f"{base}.cursors.worker-{r}.json" not in files]
+        if missing:
+            say(f"skipping the snapshot of iteration {it} ({path}): it has no cursor file for "
+                f"worker {missing[0]} (written by a run with another worker count)")
+            continue
+        return state
+    return None
