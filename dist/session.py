@@ -9,11 +9,13 @@ no branch for servers. On a worker it returns the Session that `DistributedSolve
 import logging
 import os
 import sys
+import threading
 
 from . import faults
 from .coordinator import Coordinator, CoordinatorClient
 from .errors import DistError
 from .options import DistOptions
+from .stalls import watch_server
 from .roles import COORDINATOR, Roles, rank_from_environment
 from .transport import ZmqTransport, interface_address, route_address, split_address
 
@@ -126,7 +128,12 @@ class Session:
         server = KVServer(self.transport, book, self.roles, make_rule(param),
                           stats_path=stats_path, log=self.log)
         self.log(f"{self.name}: {len(server.pairs)} KV pairs, {server.bytes_held() / 1e6:.2f} MB")
-        server.run()
+        stop = threading.Event()
+        watch_server(server, self.options.stall_warning, self.name, self.roles.name, _warn, stop)
+        try:
+            server.run()
+        finally:
+            stop.set()
         return server
 
     def fail(self, reason):

@@ -164,8 +164,8 @@ def test_stall_inspector_names_the_stopped_process(solver, tmp_path):
         for victim, name in ((pids[1], r"worker 1"), (pids[2], r"server 0 \(rank 2\)")):
             since = len(out.lines)
             os.kill(victim, signal.SIGSTOP)
-            try:
-                line = out.wait_for(rf"waiting [2-9] s for .* from {name}", limit=20, since=since)
+            try:     # whoever waits on it directly names it (a peer, the server, the coordinator)
+                line = out.wait_for(rf"waiting [2-9] s for (.* from )?{name}", limit=20, since=since)
             finally:
                 os.kill(victim, signal.SIGCONT)
             print("\n" + line.rstrip())
@@ -179,10 +179,8 @@ def test_stall_inspector_names_the_stopped_process(solver, tmp_path):
             proc.kill()
     text = out.text()
     assert proc.returncode == 0, text[-3000:]
-    assert re.search(r"worker 0: iteration \d+: waiting \d+ s for the sufficient factors of layer "
-                     r"'ip\d' for iteration \d+ from worker 1", text), text[-3000:]
-    assert re.search(r"waiting \d+ s for the new values of KV pair \d+ \(layer '\w+', iteration "
-                     r"\d+\) from server 0 \(rank 2\)", text), text[-3000:]
+    assert re.search(r"worker [01]: iteration \d+: waiting \d+ s for the new values of KV pair \d+ "
+                     r"\(layer '\w+', iteration \d+\) from server 0 \(rank 2\)", text), text[-3000:]
 
 
 def test_coordinator_stall_lines_name_the_ranks_a_collective_waits_for():
