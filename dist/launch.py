@@ -6,9 +6,17 @@ on a free loopback port, and:
 - when a child fails or is killed, writes the reason where the others' SIGTERM handlers read it,
   gives them a moment to stop on their own (the coordinator aborts the job), then SIGTERMs and
   after a grace period SIGKILLs the rest, and exits non-zero naming the lost role and rank;
-- runs each child in its own process group, kills them all when it exits or is signalled itself,
-  and the children die with it if it is SIGKILLed (parent-death signal), so none is orphaned.
-Multi-host mode runs the one role of this process in-process (mpirun/srun start the others).
+- runs each child in its own process group, kills them all when it exits (or on SIGTERM, or a
+  second SIGINT), and the children die with it if it is SIGKILLed (parent-death signal), so none
+  is orphaned;
+- with --resume auto, starts from the newest complete snapshot (dist/resume.py) and, when a
+  process is lost, stops everyone and starts the whole job again from the newest complete
+  snapshot, up to --max-restarts times, then fails naming the cause;
+- turns SIGINT / SIGHUP into Caffe's effect (--sigint_effect, --sighup_effect): SIGUSR2 (stop) or
+  SIGUSR1 (snapshot) to worker 0, whose coordinator has every worker act at the same iteration.
+Multi-host mode runs the one role of this process in-process (mpirun/srun start the others);
+there a re-run of the same command with --resume auto is the restart (worker 0 picks the
+snapshot).
 """
 import atexit
 import json
@@ -192,8 +200,11 @@ class LocalJob:
         os.kill(worker0.pid, signal.SIGUSR2 if effect == "stop" else signal.SIGUSR1)
 
     def _newest_snapshot(self):
-        from .resume import newest_complete, snapshot_prefix
-        prefix = snapshot_prefix(self.job["solver"])
+        from .resume import newest_complete, snapshot_settings
+        prefix, interval = snapshot_settings(self.job["solver"])
+        if not interval:
+            self._say("poseidon: the solver sets no snapshot interval (snapshot: N), so --resume "
+                      "auto can only restart from a snapshot of an earlier run or the beginning")
         state = newest_complete(prefix, self.roles.workers,
                                 say=lambda line: self._say(f"poseidon: {line}"))
         if state is None:

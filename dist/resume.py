@@ -3,8 +3,9 @@
 A snapshot counts only when its manifest (written last) is there and every file it names still
 matches its checksum; a newer set torn by a crash (files without a manifest, or a file cut short)
 is skipped with a line saying why. A distributed snapshot must also carry a cursor file for every
-other worker of this job (the data cursors are per shard), else it belongs to a run with another
-worker count and is skipped too. Only rank 0 (the local launcher, or worker 0 of a multi-host
+other worker of this job, and no more (the data cursors are per shard), else it belongs to a run
+with another worker count and is skipped too (one process, workers=None, takes any: it can
+restore a distributed snapshot's weights and solver state). Only rank 0 (the local launcher, or worker 0 of a multi-host
 job) looks: the snapshot lives on worker 0's disk and worker 0 hands the others their state.
 """
 import glob
@@ -17,12 +18,12 @@ from engine.io import manifest
 _ITER = re.compile(r"_iter_(\d+)\.(manifest\.json|caffemodel(\.h5)?|solverstate(\.h5)?)$")
 
 
-def snapshot_prefix(solver_path):
-    """The snapshot_prefix the engine will use for this solver file (Caffe's defaults applied)."""
+def snapshot_settings(solver_path):
+    """(snapshot_prefix as the engine will use it, Caffe's defaults applied; snapshot interval)."""
     from engine.solvers.solver import _read_solver, _upgrade_snapshot_prefix
     param = _read_solver(solver_path)
     _upgrade_snapshot_prefix(param, solver_path)
-    return param.snapshot_prefix
+    return param.snapshot_prefix, param.snapshot
 
 
 def _state_file(manifest_file):
@@ -36,9 +37,9 @@ def _state_file(manifest_file):
     raise ModelError(f"{manifest_file}: names no .solverstate file")
 
 
-def newest_complete(prefix, workers=1, say=print):
-    """The .solverstate of the newest complete snapshot under `prefix`, or None. `say` gets one
-    line per newer snapshot that was skipped and why."""
+def newest_complete(prefix, workers=None, say=print):
+    """The .solverstate of the newest complete snapshot under `prefix` for a job of `workers`
+    workers (None: one process), or None. `say` gets one line per newer snapshot skipped and why."""
     found, unlisted = [], set()
     for path in glob.glob(glob.escape(prefix) + "_iter_*"):
         m = _ITER.search(path)
@@ -60,10 +61,12 @@ def newest_complete(prefix, workers=1, say=print):
             say(f"skipping the snapshot of iteration {it}: {e}")
             continue
         base = os.path.basename(manifest.snapshot_base(state))
-        missing = [r for r in range(1, workers) if f"{base}.cursors.worker-{r}.json" not in files]
-        if missing:
-            say(f"skipping the snapshot of iteration {it} ({path}): it has no cursor file for "
-                f"worker {missing[0]} (written by a run with another worker count)")
+        cursors = {int(m.group(1)) for f in files
+                   for m in [re.fullmatch(re.escape(base) + r"\.cursors\.worker-(\d+)\.json", f)]
+                   if m}
+        if workers is not None and cursors != set(range(1, workers)):
+            say(f"skipping the snapshot of iteration {it} ({path}): it was written by a run of "
+                f"{len(cursors) + 1} worker(s), this one has {workers}")
             continue
         return state
     return None

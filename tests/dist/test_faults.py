@@ -233,3 +233,65 @@ def test_multi_host_job_killed_then_rerun_with_resume_auto(net_text, reference, 
           f"{stopped:.1f} s; rerun resumed from iteration 6; bitwise equal: "
           f"{'yes' if equal else 'NO'}")
     assert equal
+
+
+def test_newest_complete_skips_torn_and_foreign_snapshots(tmp_path):
+    """The newest snapshot whose manifest verifies and which has every worker's cursor file wins;
+    newer ones without a manifest, with an altered file, or from another worker count are
+    skipped, each with a line saying why."""
+    from dist.resume import newest_complete
+    prefix = str(tmp_path / "run")
+
+    def snapshot(it, workers=2):
+        files = []
+        for suffix in [".caffemodel", ".solverstate", ".cursors.json"] + [
+                f".cursors.worker-{r}.json" for r in range(1, workers)]:
+            path = f"{prefix}_iter_{it}{suffix}"
+            Path(path).write_bytes(f"{it}{suffix}".encode())
+            files.append(path)
+        manifest.write_manifest(f"{prefix}_iter_{it}.manifest.json", files, {"iter": it})
+
+    lines = []
+    assert newest_complete(prefix, 2, say=lines.append) is None and lines == []
+    snapshot(2)
+    snapshot(4)
+    snapshot(6)
+    Path(f"{prefix}_iter_6.solverstate").write_bytes(b"cut")            # altered after the fact
+    snapshot(8, workers=3)                                               # another worker count
+    Path(f"{prefix}_iter_10.caffemodel").write_bytes(b"half")            # no manifest yet
+    Path(f"{prefix}_iter_4x.caffemodel").write_bytes(b"not a snapshot of this prefix")
+    assert newest_complete(prefix, 2, say=lines.append) == f"{prefix}_iter_4.solverstate"
+    assert len(lines) == 3
+    assert lines[0] == "skipping the snapshot of iteration 10: it has no manifest (a crash while " \
+                       "it was being written)"
+    assert lines[1].startswith("skipping the snapshot of iteration 8") and lines[1].endswith(
+        "written by a run of 3 worker(s), this one has 2")
+    assert "iteration 6" in lines[2] and "does not match its checksum" in lines[2]
+    lines.clear()
+    assert newest_complete(prefix, 3, say=lines.append) == f"{prefix}_iter_8.solverstate"
+    assert newest_complete(prefix, None, say=lines.append) == f"{prefix}_iter_8.solverstate"
+    assert newest_complete(prefix, 1, say=lines.append) is None       # every one has cursors
+
+
+def test_single_process_resume_auto(tmp_path):
+    """`poseidon train --resume auto` on one process: the newest complete snapshot, a torn newer
+    one skipped; with none, from the beginning."""
+    data = make_lmdb(tmp_path / "db", n=32)
+    from .helpers import fc_net
+    solver = write_solver(tmp_path / "job", fc_net(data, 4), 4, snapshot=2)
+    run = lambda: subprocess.run(cli("--solver", solver, "--resume", "auto", "--no-progress"),
+                                 env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, timeout=60)
+    r = run()
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "no complete snapshot yet: starting from the beginning" in out
+    snap = tmp_path / "job" / "snap"
+    (snap / "run_iter_6.caffemodel").write_bytes(b"torn")
+    text = Path(solver).read_text().replace("max_iter: 4", "max_iter: 8")
+    Path(solver).write_text(text)
+    r = run()
+    out = r.stdout.decode()
+    assert r.returncode == 0, out[-2000:]
+    assert "skipping the snapshot of iteration 6: it has no manifest" in out
+    assert re.search(r"resuming from \S+run_iter_4\.solverstate", out)
+    manifest.verify_manifest(str(snap / "run_iter_8.manifest.json"))
