@@ -171,6 +171,8 @@ def run_main(job, rank, parent_pid=None, abort_file=None):
     if parent_pid:
         _die_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _on_sigterm(name, abort_file))
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # a request before the session exists: dropped
+        signal.signal(sig, signal.SIG_IGN)
     log_to_stderr()
     if roles.is_worker(rank) and rank != 0:
         logging.getLogger("poseidon").setLevel(logging.WARNING)   # worker 0 speaks for the job

@@ -241,13 +241,13 @@ class Mailbox:
         stall = getattr(self, "stall_warning", 0) or 0
         warn_at = start + stall
 
-        def missing_from(box):
+        def awaited(box):            # (what, from whom) for the deadline error and stall lines
             have = {m.sender for m in (box or [])}
             missing = [s for s in (senders or []) if s not in have]
-            return (", ".join(self._namer(s) for s in missing) if missing
+            return (what or f"{Msg(mtype).name} key {key} iteration {iteration}",
+                    ", ".join(self._namer(s) for s in missing) if missing
                     else f"{count - len(have)} sender(s)")
 
-        label = what or f"{getattr(Msg(mtype), 'name', mtype)} key {key} iteration {iteration}"
         with self._cond:
             while True:
                 if self._error is not None:
@@ -263,18 +263,20 @@ class Mailbox:
                 now = time.monotonic()
                 left = None if deadline is None else deadline - now
                 if left is not None and left <= 0:
+                    label, source = awaited(box)
                     raise DeadlineError(f"timed out after {timeout:g} s waiting for {label} "
-                                        f"from {missing_from(box)} (raise --timeout if the peers "
-                                        f"are just slow)")
+                                        f"from {source} (raise --timeout if the peers are just "
+                                        f"slow)")
                 if stall and now >= warn_at:
                     warn_at = now + stall
                     where = ("" if COORDINATOR in (senders or [])
                              else f"iteration {iteration}: ")
                     got = f"; got {len(box or [])} of {count}" if count > 1 else ""
+                    label, source = awaited(box)
                     import logging
                     logging.getLogger("poseidon").warning(
                         f"{getattr(self, 'owner', None) or 'this process'}: {where}waiting "
-                        f"{now - start:.0f} s for {label} from {missing_from(box)}{got}")
+                        f"{now - start:.0f} s for {label} from {source}{got}")
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
 
     def next(self, timeout=None):
