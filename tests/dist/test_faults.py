@@ -60,7 +60,7 @@ def train(solver, cwd, *extra, failpoints=None, once=None, timeout=120):
     if once:
         e["POSEIDON_FAILPOINT_ONCE"] = str(once)
     args = ["--solver", solver, "--workers", 2, "--servers", 1, "--no-progress",
-            "--heartbeat-timeout", 3, "--timeout", 10, *extra]
+            "--timeout", 20, *extra]       # the launcher sees a death at once: no heartbeat needed
     r = subprocess.run(cli(*args), env=e, cwd=cwd, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, timeout=timeout)
     return r.returncode, r.stdout.decode()
@@ -204,7 +204,7 @@ def test_multi_host_job_killed_then_rerun_with_resume_auto(net_text, reference, 
         address = f"tcp://127.0.0.1:{free_port()}"
         return [subprocess.Popen(cli("--solver", solver, "--workers", 2, "--servers", 1,
                                      "--coordinator", address, "--rank", r, "--resume", "auto",
-                                     "--heartbeat-timeout", 2, "--timeout", 10, "--no-progress"),
+                                     "--heartbeat-timeout", 3, "--timeout", 20, "--no-progress"),
                                  env=e, cwd=tmp_path, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
                 for r in range(3)]
@@ -225,7 +225,7 @@ def test_multi_host_job_killed_then_rerun_with_resume_auto(net_text, reference, 
     assert "no complete snapshot" in outs[0] and "starting from the beginning" in outs[0]
     for r in (0, 2):
         assert procs[r].returncode != 0 and "worker 1" in outs[r], outs[r][-2000:]
-    assert stopped < 20, f"the others took {stopped:.1f} s to stop"   # no hang: heartbeat 2 s
+    assert stopped < 25, f"the others took {stopped:.1f} s to stop"   # no hang: heartbeat 3 s
     procs = start_all()
     outs = [p.communicate(timeout=60)[0].decode() for p in procs]
     for r, p in enumerate(procs):
