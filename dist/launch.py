@@ -25,6 +25,7 @@ from engine.errors import PoseidonError
 
 from .options import DistOptions
 from .roles import Roles, rank_from_environment
+from .security import make_keys, resolve_keys
 from .transport import free_port, split_address
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,12 +63,20 @@ def launch(args):
     else:
         options.coordinator = f"tcp://127.0.0.1:{free_port()}"
     options.local = True
-    return LocalJob(job_from_args(args, options), options).run()
+    if options.insecure:
+        keys = None
+    elif options.keys or os.environ.get("POSEIDON_KEYS"):
+        keys = resolve_keys(options.keys, False, False)          # the user's file
+    else:
+        keys = make_keys()                                       # fresh keys for this job
+    options.keys = None                  # the children get the keys on their standard input
+    return LocalJob(job_from_args(args, options), options, keys).run()
 
 
 class LocalJob:
-    def __init__(self, job, options):
+    def __init__(self, job, options, keys=None):
         self.job = job
+        self.keys = keys
         self.options = options
         self.roles = Roles(options.workers, options.servers)
         self.children = {}
@@ -98,9 +107,16 @@ class LocalJob:
             job = dict(self.job, local_rank=rank)
             cmd = [sys.executable, "-m", "dist.process", "--job", json.dumps(job),
                    "--rank", str(rank), "--parent-pid", str(os.getpid()),
-                   "--abort-file", self.abort_file]
+                   "--abort-file", self.abort_file] + (["--keys-on-stdin"] if self.keys else [])
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                    stdin=subprocess.PIPE if self.keys else subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+            if self.keys:                  # not argv or environment, which `ps` and /proc show
+                try:
+                    proc.stdin.write(self.keys.text().encode("ascii"))
+                    proc.stdin.close()
+                except OSError:
+                    pass                   # it died at once: the monitor reports it
             self.children[rank] = proc
             t = threading.Thread(target=self._pump, args=(rank, proc.stdout), daemon=True)
             t.start()
