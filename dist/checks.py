@@ -71,6 +71,11 @@ def _is(role, rank, roles):
     return False
 
 
+ROLE_WORDS = {"rank": "workers and servers", "worker": "workers", "worker0": "worker 0",
+              "other worker": "workers other than 0", "server": "servers",
+              "coordinator": "coordinator"}
+
+
 def _spec(a):
     return f"{a.dtype.name}{list(a.shape)}"
 
@@ -120,7 +125,8 @@ class WireRules:
         if not _is("anyone", msg.sender, roles):
             return f"{name} from rank {msg.sender}, which is not a member of this job"
         if not _is(senders, msg.sender, roles):
-            return f"{name} may come only from the {senders}, not from {self.namer(msg.sender)}"
+            return (f"{name} may come only from the {ROLE_WORDS[senders]}, not from "
+                    f"{self.namer(msg.sender)}")
         if not _is(receivers, self.rank, roles):
             return f"{name} is not a message {self.namer(self.rank)} takes"
         if self.book is not None:
@@ -148,7 +154,8 @@ class WireRules:
             if rows != rec["K"]:
                 want[0] = want[1] = None
             return self._arrays_are(msg, name, want, f"layer '{rec['name']}'",
-                                    f"({rec['K']}, {rec['M']}), ({rec['K']}, {rec['N']})")
+                                    f"[{rec['K']}, {rec['M']}], [{rec['K']}, {rec['N']}], "
+                                    f"[{rec['M']}]")
         if msg.type == Msg.WEIGHTS:
             if not 0 <= msg.key < len(self.book.params):
                 return f"WEIGHTS for parameter {msg.key}, which the book does not have"
@@ -160,7 +167,7 @@ class WireRules:
     def _arrays_are(self, msg, name, shapes, what, expected=None):
         for i, (a, shape) in enumerate(zip(msg.arrays, shapes)):
             if a.dtype != self._dtype or shape is None or a.shape != tuple(shape):
-                want = expected or f"{self._dtype.name}{list(shape) if shape else '?'}"
+                want = expected or f"{list(shape)}"
                 return (f"{name} for {what} from {self.namer(msg.sender)}: array {i} is "
-                        f"{_spec(a)}, this job's is {want} ({self._dtype.name})")
+                        f"{_spec(a)}, {self.namer(self.rank)} expects {self._dtype.name} {want}")
         return None

@@ -176,21 +176,23 @@ class KVServer:
             others = [w for w in range(self.workers) if pair.have[w]]
             ref = (f"{self.roles.name(others[0])} pushed {self.dtype.name}[{pair.length}]" if others
                    else f"the book (worker 0's net) says {self.dtype.name}[{pair.length}]")
+            other = self.roles.name(others[0]) if others else "worker 0's net"
             self._suspects.setdefault((pair.id, r), (time.monotonic(), f"{bad}; {ref}",
-                                                     pair.iteration))
+                                                     pair.iteration, other))
         return bad
 
     def _check_disagreements(self):
         if not self._suspects:
             return
         now = time.monotonic()
-        for (pid, r), (since, why, it) in list(self._suspects.items()):
+        for (pid, r), (since, why, it, other) in list(self._suspects.items()):
             pair = self.pairs[pid]
             if pair.have[r] or pair.iteration != it:
                 del self._suspects[(pid, r)]
             elif now - since > self.report_after:
-                raise DistError(f"{self.roles.name(r)} and the other workers disagree about KV "
-                                f"pair {pid} (parameter {pair.param}): {why}; nothing valid came "
+                param = self.book.params[pair.param].get("name", pair.param)
+                raise DistError(f"{self.roles.name(r)} and {other} disagree about KV pair {pid} "
+                                f"(parameter '{param}'): {why}; nothing valid came "
                                 f"from {self.roles.name(r)} for {self.report_after:g} s "
                                 f"(do all ranks run the same net and --dtype?)")
 

@@ -563,11 +563,21 @@ class ZmqTransport(Transport):
                 raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
         return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload)
 
-    def drop(self, msg_or_none, reason, sender=None):
-        """Drop a message: count it, remember it for the deadline errors of waits on its sender,
+    def drop(self, msg, reason):
+        """Drop a message a handler (the KV server) found bad after the receive thread took it:
+        it no longer counts as received (the counters by type count accepted messages)."""
+        with self.counters_lock:
+            self.recv_messages -= 1
+            self.recv_payload -= msg.payload_bytes
+            self.recv_header -= msg.header_bytes
+            name = msg.type.name
+            self.recv_types[name] = self.recv_types.get(name, 1) - 1
+        self._refuse(msg, reason)
+
+    def _refuse(self, msg, reason):
+        """Count a dropped message, remember why for the deadline errors of waits on its sender,
         and log one line (the first LOGGED_DROPS of a process, then at 100, 1000, ...)."""
-        if msg_or_none is not None:
-            sender = msg_or_none.sender
+        sender = None if msg is None else msg.sender
         with self.counters_lock:
             self.dropped_messages += 1
             n = self.dropped_messages
@@ -585,6 +595,8 @@ class ZmqTransport(Transport):
         reason = self.rules.check(msg)
         if reason is not None:
             return reason
+        if msg.iteration < 0:
+            return f"{msg.type.name} for iteration {msg.iteration}"
         if msg.type in self._handlers or msg.type in self.mailbox._fifo_types:
             return None
         last = self._taken.get((msg.type, msg.key))
@@ -616,14 +628,14 @@ class ZmqTransport(Transport):
                     try:
                         msg = self._decode(frames)
                     except BadMessage as e:
-                        self.drop(None, str(e))
+                        self._refuse(None, str(e))
                         continue
                     except Exception as e:    # anything else unreadable: the same, said plainly
-                        self.drop(None, f"unreadable ({type(e).__name__}: {e})")
+                        self._refuse(None, f"unreadable ({type(e).__name__}: {e})")
                         continue
                     reason = self._admit(msg)
                     if reason is not None:
-                        self.drop(msg, reason)
+                        self._refuse(msg, reason)
                         continue
                     with self.counters_lock:
                         self.recv_payload += msg.payload_bytes
