@@ -14,7 +14,6 @@ frames sent), and the trained parameters bitwise equal to an undisturbed run (fl
 
 Run: python -m pytest tests/dist/test_hostile.py -q -s
 """
-import json
 import struct
 import threading
 import time

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy
 import pytest
 import zmq
+import zmq.utils.monitor  # noqa: F401  (recv_monitor_message)
 
 from dist import security
 from dist.errors import DistError
@@ -157,7 +158,6 @@ def initial_weights(param, path):
 
 
 def test_strangers_connect_to_every_port_and_nothing_is_accepted(data, tmp_path):
-    import zmq.utils.monitor  # noqa: F401
     param = solver_param(fc_net(data, 8), max_iter=8)
     weights = initial_weights(param, tmp_path / "init.caffemodel")
     keys = security.make_keys()
