@@ -39,7 +39,7 @@ class Coordinator:
     """The coordinator service thread. `start()` binds (so a busy port fails at once) and runs."""
 
     def __init__(self, roles, bind_host, port, timeout=30.0, start_timeout=120.0, heartbeat=1.0,
-                 lost_after=10.0, log=None, stall_warning=0.0, warn=None):
+                 lost_after=10.0, log=None, stall_warning=0.0, warn=None, keys=None):
         self.roles = roles
         self.stall_warning = float(stall_warning or 0)
         self.timeout = timeout
@@ -49,7 +49,7 @@ class Coordinator:
         self.warn = warn or self.log
         self.transport = ZmqTransport(COORDINATOR, namer=roles.name, timeout=timeout,
                                       router=True, heartbeat=heartbeat, lost_after=lost_after,
-                                      name="the coordinator")
+                                      name="the coordinator", keys=keys, roles=roles)
         self.transport.set_fifo(list(Msg))
         try:
             self.address = self.transport.bind(bind_host, port)

@@ -105,6 +105,8 @@ class KVServer:
         self._stats_file = open(stats_path, "w", encoding="utf-8") if stats_path else None
         self._iter_stats = {}
         self.running = True
+        self._suspects = {}                 # (pair, worker) -> (since, why): see _bad_push
+        self.report_after = getattr(transport, "timeout", 30.0) / 2
         transport.set_fifo(self.MESSAGES)
 
     def scratch(self, n):
@@ -122,26 +124,91 @@ class KVServer:
                     Msg.KV_SHUTDOWN: self.on_shutdown}
         try:
             while self.running:
-                msg = self.transport.next(timeout=None)
-                handlers[msg.type](msg)
+                msg = self.transport.next(timeout=1.0)
+                if msg is not None:
+                    handler = handlers.get(msg.type)
+                    if handler is None:
+                        self.transport.drop(msg, f"{msg.type.name} is not a message a server "
+                                                 f"takes")
+                    else:
+                        handler(msg)
+                self._check_disagreements()
         finally:
             if self._stats_file:
                 self._stats_file.close()
 
+    # ----- validation: a bad message is dropped (logged, counted); the server keeps serving ------
     def _pair(self, msg):
-        try:
-            return self.pairs[msg.key]
-        except KeyError:
-            raise DistError(f"{self.roles.name(self.transport.rank)} got KV pair {msg.key} from "
-                            f"{self.roles.name(msg.sender)}, but the book places it elsewhere: "
-                            f"the processes disagree about the placement") from None
+        """The pair msg names, or None after dropping msg (a key this server does not hold)."""
+        pair = self.pairs.get(msg.key)
+        if pair is None:
+            self.transport.drop(msg, f"{msg.type.name} for KV pair {msg.key}, which the book "
+                                     f"does not place on {self.roles.name(self.transport.rank)}")
+        return pair
 
+    def _bad_arrays(self, msg, pair, arrays):
+        """Why arrays cannot be values of pair (dtype, shape), or None."""
+        for i, a in enumerate(arrays):
+            if a.dtype != self.dtype or a.shape != (pair.length,):
+                return (f"{msg.type.name} of KV pair {pair.id} from {self.roles.name(msg.sender)}: "
+                        f"array {i} is {a.dtype.name}{list(a.shape)}, the pair is "
+                        f"{self.dtype.name}[{pair.length}]")
+        return None
+
+    def _bad_push(self, msg, pair):
+        """Why a push cannot be taken now, or None. A push of the pair's current iteration from a
+        worker that has not pushed it yet, with a wrong shape or dtype, is remembered: if that
+        worker sends nothing valid for the pair within half of --timeout, the ranks really
+        disagree and the server stops the job naming both."""
+        r = msg.sender
+        if not 0 <= r < self.workers:
+            return f"KV_PUSH of KV pair {pair.id} from {self.roles.name(r)}, which is not a worker"
+        if pair.iteration is None:
+            return (f"{self.roles.name(r)} pushed KV pair {pair.id} before worker 0 initialised "
+                    f"the servers")
+        if msg.iteration != pair.iteration:
+            return (f"{self.roles.name(r)} pushed KV pair {pair.id} for iteration "
+                    f"{msg.iteration}, the pair is at iteration {pair.iteration}")
+        if pair.have[r]:
+            return f"{self.roles.name(r)} pushed KV pair {pair.id} twice in iteration {msg.iteration}"
+        bad = self._bad_arrays(msg, pair, msg.arrays)
+        if bad is not None:
+            others = [w for w in range(self.workers) if pair.have[w]]
+            ref = (f"{self.roles.name(others[0])} pushed {self.dtype.name}[{pair.length}]" if others
+                   else f"the book (worker 0's net) says {self.dtype.name}[{pair.length}]")
+            other = self.roles.name(others[0]) if others else "worker 0's net"
+            self._suspects.setdefault((pair.id, r), (time.monotonic(), f"{bad}; {ref}",
+                                                     pair.iteration, other))
+        return bad
+
+    def _check_disagreements(self):
+        if not self._suspects:
+            return
+        now = time.monotonic()
+        for (pid, r), (since, why, it, other) in list(self._suspects.items()):
+            pair = self.pairs[pid]
+            if pair.have[r] or pair.iteration != it:
+                del self._suspects[(pid, r)]
+            elif now - since > self.report_after:
+                param = self.book.params[pair.param].get("name", pair.param)
+                raise DistError(f"{self.roles.name(r)} and {other} disagree about KV pair {pid} "
+                                f"(parameter '{param}'): {why}; nothing valid came "
+                                f"from {self.roles.name(r)} for {self.report_after:g} s "
+                                f"(do all ranks run the same net and --dtype?)")
+
+    # ----- handlers --------------------------------------------------------------------------------
     def on_init(self, msg):
         pair = self._pair(msg)
+        if pair is None:
+            return
         values = msg.arrays
-        if values[0].size != pair.length:
-            raise DistError(f"INIT of KV pair {pair.id} carries {values[0].size} values, the "
-                            f"pair holds {pair.length}")
+        bad = (self._bad_arrays(msg, pair, values) or
+               (f"INIT of KV pair {pair.id} carries {len(values) - 1} history arrays, the rule "
+                f"keeps {len(pair.state)}" if len(values) - 1 > len(pair.state) else None) or
+               (f"INIT of KV pair {pair.id} for iteration {msg.iteration}"
+                if msg.iteration < 0 else None))
+        if bad is not None:
+            return self.transport.drop(msg, bad)
         numpy.copyto(pair.value, values[0])
         history = values[1:]
         for k, state in enumerate(pair.state):
@@ -156,27 +223,20 @@ class KVServer:
     def on_init_done(self, msg):
         missing = [p.id for p in self.pairs.values() if p.iteration is None]
         if missing:
-            raise DistError(f"{self.roles.name(self.transport.rank)}: worker 0 finished INIT but "
-                            f"pairs {missing[:5]} were not initialised")
+            return self.transport.drop(msg, f"INIT_DONE from {self.roles.name(msg.sender)} but "
+                                            f"pairs {missing[:5]} were not initialised")
         self.transport.send(msg.sender, Msg.KV_INIT_ACK, iteration=msg.iteration, key=self.index)
 
     def on_push(self, msg):
         pair = self._pair(msg)
+        if pair is None:
+            return
+        bad = self._bad_push(msg, pair)
+        if bad is not None:
+            return self.transport.drop(msg, bad)
         r = msg.sender
-        if pair.iteration is None:
-            raise DistError(f"{self.roles.name(r)} pushed KV pair {pair.id} before worker 0 "
-                            f"initialised the servers")
-        if msg.iteration != pair.iteration:
-            raise DistError(f"{self.roles.name(r)} pushed KV pair {pair.id} for iteration "
-                            f"{msg.iteration} but {self.roles.name(self.transport.rank)} expects "
-                            f"iteration {pair.iteration}: the workers are not in step")
-        if pair.have[r]:
-            raise DistError(f"{self.roles.name(r)} pushed KV pair {pair.id} twice in iteration "
-                            f"{msg.iteration}")
         grad = msg.arrays[0]
-        if grad.size != pair.length:
-            raise DistError(f"{self.roles.name(r)} pushed {grad.size} values for KV pair "
-                            f"{pair.id}, which holds {pair.length}")
+        self._suspects.pop((pair.id, r), None)
         numpy.copyto(pair.slots[r], grad)
         pair.have[r] = True
         pair.count += 1
@@ -204,6 +264,8 @@ class KVServer:
 
     def on_get(self, msg):
         pair = self._pair(msg)
+        if pair is None:
+            return
         for receipt in pair.receipts:
             receipt.wait()
         self.transport.send(msg.sender, Msg.KV_GET_REPLY, iteration=msg.iteration, key=pair.id,

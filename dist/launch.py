@@ -33,6 +33,7 @@ from engine.errors import PoseidonError
 
 from .options import DistOptions
 from .roles import Roles, rank_from_environment
+from .security import make_keys, resolve_keys
 from .transport import free_port, split_address
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,14 @@ def launch(args):
     else:
         options.coordinator = f"tcp://127.0.0.1:{free_port()}"
     options.local = True
-    job = LocalJob(job_from_args(args, options), options,
+    if options.insecure:
+        keys = None
+    elif options.keys or os.environ.get("POSEIDON_KEYS"):
+        keys = resolve_keys(options.keys, False, False)          # the user's file
+    else:
+        keys = make_keys()                                       # fresh keys for this job
+    options.keys = None                  # the children get the keys on their standard input
+    job = LocalJob(job_from_args(args, options), options, keys,
                    max_restarts=getattr(args, "max_restarts", 3) or 0)
     job.fixed_port = fixed_port
     return job.run()
@@ -86,8 +94,9 @@ def launch(args):
 class LocalJob:
     """The P1 + P2 children of a local job, and (with --resume auto) the restarts after a loss."""
 
-    def __init__(self, job, options, max_restarts=0):
+    def __init__(self, job, options, keys=None, max_restarts=0):
         self.job = job
+        self.keys = keys
         self.options = options
         self.resume_auto = job.get("snapshot") == "auto"
         self.max_restarts = max_restarts if self.resume_auto else 0
@@ -127,9 +136,16 @@ class LocalJob:
                        options=self.options.as_dict())
             cmd = [sys.executable, "-m", "dist.process", "--job", json.dumps(job),
                    "--rank", str(rank), "--parent-pid", str(os.getpid()),
-                   "--abort-file", self.abort_file]
+                   "--abort-file", self.abort_file] + (["--keys-on-stdin"] if self.keys else [])
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                    stdin=subprocess.PIPE if self.keys else subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+            if self.keys:                  # not argv or environment, which `ps` and /proc show
+                try:
+                    proc.stdin.write(self.keys.text().encode("ascii"))
+                    proc.stdin.close()
+                except OSError:
+                    pass                   # it died at once: the monitor reports it
             self.children[rank] = proc
             self.every_child.append(proc)
             t = threading.Thread(target=self._pump, args=(rank, proc.stdout), daemon=True)

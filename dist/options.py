@@ -103,6 +103,10 @@ def add_dist_options(parser):
     g.add_argument("--interface", metavar="NAME|ADDR",
                    help="network interface (eth0) or address to use for this process's sockets "
                    "in a multi-host job (default: the one on the route to the coordinator)")
+    g.add_argument("--keys", metavar="FILE", help="the job's key file from `poseidon keys FILE` "
+                   "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
+    g.add_argument("--insecure", action="store_true", help="no CURVE authentication or "
+                   "encryption (experiments on a trusted network only)")
     return parser
 
 
@@ -113,7 +117,8 @@ class DistOptions:
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
               "kv_pair_bytes": DEFAULT_PAIR_BYTES, "sum_gradients": False, "bandwidth": None,
               "timeout": 30.0, "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
-              "dtype": "float32", "interface": None, "local": False}
+              "dtype": "float32", "interface": None, "local": False,
+              "keys": None, "insecure": False}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)

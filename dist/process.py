@@ -160,11 +160,15 @@ def _on_sigterm(name, abort_file):
     return handler
 
 
-def run_main(job, rank, parent_pid=None, abort_file=None):
-    """A role as a whole process: logging, GPU choice, signals, exit status. Returns the status."""
+def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
+    """A role as a whole process: logging, GPU choice, signals, exit status. Returns the status.
+
+    keys: the job's JobKeys when the launcher handed them over (else options name a file)."""
     from engine.solvers import log_to_stderr
     from tools.commands.common import apply_gpu
     from .roles import Roles, local_rank_from_environment
+    if keys is not None:
+        job = dict(job, options=dict(job["options"], keys=keys))
     options = DistOptions(**job["options"])
     roles = Roles(options.workers, options.servers)
     name = roles.name(rank) if 0 <= rank < roles.size else f"rank {rank}"
@@ -211,9 +215,15 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--parent-pid", type=int)
     ap.add_argument("--abort-file")
+    ap.add_argument("--keys-on-stdin", action="store_true",
+                    help="read the job's key file text from standard input")
     args = ap.parse_args(argv)
     job = json.loads(args.job)
-    status = run_main(job, args.rank, args.parent_pid, args.abort_file)
+    keys = None
+    if args.keys_on_stdin:
+        from .security import parse_keys
+        keys = parse_keys(sys.stdin.read(), "the launcher's keys")
+    status = run_main(job, args.rank, args.parent_pid, args.abort_file, keys)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)        # do not wait on daemon threads (prefetch, zmq) that may linger

@@ -17,7 +17,9 @@ from .errors import DistError
 from .options import DistOptions
 from .stalls import watch_server
 from .roles import COORDINATOR, Roles, rank_from_environment
-from .transport import ZmqTransport, interface_address, route_address, split_address
+from .security import resolve_keys
+from .transport import (ZmqTransport, coordinator_bind_address, interface_address, route_address,
+                        split_address)
 
 _current = None
 
@@ -51,27 +53,27 @@ class Session:
         self.log = log or (lambda line: None)
         host, port = split_address(options.coordinator)
         loopback = host in ("127.0.0.1", "localhost") or options.local
+        self.keys = resolve_keys(options.keys, options.insecure, loopback)
         if options.interface:
-            advertise = interface_address(options.interface)
+            address = interface_address(options.interface)
         else:
-            advertise = "127.0.0.1" if loopback else route_address(host)
-        bind = "127.0.0.1" if loopback and not options.interface else "0.0.0.0"
+            address = "127.0.0.1" if loopback else route_address(host)
         self.coordinator = None
         if rank == 0:
-            self.coordinator = Coordinator(self.roles, "127.0.0.1" if loopback else "0.0.0.0",
+            self.coordinator = Coordinator(self.roles, "127.0.0.1" if loopback else
+                                           coordinator_bind_address(host),
                                            port, timeout=options.timeout,
                                            start_timeout=options.start_timeout,
                                            lost_after=options.heartbeat_timeout,
                                            log=self.log, stall_warning=options.stall_warning,
-                                           warn=_warn).start()
+                                           warn=_warn, keys=self.keys).start()
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
-                                      lost_after=options.heartbeat_timeout)
+                                      lost_after=options.heartbeat_timeout, keys=self.keys,
+                                      roles=self.roles)
         self.transport.mailbox.owner = self.name               # for the stall inspector
         self.transport.mailbox.stall_warning = options.stall_warning
-        self.transport.bind(bind)
-        if bind == "0.0.0.0":
-            self.transport.advertise(advertise)
+        self.transport.bind(address)      # this address only (127.0.0.1 for a local job)
         self.transport.start()
         self.client = CoordinatorClient(self.transport, self.roles, options.coordinator,
                                         start_timeout=options.start_timeout)
@@ -105,6 +107,7 @@ class Session:
         faults.point("register")
         self.book = self.client.register(dict(info, options=self.options.shared(),
                                               pid=os.getpid()))
+        self.transport.set_book(self.book)
         peers = (range(self.roles.size) if self.is_worker else self.roles.worker_ranks())
         for r in peers:
             if r != self.rank:

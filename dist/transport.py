@@ -31,6 +31,7 @@ from collections import defaultdict, deque
 import numpy
 import zmq
 
+from . import security
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 
@@ -72,8 +73,14 @@ _FIXED = struct.Struct("<BBhqiiH")     # type, flags, sender, iteration, key, au
 _ARRAY = struct.Struct("<BB")          # dtype code, ndim (then ndim uint32 dims)
 _DTYPES = [numpy.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8")]
 _CODES = {dt: i for i, dt in enumerate(_DTYPES)}
+_KNOWN_TYPES = frozenset(int(m) for m in Msg)
+MAX_ARRAYS = 64                        # more arrays, or more dimensions, than any message has
+MAX_NDIM = 8
 ZERO_COPY_BYTES = 64 * 1024            # frames at least this big are sent with copy=False + tracker
 FIXED_HEADER_BYTES = _FIXED.size
+LOGGED_DROPS = 20                      # dropped messages logged one by one; then at 100, 1000, ...
+_LOG_AT = frozenset(10 ** k for k in range(2, 13))
+FUTURE_WINDOW = 1000                   # iterations ahead of the last taken a message may be
 
 
 def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
@@ -89,16 +96,40 @@ def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
     return b"".join(parts)
 
 
+class BadMessage(ValueError):
+    """A received message that cannot be what a member sends; it is dropped, logged and counted."""
+
+
 def decode_header(buf):
+    """Header fields and the (dtype, shape) of each array; BadMessage for a header that is
+    truncated, too long, of an unknown type or flag, or with an impossible array description."""
+    if len(buf) < _FIXED.size:
+        raise BadMessage(f"truncated header ({len(buf)} bytes, at least {_FIXED.size} needed)")
     mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(buf, 0)
+    if mtype not in _KNOWN_TYPES:
+        raise BadMessage(f"unknown message type {mtype}")
+    if flags & ~FLAG_JSON:
+        raise BadMessage(f"unknown flags 0x{flags:02x}")
+    if n > MAX_ARRAYS:
+        raise BadMessage(f"declares {n} arrays (at most {MAX_ARRAYS})")
     off = _FIXED.size
     specs = []
-    for _ in range(n):
+    for i in range(n):
+        if off + _ARRAY.size > len(buf):
+            raise BadMessage(f"truncated header (array {i} of {n} is cut off)")
         code, ndim = _ARRAY.unpack_from(buf, off)
         off += _ARRAY.size
+        if code >= len(_DTYPES):
+            raise BadMessage(f"array {i} has unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise BadMessage(f"array {i} declares {ndim} dimensions (at most {MAX_NDIM})")
+        if off + 4 * ndim > len(buf):
+            raise BadMessage(f"truncated header (the shape of array {i} is cut off)")
         shape = struct.unpack_from(f"<{ndim}I", buf, off) if ndim else ()
         off += 4 * ndim
         specs.append((_DTYPES[code], tuple(shape)))
+    if off != len(buf):
+        raise BadMessage(f"{len(buf) - off} bytes after the end of the header")
     return mtype, flags, sender, iteration, key, aux, specs
 
 
@@ -325,15 +356,23 @@ class ZmqTransport(Transport):
     coordinator; a receive thread; counters of payload and header bytes sent and received."""
 
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
-                 heartbeat=1.0, lost_after=10.0, name=None):
+                 heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None):
+        from .checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
         self.name = name or self._namer(rank)
         self.timeout = float(timeout)
         self.ctx = zmq.Context(io_threads=1)
+        self.keys = keys
+        self.gatekeeper = security.Gatekeeper(self.ctx, keys) if keys is not None else None
         self._inbox = self.ctx.socket(zmq.ROUTER if router else zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.setsockopt(zmq.RCVHWM, 0)
+        if keys is not None:
+            security.secure_server(self._inbox, keys)
+        self.rules = WireRules(rank, roles, self._namer)
+        self._taken = {}                             # (type, key) -> last iteration taken
+        self._last_drop = {}                         # sender -> why its last message was dropped
         self._router = router
         self._out = {}                               # rank -> (socket, lock)
         self._out_lock = threading.Lock()
@@ -342,7 +381,8 @@ class ZmqTransport(Transport):
         self.address = None
         self.counters_lock = threading.Lock()
         self.sent_payload = self.sent_header = self.recv_payload = self.recv_header = 0
-        self.sent_messages = self.recv_messages = 0
+        self.sent_messages = self.recv_messages = self.dropped_messages = 0
+        self.recv_types = {}                         # type name -> messages accepted
         self.heartbeat = float(heartbeat)
         self.lost_after = float(lost_after)
         self._watched = {}                           # rank -> last time heard
@@ -386,6 +426,8 @@ class ZmqTransport(Transport):
             sock.setsockopt(zmq.SNDHWM, 0)
             if rank == COORDINATOR:
                 sock.setsockopt(zmq.IDENTITY, struct.pack("<i", self.rank))
+            if self.keys is not None:
+                security.secure_client(sock, self.keys)
             sock.connect(address)
             self._out[rank] = (sock, threading.Lock())
 
@@ -454,9 +496,29 @@ class ZmqTransport(Transport):
 
     # ----- receiving ----------------------------------------------------------------------------------
     def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None):
-        """Wait (deadline: timeout, default --timeout) for `count` messages of (type, key, it)."""
-        return self.mailbox.take(mtype, key, iteration, count,
-                                 self.timeout if timeout is None else timeout, what, senders)
+        """Wait (deadline: timeout, default --timeout) for `count` messages of (type, key, it).
+
+        A deadline error also tells why the last message from an awaited sender was dropped
+        (a shape or dtype that disagrees with this process's is reported naming both)."""
+        try:
+            got = self.mailbox.take(mtype, key, iteration, count,
+                                    self.timeout if timeout is None else timeout, what, senders)
+        except DeadlineError as e:
+            with self.counters_lock:
+                notes = [f"{self.name} dropped {self._namer(s)}'s last message: "
+                         f"{self._last_drop[s]}" for s in (senders or []) if s in self._last_drop]
+            if notes:
+                raise DeadlineError(f"{e}; {'; '.join(notes)}") from None
+            raise
+        k = (mtype, key)
+        with self.counters_lock:
+            if self._taken.get(k, iteration - 1) < iteration:
+                self._taken[k] = iteration
+        return got
+
+    def set_book(self, book):
+        """Check the shapes of what arrives against the book from now on (workers)."""
+        self.rules.set_book(book)
 
     def next(self, timeout=None):
         return self.mailbox.next(timeout)
@@ -484,20 +546,89 @@ class ZmqTransport(Transport):
         self.fail(AbortError(reason))
 
     def _decode(self, frames):
+        """A Message from the frames; BadMessage when the frames cannot be a member's message
+        (header, frame count, declared sizes against the frames, JSON, sender identity)."""
+        identity = None
         if self._router:
-            frames = frames[1:]                       # the DEALER's identity
+            if len(frames) < 2:
+                raise BadMessage("no header frame")
+            identity, frames = frames[0].bytes, frames[1:]   # the DEALER's identity
         head = frames[0].bytes
         mtype, flags, sender, iteration, key, aux, specs = decode_header(head)
+        if len(frames) != 1 + len(specs):
+            raise BadMessage(f"{Msg(mtype).name}: the header declares {len(specs)} arrays but "
+                             f"{len(frames) - 1} frames follow")
+        if identity is not None and identity != struct.pack("<i", sender):
+            raise BadMessage(f"{Msg(mtype).name} says it is from {self._namer(sender)} but came "
+                             f"over another rank's connection")
         arrays = []
         payload = 0
-        for (dtype, shape), frame in zip(specs, frames[1:]):
+        for i, ((dtype, shape), frame) in enumerate(zip(specs, frames[1:])):
             buf = frame.buffer
+            declared = dtype.itemsize
+            for d in shape:
+                declared *= d
+            if declared != len(buf):
+                raise BadMessage(f"{Msg(mtype).name}: array {i} declares {dtype.name}"
+                                 f"{list(shape)} ({declared} bytes) but its frame has {len(buf)}")
             payload += len(buf)
             arrays.append(numpy.frombuffer(buf, dtype).reshape(shape))
         obj = None
         if flags & FLAG_JSON:
-            obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
+            if not arrays or arrays[0].dtype != numpy.uint8 or arrays[0].ndim != 1:
+                raise BadMessage(f"{Msg(mtype).name}: the JSON flag is set but the first array "
+                                 f"is not bytes")
+            try:
+                obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
         return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload)
+
+    def drop(self, msg, reason):
+        """Drop a message a handler (the KV server) found bad after the receive thread took it:
+        it no longer counts as received (the counters by type count accepted messages)."""
+        with self.counters_lock:
+            self.recv_messages -= 1
+            self.recv_payload -= msg.payload_bytes
+            self.recv_header -= msg.header_bytes
+            name = msg.type.name
+            self.recv_types[name] = self.recv_types.get(name, 1) - 1
+        self._refuse(msg, reason)
+
+    def _refuse(self, msg, reason):
+        """Count a dropped message, remember why for the deadline errors of waits on its sender,
+        and log one line (the first LOGGED_DROPS of a process, then at 100, 1000, ...)."""
+        sender = None if msg is None else msg.sender
+        with self.counters_lock:
+            self.dropped_messages += 1
+            n = self.dropped_messages
+            if sender is not None:
+                self._last_drop[sender] = reason
+        if n <= LOGGED_DROPS or n in _LOG_AT:
+            who = "" if sender is None else f" from {self._namer(sender)}"
+            more = (f" ({n} dropped so far; logging only at 100, 1000, ...)"
+                    if n == LOGGED_DROPS else f" ({n} dropped so far)" if n > LOGGED_DROPS else "")
+            print(f"{self.name}: dropped a message{who}: {reason}{more}", file=sys.stderr)
+
+    def _admit(self, msg):
+        """None if msg may be filed or handled, else why not (checks.py, then its iteration
+        against what this process has already taken of (type, key))."""
+        reason = self.rules.check(msg)
+        if reason is not None:
+            return reason
+        if msg.iteration < 0:
+            return f"{msg.type.name} for iteration {msg.iteration}"
+        if msg.type in self._handlers or msg.type in self.mailbox._fifo_types:
+            return None
+        last = self._taken.get((msg.type, msg.key))
+        if last is not None:
+            if msg.iteration <= last:
+                return (f"{msg.type.name} key {msg.key} for iteration {msg.iteration}, which "
+                        f"this process has already taken (out of order or repeated)")
+            if msg.iteration > last + FUTURE_WINDOW:
+                return (f"{msg.type.name} key {msg.key} for iteration {msg.iteration}, "
+                        f"{msg.iteration - last} ahead of the last one taken ({last})")
+        return None
 
     def _loop(self):
         poller = zmq.Poller()
@@ -517,13 +648,21 @@ class ZmqTransport(Transport):
                         return
                     try:
                         msg = self._decode(frames)
-                    except Exception as e:    # a malformed message is a bug: say so, go on
-                        print(f"{self.name}: dropped a malformed message ({e})", file=sys.stderr)
+                    except BadMessage as e:
+                        self._refuse(None, str(e))
+                        continue
+                    except Exception as e:    # anything else unreadable: the same, said plainly
+                        self._refuse(None, f"unreadable ({type(e).__name__}: {e})")
+                        continue
+                    reason = self._admit(msg)
+                    if reason is not None:
+                        self._refuse(msg, reason)
                         continue
                     with self.counters_lock:
                         self.recv_payload += msg.payload_bytes
                         self.recv_header += msg.header_bytes
                         self.recv_messages += 1
+                        self.recv_types[msg.type.name] = self.recv_types.get(msg.type.name, 0) + 1
                     if msg.sender in self._watched:
                         self._watched[msg.sender] = time.monotonic()
                     handler = self._handlers.get(msg.type)
@@ -558,7 +697,11 @@ class ZmqTransport(Transport):
         with self.counters_lock:
             return {"sent_payload": self.sent_payload, "sent_header": self.sent_header,
                     "recv_payload": self.recv_payload, "recv_header": self.recv_header,
-                    "sent_messages": self.sent_messages, "recv_messages": self.recv_messages}
+                    "sent_messages": self.sent_messages, "recv_messages": self.recv_messages,
+                    "dropped_messages": self.dropped_messages,
+                    "received_by_type": dict(self.recv_types),
+                    "refused_connections": self.gatekeeper.refused if self.gatekeeper else 0,
+                    "admitted_connections": self.gatekeeper.admitted if self.gatekeeper else 0}
 
     def close(self, linger=1.0):
         """Stop the receive thread and close the sockets; `linger` seconds to flush what is queued."""
@@ -571,6 +714,8 @@ class ZmqTransport(Transport):
                 sock.close()
             self._out.clear()
         self._inbox.close(0)
+        if self.gatekeeper is not None:
+            self.gatekeeper.stop()
         self.ctx.term()
 
 
@@ -618,6 +763,15 @@ def interface_address(interface):
     except OSError:
         raise DistError(f"--interface '{interface}' is neither a network interface of this host "
                         f"nor an address or host name") from None
+
+
+def coordinator_bind_address(host):
+    """The address worker 0 binds the coordinator on: the one --coordinator names (not every
+    interface), which must be an address of this machine."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        raise DistError(f"cannot resolve the coordinator host '{host}'") from None
 
 
 def route_address(toward_host):

@@ -7,6 +7,7 @@
     poseidon summary --model M [--phase TRAIN|TEST]
     poseidon data digits|cifar10|images ...   (LMDB shards)
     poseidon mean SOURCE OUT.binaryproto
+    poseidon keys FILE                    # the key file of a multi-host job (--keys FILE)
 
 Errors a user can fix (bad files, missing data) print one line and exit with status 1.
 """

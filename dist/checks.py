@@ -1,0 +1,173 @@
+"""What a decoded message must be for a process to accept it; anything else is dropped.
+
+Why: a member of the job (it holds the job's keys) can still be buggy, and a process must never
+crash, hang or take wrong numbers because of one bad message. The transport's receive thread
+asks `WireRules.check(msg)` before filing a message; a reason string means "drop it, log one
+line, count it". The checks are cheap (no copy of the payload) and come in three layers:
+- structure: arrays and JSON object as the type needs them;
+- roles: who may send a type and who receives it (a
+  KV_PUSH comes from a worker to a server, a BOOK from the coordinator, ...); a sender outside the
+  job or the process itself is refused;
+- the book (once the process has it): on a worker, the key, dtype and shape of KV values, snapshot
+  replies, sufficient factors and initial weights, and the server a KV pair lives on. Servers check
+  their own pairs in dist/kvstore.py, where the pair state is.
+A transport made without the job's Roles (unit tests, tools) checks only the decoding.
+Message types that are in `Msg` but have no rule here pass the role and structure checks (a rule
+is one line in RULES), so a new type works before anyone writes its rule.
+"""
+import numpy
+
+from .roles import COORDINATOR
+from .transport import Msg
+
+ANY = (0, 64)   # arrays (besides the JSON object) a type may carry: (least, most)
+
+# type: (who sends, who receives, (least, most) arrays, JSON fields it must carry)
+RULES = {
+    Msg.REGISTER: ("rank", "coordinator", (0, 0), ("rank", "address")),
+    Msg.BARRIER: ("rank", "coordinator", (0, 0), ()),
+    Msg.ALLREDUCE: ("worker", "coordinator", (1, 1), ()),
+    Msg.GATHER: ("worker", "coordinator", (0, 0), ()),
+    Msg.FAILED: ("rank", "coordinator", (0, 0), ()),
+    Msg.DONE: ("rank", "coordinator", (0, 0), ()),
+    Msg.QUERY: ("rank", "coordinator", (0, 0), ()),
+    Msg.HEARTBEAT: ("anyone", "anyone", (0, 0), ()),
+    Msg.BOOK: ("coordinator", "rank", (0, 0), ("workers", "pairs")),
+    Msg.BARRIER_DONE: ("coordinator", "rank", (0, 0), ()),
+    Msg.ALLREDUCE_DONE: ("coordinator", "worker", (1, 1), ()),
+    Msg.GATHER_DONE: ("coordinator", "worker", (0, 0), ("items",)),
+    Msg.QUERY_REPLY: ("coordinator", "rank", (0, 0), ()),
+    Msg.ABORT: ("coordinator", "rank", (0, 0), ()),
+    Msg.KV_INIT: ("worker0", "server", ANY, ()),
+    Msg.KV_INIT_DONE: ("worker0", "server", (0, 0), ()),
+    Msg.KV_GET: ("worker0", "server", (0, 0), ()),
+    Msg.KV_SHUTDOWN: ("worker0", "server", (0, 0), ()),
+    Msg.KV_PUSH: ("worker", "server", (1, 1), ()),
+    Msg.KV_VALUE: ("server", "worker", (1, 1), ()),
+    Msg.KV_GET_REPLY: ("server", "worker0", ANY, ()),
+    Msg.KV_INIT_ACK: ("server", "worker0", (0, 0), ()),
+    Msg.SF: ("worker", "worker", (2, 3), ()),
+    Msg.WEIGHTS: ("worker0", "other worker", ANY, ()),
+    Msg.CURSOR: ("worker0", "other worker", (0, 0), ("iter",)),
+}
+JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a float64 vector
+
+
+def _is(role, rank, roles):
+    if role == "anyone":
+        return rank == COORDINATOR or 0 <= rank < roles.size
+    if role == "coordinator":
+        return rank == COORDINATOR
+    if role == "rank":
+        return 0 <= rank < roles.size
+    if role == "worker":
+        return roles.is_worker(rank)
+    if role == "worker0":
+        return rank == 0
+    if role == "other worker":
+        return roles.is_worker(rank) and rank != 0
+    if role == "server":
+        return roles.is_server(rank)
+    return False
+
+
+ROLE_WORDS = {"rank": "workers and servers", "worker": "workers", "worker0": "worker 0",
+              "other worker": "workers other than 0", "server": "servers",
+              "coordinator": "coordinator"}
+
+
+def _spec(a):
+    return f"{a.dtype.name}{list(a.shape)}"
+
+
+class WireRules:
+    """The checks of one process (rank, or COORDINATOR); `roles` and `book` may come later."""
+
+    def __init__(self, rank, roles=None, namer=None):
+        self.rank = rank
+        self.roles = roles
+        self.namer = namer or (lambda r: f"rank {r}")
+        self.book = None
+        self._pairs = {}
+        self._sfb = {}
+        self._dtype = None
+
+    def set_book(self, book):
+        """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
+        self._dtype = numpy.dtype(book.data["dtype"])
+        self._pairs = {p["id"]: p for p in book.pairs}
+        self._sfb = {rec["index"]: rec for rec in book.layers if rec.get("scheme") == "sfb"}
+        self.book = book
+
+    # ----- the check -----------------------------------------------------------------------------
+    def check(self, msg):
+        """None if msg may be filed, else why not (one line)."""
+        rule = RULES.get(msg.type)
+        if rule is None or self.roles is None:    # a bare transport (no job) checks decoding only
+            return None
+        senders, receivers, (least, most), fields = rule
+        name = msg.type.name
+        if msg.obj is not None and not isinstance(msg.obj, dict):
+            return f"{name} carries a JSON {type(msg.obj).__name__}, not an object"
+        for f in fields:
+            if not isinstance(msg.obj, dict) or f not in msg.obj:
+                return f"{name} lacks the field '{f}'"
+        if not least <= len(msg.arrays) <= most:
+            return (f"{name} carries {len(msg.arrays)} arrays, expected "
+                    f"{least if least == most else f'{least} to {most}'}")
+        if msg.type in JSON_ONLY_FOR:
+            a = msg.arrays[0]
+            if a.dtype != numpy.float64 or a.ndim != 1:
+                return f"{name} carries {_spec(a)}, expected a float64 vector"
+        roles = self.roles
+        if msg.sender == self.rank:
+            return f"{name} claims to come from this process itself"
+        if not _is("anyone", msg.sender, roles):
+            return f"{name} from rank {msg.sender}, which is not a member of this job"
+        if not _is(senders, msg.sender, roles):
+            return (f"{name} may come only from the {ROLE_WORDS[senders]}, not from "
+                    f"{self.namer(msg.sender)}")
+        if not _is(receivers, self.rank, roles):
+            return f"{name} is not a message {self.namer(self.rank)} takes"
+        if self.book is not None:
+            return self._check_shapes(msg, name)
+        return None
+
+    def _check_shapes(self, msg, name):
+        if msg.type in (Msg.KV_VALUE, Msg.KV_GET_REPLY):
+            pair = self._pairs.get(msg.key)
+            if pair is None:
+                return f"{name} for KV pair {msg.key}, which the book does not have"
+            server = self.roles.server_rank(pair["server"])
+            if msg.sender != server:
+                return (f"{name} for KV pair {msg.key} from {self.namer(msg.sender)}, but the pair "
+                        f"lives on {self.namer(server)}")
+            return self._arrays_are(msg, name, [(pair["length"],)] * len(msg.arrays),
+                                    f"KV pair {msg.key}")
+        if msg.type == Msg.SF:
+            rec = self._sfb.get(msg.key)
+            if rec is None:
+                return f"SF for layer {msg.key}, which the book does not sync by SFB"
+            a = msg.arrays
+            rows = a[0].shape[0] if a[0].ndim == 2 else -1
+            want = [(rows, rec["M"]), (rows, rec["N"])] + [(rec["M"],)] * (len(a) - 2)
+            if rows != rec["K"]:
+                want[0] = want[1] = None
+            return self._arrays_are(msg, name, want, f"layer '{rec['name']}'",
+                                    f"[{rec['K']}, {rec['M']}], [{rec['K']}, {rec['N']}], "
+                                    f"[{rec['M']}]")
+        if msg.type == Msg.WEIGHTS:
+            if not 0 <= msg.key < len(self.book.params):
+                return f"WEIGHTS for parameter {msg.key}, which the book does not have"
+            count = self.book.params[msg.key]["count"]
+            return self._arrays_are(msg, name, [(count,)] * len(msg.arrays),
+                                    f"parameter '{self.book.params[msg.key]['name']}'")
+        return None
+
+    def _arrays_are(self, msg, name, shapes, what, expected=None):
+        for i, (a, shape) in enumerate(zip(msg.arrays, shapes)):
+            if a.dtype != self._dtype or shape is None or a.shape != tuple(shape):
+                want = expected or f"{list(shape)}"
+                return (f"{name} for {what} from {self.namer(msg.sender)}: array {i} is "
+                        f"{_spec(a)}, {self.namer(self.rank)} expects {self._dtype.name} {want}")
+        return None

@@ -1,0 +1,66 @@
+"""A job whose roles are threads of this process (as helpers.run_threads) but whose workers train in
+chunks and call gate(chunk, sessions) before each, so a test can interleave an attack with training at known
+points without timing assumptions; the sessions are kept for their transports and addresses."""
+import threading
+
+import numpy
+
+from .helpers import params_of
+
+
+def run_gated(param, workers, servers, chunks, gate=None, keys=None, weights=None, timeout=30,
+              **options):
+    """Train param.max_iter iterations in `chunks` equal steps, worker 0 starting from `weights`
+    (a .caffemodel; the fillers' random draws of threads are not reproducible). Returns (worker 0's parameters,
+    {rank: Session}); raises the first error of any role."""
+    from dist.options import DistOptions
+    from dist.process import run_role
+    from dist.session import Session
+    from dist.transport import free_port
+    from dist.worker import DistributedSolver
+    from engine.solvers import get_solver
+    assert param.max_iter % chunks == 0
+    opts = dict(workers=workers, servers=servers, coordinator=f"tcp://127.0.0.1:{free_port()}",
+                local=True, timeout=timeout, dtype="float64", start_timeout=timeout, keys=keys)
+    opts.update(options)
+    sessions, results, errors = {}, {}, {}
+
+    def worker(rank):
+        try:
+            session = Session(DistOptions(**opts), rank)
+            sessions[rank] = session
+            solver = get_solver(param, **session.solver_kwargs())
+            if weights and rank == 0:
+                solver.net.copy_from(weights)
+            ds = DistributedSolver(solver, session)
+            for c in range(chunks):
+                if gate is not None:
+                    gate(c, sessions)
+                ds.step(param.max_iter // chunks)
+            ds.finish()
+            results[rank] = params_of(ds.solver)
+            ds.solver.net.shutdown()
+        except BaseException as e:       # re-raised below
+            errors[rank] = e
+
+    def server(rank):
+        try:
+            run_role({"solver": param, "options": opts}, rank, in_thread=True,
+                     on_session=lambda s: sessions.__setitem__(rank, s))
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=worker if r < workers else server, args=(r,),
+                                name=f"role-{r}", daemon=True) for r in range(workers + servers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    if errors:
+        raise errors[min(errors)]
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"roles still running: {alive}"
+    for got in results.values():                    # replicas agree bitwise
+        for a, b in zip(got, results[0]):
+            numpy.testing.assert_array_equal(a, b)
+    return results[0], sessions

@@ -1,0 +1,316 @@
+"""Hostile and broken messages: a buggy member (it holds the job's keys) sends >= 10,000 random and
+mutated frames to a live server and live workers during training.
+
+Every frame is invalid in at least one way a process must catch: random bytes, truncated or
+bit-flipped real headers, wrong iteration, unknown key, wrong shape, wrong dtype, wrong message
+type for the receiver, wrong frame count, declared sizes that do not match the frames (oversized),
+a sender outside the job, bad JSON. (A well-formed message with the current iteration, a real key
+and the right shape cannot be told from the truth by any check, so the fuzzer never makes one.)
+Wrong shapes and dtypes are also sent with the iterations the job is at, so the server's
+"disagreement" bookkeeping sees them and must let the real push clear them.
+
+Expected: 0 crashes, every frame dropped and counted (the receivers' dropped counters add up to the
+frames sent), and the trained parameters bitwise equal to an undisturbed run (float64).
+
+Run: python -m pytest tests/dist/test_hostile.py -q -s
+"""
+import struct
+import threading
+import time
+
+import numpy
+import pytest
+import zmq
+
+from dist import security
+from dist.book import InformationBook
+from dist.transport import Msg, encode_header
+
+from .gated import run_gated
+from .helpers import conv_net, make_lmdb, solver_param
+from .test_security import initial_weights
+
+P1, P2 = 2, 1
+ITERS, CHUNKS = 12, 6
+FRAMES = 10_000
+FAR = 10 ** 6            # iterations this far away are never current
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("hostile") / "train_lmdb", n=64)
+
+
+class Fuzzer:
+    """Makes invalid messages from templates of the real traffic (the book's keys and shapes)."""
+
+    def __init__(self, book, seed=0):
+        self.rs = numpy.random.RandomState(seed)
+        self.book = book
+        self.dtype = numpy.dtype(book.data["dtype"])
+        self.pairs = book.pairs
+        self.sfb = [rec for rec in book.layers if rec["scheme"] == "sfb"]
+        self.kinds = {}
+
+    # ----- templates: real messages but at an iteration that is never current -------------------
+    def template(self, target):
+        rs = self.rs
+        if target == "server":
+            pair = self.pairs[rs.randint(len(self.pairs))]
+            return (Msg.KV_PUSH, int(rs.randint(P1)), pair["id"],
+                    [numpy.zeros(pair["length"], self.dtype)])
+        if self.sfb and rs.rand() < 0.5:
+            rec = self.sfb[rs.randint(len(self.sfb))]
+            sender = 1 - target          # the other worker
+            return (Msg.SF, sender, rec["index"],
+                    [numpy.zeros((rec["K"], rec["M"]), self.dtype),
+                     numpy.zeros((rec["K"], rec["N"]), self.dtype),
+                     numpy.zeros(rec["M"], self.dtype)])
+        pair = self.pairs[rs.randint(len(self.pairs))]
+        return (Msg.KV_VALUE, P1 + pair["server"], pair["id"],
+                [numpy.zeros(pair["length"], self.dtype)])
+
+    def frames(self, mtype, sender, iteration, key, arrays, flags=0):
+        return [encode_header(mtype, sender, iteration, key, 0, arrays, flags)] + \
+            [a.tobytes() for a in arrays]
+
+    # ----- mutations: each makes the message invalid ----------------------------------------------
+    def make(self, target):
+        rs = self.rs
+        mtype, sender, key, arrays = self.template(target)
+        far = int(rs.choice([-1, -(10 ** 9), FAR + rs.randint(1000), 2 ** 62]))
+        plausible = int(rs.randint(0, ITERS + 2))
+        kind = rs.randint(13)
+        name = ""
+        if kind == 0:
+            name = "random bytes"
+            out = [rs.bytes(rs.randint(0, 300)) for _ in range(rs.randint(1, 4))]
+        elif kind == 1:
+            name = "truncated header"
+            head = self.frames(mtype, sender, far, key, arrays)[0]
+            out = [head[:rs.randint(0, len(head))]] + [a.tobytes() for a in arrays]
+        elif kind == 2:
+            name = "flipped header bits"
+            f = self.frames(mtype, sender, far, key, arrays)
+            head = bytearray(f[0])
+            for _ in range(rs.randint(1, 4)):      # not the type byte: "wrong type" does that
+                head[rs.randint(1, len(head))] ^= 1 << rs.randint(8)
+            out = [bytes(head)] + f[1:]
+        elif kind == 3:
+            name = "wrong iteration"
+            out = self.frames(mtype, sender, far, key, arrays)
+        elif kind == 4:
+            name = "unknown key"
+            out = self.frames(mtype, sender, plausible, int(rs.choice([-7, 10 ** 5, 2 ** 30])),
+                              arrays)
+        elif kind == 5:
+            name = "wrong shape"
+            a = arrays[0]
+            bad = numpy.zeros(a.size + 1 + rs.randint(5), a.dtype) if rs.rand() < 0.5 else \
+                numpy.zeros((2,) + a.shape, a.dtype)
+            out = self.frames(mtype, sender, plausible, key, [bad] + arrays[1:])
+        elif kind == 6:
+            name = "wrong dtype"
+            other = numpy.float32 if self.dtype == numpy.float64 else numpy.float64
+            out = self.frames(mtype, sender, plausible, key,
+                              [a.astype(other) for a in arrays])
+        elif kind == 7:
+            name = "wrong type"
+            wrong = ([Msg.SF, Msg.KV_VALUE, Msg.BOOK, Msg.WEIGHTS, Msg.KV_GET_REPLY, Msg.ABORT,
+                      Msg.KV_SHUTDOWN, Msg.HEARTBEAT] if target == "server" else
+                     [Msg.KV_PUSH, Msg.KV_INIT, Msg.REGISTER, Msg.BOOK, Msg.ABORT,
+                      Msg.KV_SHUTDOWN, Msg.HEARTBEAT, Msg.CURSOR])
+            t = wrong[rs.randint(len(wrong))] if rs.rand() < 0.8 else int(rs.choice([0, 99, 255]))
+            out = self.frames(mtype, sender, far, key, arrays)
+            out[0] = bytes([int(t)]) + out[0][1:]
+        elif kind == 8:
+            name = "wrong frame count"
+            out = self.frames(mtype, sender, plausible, key, arrays)
+            out = out[:-1] if rs.rand() < 0.5 else out + [b"extra"]
+        elif kind == 9:
+            name = "oversized declared size"
+            out = self.frames(mtype, sender, plausible, key, arrays)
+            head = bytearray(out[0])
+            # the first array's first dimension: after the 22-byte fixed part and its 2-byte spec
+            struct.pack_into("<I", head, 24, int(rs.choice([2 ** 31, 2 ** 32 - 1, 10 ** 9])))
+            out[0] = bytes(head)
+        elif kind == 10:
+            name = "not a member"
+            out = self.frames(mtype, int(rs.choice([77, -5, 32767, -1])), plausible, key, arrays)
+        elif kind == 11:
+            name = "bad JSON"
+            body = rs.choice([b"[1, 2]", b"{\"reason\": ", b"\xff\xfe", b"42"])
+            out = self.frames(Msg.ABORT if target != "server" else Msg.KV_GET, sender, far, key,
+                              [numpy.frombuffer(body, numpy.uint8)], flags=1)
+        else:
+            name = "too many arrays"
+            head = bytearray(self.frames(mtype, sender, plausible, key, arrays)[0])
+            struct.pack_into("<H", head, 20, int(rs.choice([65, 1000, 65535])))
+            out = [bytes(head)] + [a.tobytes() for a in arrays]
+        self.kinds[name] = self.kinds.get(name, 0) + 1
+        return out
+
+
+def test_ten_thousand_bad_frames_change_nothing(data, tmp_path):
+    param = solver_param(conv_net(data, 8), max_iter=ITERS)
+    weights = initial_weights(param, tmp_path / "init.caffemodel")
+    keys = security.make_keys()
+    want, quiet = run_gated(param, P1, P2, CHUNKS, keys=keys, weights=weights)
+    book = InformationBook(quiet[0].book.data)
+    assert any(r["scheme"] == "sfb" for r in book.layers) and book.pairs, "need PS and SFB"
+
+    sent = {"n": 0}
+    progress = threading.Condition()
+    targets = {}
+    fuzz_error = []
+
+    def fuzz(sessions):
+        try:
+            ctx = zmq.Context()
+            socks = {}
+            for name, rank in (("server", P1), (0, 0), (1, 1)):
+                s = ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                security.secure_client(s, keys)          # a member: it holds the job's keys
+                s.connect(sessions[rank].transport.address)
+                socks[name] = s
+                targets[rank] = sessions[rank]
+            fuzzer = Fuzzer(book)
+            order = ["server", 1, 0]
+            for i in range(FRAMES):
+                target = order[i % 3]
+                socks[target].send_multipart(fuzzer.make(target))
+                with progress:
+                    sent["n"] = i + 1
+                    progress.notify_all()
+            test_ten_thousand_bad_frames_change_nothing.kinds = fuzzer.kinds
+            for s in socks.values():
+                s.close(linger=5000)
+            ctx.term()
+        except BaseException as e:     # reported by the gate
+            fuzz_error.append(e)
+            with progress:
+                progress.notify_all()
+
+    def dropped():
+        return sum(s.transport.counters()["dropped_messages"] for s in targets.values())
+
+    started = threading.Event()
+
+    def gate(chunk, sessions):
+        if threading.current_thread().name != "role-0":
+            return
+        if chunk == 1:          # the job is running: start the fuzzer
+            started.set()
+            threading.Thread(target=fuzz, args=(sessions,), daemon=True).start()
+        if chunk >= 1:          # let it get (chunk / (CHUNKS - 2)) of the way before going on
+            need = min(FRAMES, FRAMES * chunk // (CHUNKS - 2))
+            with progress:
+                progress.wait_for(lambda: sent["n"] >= need or fuzz_error, timeout=120)
+        if chunk == CHUNKS - 1:  # the last chunk runs once every frame has been dropped
+            deadline = time.monotonic() + 60
+            while dropped() < FRAMES and time.monotonic() < deadline and not fuzz_error:
+                time.sleep(0.05)
+
+    t0 = time.monotonic()
+    got, sessions = run_gated(param, P1, P2, CHUNKS, gate=gate, keys=keys, weights=weights)
+    elapsed = time.monotonic() - t0
+    assert not fuzz_error, fuzz_error
+    assert started.is_set() and sent["n"] == FRAMES
+    counts = {r: s.transport.counters() for r, s in sessions.items()}
+    total_dropped = sum(c["dropped_messages"] for c in counts.values())
+    assert total_dropped == FRAMES, {r: c["dropped_messages"] for r, c in counts.items()}
+    for r, c in counts.items():          # what the job itself exchanged is untouched
+        q = quiet[r].transport.counters()["received_by_type"]
+        for name in ("KV_PUSH", "KV_VALUE", "SF", "ABORT", "WEIGHTS"):
+            assert c["received_by_type"].get(name, 0) == q.get(name, 0), (r, name)
+    for a, b in zip(got, want):
+        numpy.testing.assert_array_equal(a, b)
+    kinds = test_ten_thousand_bad_frames_change_nothing.kinds
+    print(f"\n{FRAMES} invalid frames from a member with the job's keys to server 0, worker 0 "
+          f"and worker 1 during {ITERS} iterations: 0 crashes, {total_dropped} dropped and "
+          f"counted (server {counts[P1]['dropped_messages']}, worker 0 "
+          f"{counts[0]['dropped_messages']}, worker 1 {counts[1]['dropped_messages']}), "
+          f"parameters bitwise equal to the undisturbed run; {elapsed:.1f} s\nkinds: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+
+
+# ----- real disagreements are reported naming both ranks ---------------------------------------------
+def _small_book(workers=2, servers=1, dtype="float64"):
+    from .test_cost_book import _description
+    desc = _description([("Convolution", 4, 6, 2, False), ("InnerProduct", 50, 70, 3, True)])
+    desc["dtype"] = dtype
+    return InformationBook.build(desc, workers, servers,
+                                 {"sync": "hybrid", "kv_pair_bytes": 1 << 20, "dtype": dtype})
+
+
+def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(capfd):
+    """Worker 1 pushes float32 where the pair (and worker 0) is float64 and sends nothing valid:
+    the server drops it, keeps serving, and after half of --timeout stops naming both."""
+    from dist.errors import DistError
+    from dist.kvstore import KVServer
+    from dist.roles import Roles
+    from dist.transport import Message, ZmqTransport
+    from engine.solvers.rules import make_rule
+    from .helpers import fc_net
+    roles = Roles(2, 1)
+    book = _small_book()
+    t = ZmqTransport(2, namer=roles.name, timeout=0.4, roles=roles)
+    try:
+        server = KVServer(t, book, roles, make_rule(solver_param(fc_net("x", 1))))
+        pair = book.pairs_on_server(0)[0]
+        n = pair["length"]
+        server.on_init(Message(Msg.KV_INIT, 0, 0, pair["id"], 0, [numpy.zeros(n)], None, 30, 8))
+        server.on_push(Message(Msg.KV_PUSH, 0, 0, pair["id"], 0, [numpy.ones(n)], None, 30, 8))
+        server.on_push(Message(Msg.KV_PUSH, 1, 0, pair["id"], 0,
+                               [numpy.ones(n, numpy.float32)], None, 30, 8))
+        assert t.counters()["dropped_messages"] == 1
+        server._check_disagreements()                     # not yet: it may be a stray message
+        time.sleep(0.3)
+        with pytest.raises(DistError) as err:
+            server._check_disagreements()
+    finally:
+        t.close(0)
+    text = str(err.value)
+    assert text.startswith("worker 1 and worker 0 disagree about KV pair"), text
+    assert "worker 0 pushed float64" in text, text
+    assert "float32" in text and "\n" not in text
+    log = capfd.readouterr().err
+    assert "dropped a message from worker 1" in log
+    print(f"\nserver: {text}")
+
+
+def test_a_peer_whose_factors_really_disagree_is_named_in_the_deadline_error():
+    """Worker 1's sufficient factors have the wrong width: worker 0 drops them at the door, and
+    its wait for them ends in a deadline error that says why, naming both workers."""
+    from dist.errors import DeadlineError
+    from dist.roles import Roles
+    from dist.transport import ZmqTransport
+    roles = Roles(2, 1)
+    book = _small_book()
+    rec = [r for r in book.layers if r["scheme"] == "sfb"][0]
+    a = ZmqTransport(0, namer=roles.name, timeout=2.0, roles=roles)
+    b = ZmqTransport(1, namer=roles.name, timeout=2.0, roles=roles)
+    try:
+        for t in (a, b):
+            t.bind("127.0.0.1")
+            t.set_book(book)
+            t.start()
+        b.connect(0, a.address)
+        K, M, N = rec["K"], rec["M"], rec["N"]
+        b.send(0, Msg.SF, iteration=3, key=rec["index"],
+               arrays=[numpy.ones((K, M)), numpy.ones((K, N + 1)), numpy.ones(M)])
+        with pytest.raises(DeadlineError) as err:
+            a.receive(Msg.SF, rec["index"], 3, senders=[1], timeout=1.0,
+                      what=f"the sufficient factors of layer '{rec['name']}' for iteration 3")
+        # a good message afterwards is taken
+        b.send(0, Msg.SF, iteration=4, key=rec["index"],
+               arrays=[numpy.ones((K, M)), numpy.ones((K, N)), numpy.ones(M)])
+        assert a.receive(Msg.SF, rec["index"], 4, senders=[1])[0].sender == 1
+    finally:
+        a.close(0)
+        b.close(0)
+    text = str(err.value)
+    assert "from worker 1" in text and "worker 0 expects" in text, text
+    assert f"float64[{K}, {N + 1}]" in text, text
+    print(f"\nworker 0: {text}")
