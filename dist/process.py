@@ -68,7 +68,7 @@ def run_role(job, rank, in_thread=False, on_session=None):
         ds = DistributedSolver(solver, session)
         if snapshot is None and job.get("snapshot") == "auto":
             for r in session.roles.worker_ranks()[1:]:       # they wait for a cursor: none
-                session.transport.send(r, Msg.CURSOR, obj={"fresh": True})
+                session.transport.send(r, Msg.CURSOR, obj={"fresh": True, "iter": 0})
         ds.solve(resume_file=snapshot)
         return ds
     except AbortError:
