@@ -13,12 +13,15 @@ Why it is built this way (the paper's KV store, made exact):
 - INIT sets values (and history, on resume) from worker 0; GET returns values and history for
   snapshots. What happens when a pair is complete is a pluggable handler: `update` (the default
   above) or `average` (reply with the mean gradient, for schemes that update on the workers).
+- `--straggler-timeout` and `--staleness` relax BSP through a policy (dist/consistency.py) that
+  takes over pushes; with neither, `self.policy` is None and the path above is untouched.
 """
 import json
 import time
 
 import numpy
 
+from .consistency import make_policy
 from .errors import DistError
 from .transport import Msg
 
@@ -100,6 +103,7 @@ class KVServer:
         self.pairs = {rec["id"]: PairState(rec, params[rec["param"]], self.workers, self.dtype, rule)
                       for rec in book.pairs_on_server(self.index)}
         self.handler = HANDLERS[handler](self)
+        self.policy = make_policy(self, book.options)
         self._scratch = None
         self.stats_path = stats_path
         self._stats_file = open(stats_path, "w", encoding="utf-8") if stats_path else None
@@ -122,11 +126,18 @@ class KVServer:
                     Msg.KV_SHUTDOWN: self.on_shutdown}
         try:
             while self.running:
-                msg = self.transport.next(timeout=None)
-                handlers[msg.type](msg)
+                msg = self.transport.next(timeout=self._wait())
+                if msg is not None:
+                    handlers[msg.type](msg)
+                if self.policy is not None:
+                    self.policy.on_deadline()
         finally:
             if self._stats_file:
                 self._stats_file.close()
+
+    def _wait(self):
+        """How long the loop may block: for ever under BSP, else until the policy's next deadline."""
+        return None if self.policy is None else self.policy.next_timeout()
 
     def _pair(self, msg):
         try:
@@ -152,6 +163,8 @@ class KVServer:
         pair.iteration = msg.iteration
         pair.count = 0
         pair.have = [False] * self.workers
+        if self.policy is not None:
+            self.policy.on_init(pair)
 
     def on_init_done(self, msg):
         missing = [p.id for p in self.pairs.values() if p.iteration is None]
@@ -166,6 +179,8 @@ class KVServer:
         if pair.iteration is None:
             raise DistError(f"{self.roles.name(r)} pushed KV pair {pair.id} before worker 0 "
                             f"initialised the servers")
+        if self.policy is not None:
+            return self.policy.on_push(pair, msg)
         if msg.iteration != pair.iteration:
             raise DistError(f"{self.roles.name(r)} pushed KV pair {pair.id} for iteration "
                             f"{msg.iteration} but {self.roles.name(self.transport.rank)} expects "
@@ -211,6 +226,9 @@ class KVServer:
 
     def on_shutdown(self, msg):
         self.running = False
+        summary = self.policy.summary() if self.policy is not None else None
+        if summary:
+            self.log(f"{self.roles.name(self.transport.rank)}: {summary}")
 
     # ----- statistics --------------------------------------------------------------------------------
     def _stats(self, it):
@@ -230,5 +248,6 @@ class KVServer:
                       "recv_payload": st["recv_payload"], "recv_header": st["recv_header"],
                       "sent_payload": st["sent_payload"], "sent_header": st["sent_header"],
                       "update_s": round(st["update_s"], 6)}
+            record.update(st.get("extra") or {})
             self._stats_file.write(json.dumps(record) + "\n")
             self._stats_file.flush()

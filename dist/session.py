@@ -8,6 +8,7 @@ no branch for servers. On a worker it returns the Session that `DistributedSolve
 """
 import os
 import sys
+import threading
 
 from .coordinator import Coordinator, CoordinatorClient
 from .errors import DistError
@@ -16,10 +17,21 @@ from .roles import COORDINATOR, Roles, rank_from_environment
 from .transport import ZmqTransport, interface_address, route_address, split_address
 
 _current = None
+_local = threading.local()
 
 
 def current():
-    return _current
+    """This worker's Session (the one made current in this thread, else the process's), or None."""
+    return getattr(_local, "session", None) or _current
+
+
+def make_current(session):
+    """What current() returns in this thread, and in the process when none is set there yet (a
+    Python layer looks up its rank this way, also when roles run as threads in tests)."""
+    global _current
+    _local.session = session
+    if _current is None:
+        _current = session
 
 
 class Session:
