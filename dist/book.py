@@ -19,13 +19,25 @@ from .placement import cut_pairs, place_pairs
 SYNC_MODES = ("hybrid", "ps", "sfb")
 
 
-def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid"):
+def relaxed_consistency(options):
+    """'--straggler-timeout' or '--staleness' when the options relax BSP, else None. Under either,
+    every layer goes by PS: SFB needs every peer's factors of the iteration, so it cannot leave a
+    late worker out, nor let a worker run ahead, without a second protocol."""
+    if options.get("straggler_timeout") is not None:
+        return "--straggler-timeout"
+    if int(options.get("staleness") or 0) > 0:
+        return "--staleness"
+    return None
+
+
+def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid", relaxed=None):
     """Algorithm 1 with the --sync override: 'sfb' or 'ps' for one layer.
 
     A layer that cannot give sufficient factors (convolutions, shared or frozen weights,
-    iter_size > 1) always goes by PS. Otherwise --sync ps/sfb force the scheme, and hybrid picks SFB
-    when 2K(P1-1)(M+N) <= 2MN(P1+P2-2)/P2 (and always when there are no servers)."""
-    if not sfb_capable:
+    iter_size > 1) always goes by PS, and so does every layer under `relaxed` consistency
+    (--straggler-timeout, --staleness > 0). Otherwise --sync ps/sfb force the scheme, and hybrid
+    picks SFB when 2K(P1-1)(M+N) <= 2MN(P1+P2-2)/P2 (and always when there are no servers)."""
+    if not sfb_capable or relaxed:
         return "ps"
     if sync == "ps":
         return "ps"
@@ -142,11 +154,16 @@ class InformationBook:
         """The book for a job: schemes by Algorithm 1, then the PS parameters cut into KV pairs and
         placed on the servers. Raises DistError when --servers 0 cannot work for this net."""
         sync = options.get("sync", "hybrid")
+        relaxed = relaxed_consistency(options)
+        if relaxed and sync == "sfb":
+            raise DistError(f"--sync sfb cannot be combined with {relaxed}: SFB needs every "
+                            f"worker's factors of an iteration; give --sync ps or hybrid (under "
+                            f"{relaxed} every layer then goes by PS)")
         layers = []
         for rec in description["layers"]:
             rec = dict(rec)
             rec["scheme"] = best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], workers,
-                                        servers, sync)
+                                        servers, sync, relaxed)
             layers.append(rec)
         scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
         needs_ps = [rec for rec in layers if rec["scheme"] == "ps"]
@@ -154,6 +171,7 @@ class InformationBook:
             names = ", ".join(f"'{r['name']}' ({r['type']})" for r in needs_ps[:6])
             more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
             why = ("--sync ps sends every layer through the servers" if sync == "ps" else
+                   f"{relaxed} sends every layer through the servers" if relaxed else
                    "only InnerProduct layers (not shared, iter_size 1) can use SFB")
             raise DistError(f"--servers 0 needs every layer with parameters to use SFB, but "
                             f"{names}{more} can only be synced through a parameter server ({why}): "
@@ -191,7 +209,7 @@ class InformationBook:
         """Algorithm 1 for layer li (with the --sync override), evaluated on the book."""
         rec = self._layer[li]
         return best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], self.workers, self.servers,
-                           self.options.get("sync", "hybrid"))
+                           self.options.get("sync", "hybrid"), relaxed_consistency(self.options))
 
     def pairs_of_param(self, pid):
         return self._pairs_of.get(pid, [])

@@ -13,12 +13,15 @@ Why it is built this way (the paper's KV store, made exact):
 - INIT sets values (and history, on resume) from worker 0; GET returns values and history for
   snapshots. What happens when a pair is complete is a pluggable handler: `update` (the default
   above) or `average` (reply with the mean gradient, for schemes that update on the workers).
+- `--straggler-timeout` and `--staleness` relax BSP through a policy (dist/consistency.py) that
+  takes over pushes; with neither, `self.policy` is None and the path above is untouched.
 """
 import json
 import time
 
 import numpy
 
+from .consistency import make_policy
 from .errors import DistError
 from .transport import Msg
 
@@ -100,6 +103,7 @@ class KVServer:
         self.pairs = {rec["id"]: PairState(rec, params[rec["param"]], self.workers, self.dtype, rule)
                       for rec in book.pairs_on_server(self.index)}
         self.handler = HANDLERS[handler](self)
+        self.policy = make_policy(self, book.options)
         self._scratch = None
         self.stats_path = stats_path
         self._stats_file = open(stats_path, "w", encoding="utf-8") if stats_path else None
@@ -124,7 +128,7 @@ class KVServer:
                     Msg.KV_SHUTDOWN: self.on_shutdown}
         try:
             while self.running:
-                msg = self.transport.next(timeout=1.0)
+                msg = self.transport.next(timeout=self._wait())
                 if msg is not None:
                     handler = handlers.get(msg.type)
                     if handler is None:
@@ -133,9 +137,17 @@ class KVServer:
                     else:
                         handler(msg)
                 self._check_disagreements()
+                if self.policy is not None:
+                    self.policy.on_deadline()
         finally:
             if self._stats_file:
                 self._stats_file.close()
+
+    def _wait(self):
+        """How long the loop may block: a second under BSP (to look at suspected disagreements),
+        less when the straggler policy has an earlier deadline."""
+        due = None if self.policy is None else self.policy.next_timeout()
+        return 1.0 if due is None else min(1.0, due)
 
     # ----- validation: a bad message is dropped (logged, counted); the server keeps serving ------
     def _pair(self, msg):
@@ -166,10 +178,10 @@ class KVServer:
         if pair.iteration is None:
             return (f"{self.roles.name(r)} pushed KV pair {pair.id} before worker 0 initialised "
                     f"the servers")
-        if msg.iteration != pair.iteration:
+        if self.policy is None and msg.iteration != pair.iteration:
             return (f"{self.roles.name(r)} pushed KV pair {pair.id} for iteration "
                     f"{msg.iteration}, the pair is at iteration {pair.iteration}")
-        if pair.have[r]:
+        if self.policy is None and pair.have[r]:
             return f"{self.roles.name(r)} pushed KV pair {pair.id} twice in iteration {msg.iteration}"
         bad = self._bad_arrays(msg, pair, msg.arrays)
         if bad is not None:
@@ -219,6 +231,8 @@ class KVServer:
         pair.iteration = msg.iteration
         pair.count = 0
         pair.have = [False] * self.workers
+        if self.policy is not None:
+            self.policy.on_init(pair)
 
     def on_init_done(self, msg):
         missing = [p.id for p in self.pairs.values() if p.iteration is None]
@@ -235,6 +249,8 @@ class KVServer:
         if bad is not None:
             return self.transport.drop(msg, bad)
         r = msg.sender
+        if self.policy is not None:
+            return self.policy.on_push(pair, msg)
         grad = msg.arrays[0]
         self._suspects.pop((pair.id, r), None)
         numpy.copyto(pair.slots[r], grad)
@@ -273,6 +289,9 @@ class KVServer:
 
     def on_shutdown(self, msg):
         self.running = False
+        summary = self.policy.summary() if self.policy is not None else None
+        if summary:
+            self.log(f"{self.roles.name(self.transport.rank)}: {summary}")
 
     # ----- statistics --------------------------------------------------------------------------------
     def _stats(self, it):
@@ -292,5 +311,6 @@ class KVServer:
                       "recv_payload": st["recv_payload"], "recv_header": st["recv_header"],
                       "sent_payload": st["sent_payload"], "sent_header": st["sent_header"],
                       "update_s": round(st["update_s"], 6)}
+            record.update(st.get("extra") or {})
             self._stats_file.write(json.dumps(record) + "\n")
             self._stats_file.flush()

@@ -98,6 +98,11 @@ def add_dist_options(parser):
     g.add_argument("--max-restarts", type=_nonneg_int, default=3, metavar="N",
                    help="with --resume auto, the local launcher restarts the whole job from the "
                    "newest complete snapshot at most N times when a process is lost (default 3)")
+    g.add_argument("--straggler-timeout", type=_seconds, metavar="S", help="BSP with drop: a "
+                   "server waits at most S s after a KV pair's first push of an iteration, then "
+                   "averages the gradients that came (every layer goes by PS)")
+    g.add_argument("--staleness", type=_nonneg_int, default=0, metavar="s", help="SSP: a worker "
+                   "may run s iterations ahead of the slowest (0: BSP; >0: every layer by PS)")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="float type of the nets (float64 for equivalence tests)")
     g.add_argument("--interface", metavar="NAME|ADDR",
@@ -110,6 +115,18 @@ def add_dist_options(parser):
     return parser
 
 
+def check_consistency(opts):
+    """--straggler-timeout and --staleness: one at a time, and the drop deadline under --timeout."""
+    from .errors import DistError
+    if opts.straggler_timeout is not None and opts.staleness:
+        raise DistError("--straggler-timeout and --staleness cannot be combined: pick BSP with "
+                        "drop (--straggler-timeout S) or bounded staleness (--staleness s)")
+    if opts.straggler_timeout is not None and not 0 < opts.straggler_timeout < opts.timeout:
+        raise DistError(f"--straggler-timeout {opts.straggler_timeout:g} must be above 0 and "
+                        f"below --timeout {opts.timeout:g} (the workers wait --timeout for the "
+                        f"server's answer)")
+
+
 class DistOptions:
     """Everything a role needs besides its rank. Build from parsed args or keywords."""
 
@@ -118,7 +135,7 @@ class DistOptions:
               "kv_pair_bytes": DEFAULT_PAIR_BYTES, "sum_gradients": False, "bandwidth": None,
               "timeout": 30.0, "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
-              "keys": None, "insecure": False}
+              "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -129,6 +146,7 @@ class DistOptions:
         if self.servers is None:
             self.servers = 1
         self.kv_pair_bytes = parse_bytes(self.kv_pair_bytes)
+        check_consistency(self)
 
     @classmethod
     def from_args(cls, args):
@@ -159,7 +177,8 @@ class DistOptions:
         """The options every process of one job must agree on."""
         return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
                 "kv_pair_bytes": self.kv_pair_bytes, "sum_gradients": bool(self.sum_gradients),
-                "dtype": self.dtype}
+                "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
+                "staleness": int(self.staleness or 0)}
 
     def bandwidth_bytes(self):
         return parse_bandwidth(self.bandwidth) if self.bandwidth else None

@@ -6,6 +6,8 @@ parameters at their new values on this worker. PSScheme (here) and SFBScheme (di
 the paper's two; a third (ring allreduce, say) is a new class decorated with @register_scheme, and
 is chosen by `--sync NAME` or by extending BestScheme, with no change to the worker loop.
 """
+from engine.solvers.solver import all_finite, param_label
+
 from .cost import ps_cost
 from .errors import DistError
 from .transport import Msg
@@ -43,6 +45,15 @@ class Scheme:
 
     def receive(self, it, stats):
         raise NotImplementedError
+
+    def nonfinite(self):
+        """What of this layer's gradient holds NaN/Inf ('weight gradient', ...), or None. Checked
+        before anything is sent, so a bad gradient never leaves the worker."""
+        w = self.worker
+        for pid in self.syncer.pids:
+            if not all_finite(w.net.learnable_params[pid].diff):
+                return f"{param_label(w.book.params[pid]['owner'][1])} gradient"
+        return None
 
 
 @register_scheme
@@ -100,6 +111,7 @@ class PSScheme(Scheme):
                 off, n = pair["offset"], pair["length"]
                 flat[off:off + n] = msg.arrays[0]
                 stats.received(msg)
+                stats.reply_aux.append(msg.aux)
             if stage.on_gpu:
                 stage.to_device(host, blob.data)
         for receipt in self.receipts:

@@ -22,6 +22,7 @@ from .transport import (ZmqTransport, coordinator_bind_address, interface_addres
                         split_address)
 
 _current = None
+_local = threading.local()
 
 
 def _warn(line):
@@ -29,7 +30,17 @@ def _warn(line):
 
 
 def current():
-    return _current
+    """This worker's Session (the one made current in this thread, else the process's), or None."""
+    return getattr(_local, "session", None) or _current
+
+
+def make_current(session):
+    """What current() returns in this thread, and in the process when none is set there yet (a
+    Python layer looks up its rank this way, also when roles run as threads in tests)."""
+    global _current
+    _local.session = session
+    if _current is None:
+        _current = session
 
 
 class Session:

@@ -13,6 +13,8 @@ computes the same numbers in the same order, so the replicas stay bitwise identi
 """
 import numpy
 
+from engine.solvers.solver import all_finite
+
 from .cost import sfb_cost
 from .errors import DistError
 from .schemes import Scheme, register_scheme
@@ -55,6 +57,14 @@ class SFBScheme(Scheme):
         if self.bias is not None:
             arrays.append(net.learnable_params[self.bias].diff)
         return arrays
+
+    def nonfinite(self):
+        """NaN/Inf in the factors (G, X) or the bias gradient: the weight gradient is built from
+        them, and here is where it would leave."""
+        for i, a in enumerate(self._factors()):
+            if not all_finite(a):
+                return "bias gradient" if i == 2 else "weight gradient"
+        return None
 
     def send(self, it, stats):
         w, stage = self.worker, self.syncer.stage

@@ -26,10 +26,12 @@ from engine import backend
 
 class LayerStats:
     __slots__ = ("layer", "name", "scheme", "sent_payload", "recv_payload", "sent_header",
-                 "recv_header", "messages_sent", "messages_received", "start", "end", "thread")
+                 "recv_header", "messages_sent", "messages_received", "start", "end", "thread",
+                 "reply_aux")
 
     def __init__(self, layer, name, scheme):
         self.layer, self.name, self.scheme = layer, name, scheme
+        self.reply_aux = []          # the servers' note on each reply (arrived count, or lead)
         self.sent_payload = self.recv_payload = self.sent_header = self.recv_header = 0
         self.messages_sent = self.messages_received = 0
         self.start = self.end = 0.0
@@ -161,6 +163,10 @@ class Syncer:
                 stream.wait_event(ready)
             with stream:
                 scheme = self.scheme(name)
+                bad = scheme.nonfinite()                # one reduction per parameter or factor
+                w.checked(it, self.li, bad)
+                if bad:
+                    raise w.nonfinite_error(it, self.name, bad)
                 scheme.send(it, stats)
                 scheme.receive(it, stats)
                 self.stage.synchronize()

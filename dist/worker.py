@@ -16,11 +16,18 @@ solver instance:
 - snapshot / restore: one Caffe snapshot by worker 0 (solver history fetched from the servers for
   PS parameters), one cursor file per worker; restore sends worker 0's state to servers and peers.
 BatchNorm's stored statistics are averaged over the workers before testing and snapshotting.
+- check_finite and the syncs: the loss is checked once, and each synced layer's gradient (or its
+  sufficient factors) with one reduction before it is sent, so NaN/Inf never leaves a worker; the
+  job stops naming the iteration, the worker, the first bad layer in backward order and the last
+  good snapshot.
+- --straggler-timeout / --staleness (dist/consistency.py does the servers' side): every layer goes
+  by PS, and the displayed loss is worker 0's own (a mean over workers would wait for the slowest).
 """
 import json
 import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -30,9 +37,9 @@ from engine import backend, rng
 from engine.errors import ModelError
 
 from . import faults
-from .book import describe_net
+from .book import describe_net, relaxed_consistency
 from .errors import DistError
-from .session import current
+from .session import current, make_current
 from .syncer import StreamPool, Syncer, record_event
 from .timeline import Timeline, role_path, write_trace
 from .transport import Msg
@@ -72,6 +79,10 @@ def _g(x):
     return f"{float(x):.6g}"
 
 
+class NonFiniteGradient(DistError):
+    """A synced layer's gradient holds NaN or Inf (raised by its sync before anything is sent)."""
+
+
 def worker_cursor_path(state_path, rank):
     """<prefix>_iter_N.solverstate -> <prefix>_iter_N.cursors.worker-R.json."""
     from engine.io.manifest import snapshot_base
@@ -93,6 +104,7 @@ class DistributedSolver:
             solver = get_solver(solver, **session.solver_kwargs())
         self.__dict__["solver"] = solver
         self.session = session
+        make_current(session)                  # Python layers can look up their rank
         self.options = opts = session.options
         self.rank, self.roles = session.rank, session.roles
         self.transport, self.client = session.transport, session.client
@@ -112,6 +124,11 @@ class DistributedSolver:
         self.book = session.register({"role": "worker", "description": description,
                                       "solver": solver_text(solver.param)})
         self.grad_scale = self.book.data["grad_scale"]
+        self.relaxed = relaxed_consistency(self.book.options)
+        self.last_snapshot = None
+        self._checks = {}                       # layer -> what is not finite (None: all good)
+        self._checks_it = None
+        self._checks_cond = threading.Condition()
         self.syncers = {li: Syncer(self, li) for li in self.book.synced_layers()}
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync", initializer=_use_device,
@@ -130,6 +147,7 @@ class DistributedSolver:
                         ("step", "snapshot", "restore", "write_manifest")}
         self._peer_cursors = None
         solver.forward_backward = self._forward_backward
+        solver.check_finite = self._check_finite
         solver.apply_update = self._apply_update
         solver.test = self._test
         solver.snapshot = self._snapshot
@@ -142,6 +160,12 @@ class DistributedSolver:
                      f"{opts.sync}{', no overlap' if opts.no_overlap else ''}")
             for line in self.book.summary_lines():
                 log.info(line)
+            if opts.straggler_timeout is not None:
+                log.info(f"BSP with drop: a worker later than {opts.straggler_timeout:g} s after "
+                         f"a KV pair's first push is left out of that iteration's average")
+            elif opts.staleness:
+                log.info(f"Bounded staleness (SSP): a worker may run {opts.staleness} "
+                         f"iteration(s) ahead of the slowest")
 
     def __getattr__(self, name):
         solver = self.__dict__.get("solver")
@@ -241,6 +265,8 @@ class DistributedSolver:
         it = s.iter
         n = s.param.iter_size
         overlap = not self.options.no_overlap
+        with self._checks_cond:
+            self._checks, self._checks_it = {}, it
         futures = []
         total = 0.0
         t_start = time.time()
@@ -253,7 +279,10 @@ class DistributedSolver:
             faults.point("forward", it)
             t1 = time.time()
             tl.event("forward", "forward", t0, t1, thread="compute", args={"iter": it})
-            if last:
+            if last and self.relaxed:                # no collective: it would wait for stragglers
+                own = total / n
+                wait_loss = lambda: [own]  # noqa: E731
+            elif last:
                 wait_loss = self.client.allreduce_async("loss", [total / n])
             for li in range(len(net.layers) - 1, -1, -1):
                 if net.layer_need_backward[li]:
@@ -286,6 +315,40 @@ class DistributedSolver:
         self._iter_info["loss"] = loss
         return loss
 
+    # ----- numerical faults ---------------------------------------------------------------------------
+    def _stop_line(self):
+        return f"stopping (last good snapshot: {self.last_snapshot or 'none written yet'})"
+
+    def nonfinite_error(self, it, layer_name, what):
+        return NonFiniteGradient(f"{self.session.name}: iteration {it}: layer '{layer_name}' "
+                                 f"{what} has NaN/Inf; {self._stop_line()}")
+
+    def checked(self, it, li, bad):
+        """A sync's finiteness verdict (called on its thread before it sends anything)."""
+        with self._checks_cond:
+            if self._checks_it == it:
+                self._checks[li] = bad
+                self._checks_cond.notify_all()
+
+    def _first_nonfinite(self, it, wait_s=5.0):
+        """After a sync failed: the NonFiniteGradient of the highest bad layer (the first in
+        backward order), once every sync of the iteration has given its verdict; else None."""
+        with self._checks_cond:
+            if not any(self._checks.values()):
+                return None
+            self._checks_cond.wait_for(lambda: len(self._checks) >= len(self.syncers), wait_s)
+            bad = {li: what for li, what in self._checks.items() if what}
+        li = max(bad)
+        return self.nonfinite_error(it, self.syncers[li].name, bad[li])
+
+    def _check_finite(self, loss):
+        """The engine's check, made cheap: the loss here; each synced layer's gradient is checked
+        by its sync with one reduction before it is sent (Syncer.sync)."""
+        if not math.isfinite(loss):
+            which = "this worker's loss" if self.relaxed else "the loss (mean over the workers)"
+            raise DistError(f"{self.session.name}: iteration {self.solver.iter}: {which} is "
+                            f"{loss:g}; {self._stop_line()}")
+
     def _drain(self):
         """After a failure: wake the sync threads so the pool is not left blocked."""
         for f in self._pending:
@@ -301,9 +364,9 @@ class DistributedSolver:
         t0 = time.time()
         faults.point("barrier", it)
         done, _ = wait(self._pending, timeout=None, return_when=FIRST_EXCEPTION)
-        errors = [f.exception() for f in done if f.exception() is not None]
+        errors = [f.exception() for f in self._pending if f in done and f.exception() is not None]
         if errors:
-            error = errors[0]
+            error = self._first_nonfinite(it) or errors[0]
             if not isinstance(error, DistError):
                 error = DistError(f"{self.session.name}: a sync thread failed: "
                                   f"{type(error).__name__}: {error}")
@@ -327,6 +390,11 @@ class DistributedSolver:
                       "barrier_wait_s": round(barrier_s, 6), "layers": layers}
             for key in ("sent_payload", "recv_payload", "sent_header", "recv_header"):
                 record[key] = sum(v[key] for v in layers.values())
+            notes = [a for st in stats for a in st.reply_aux]
+            if notes and self.options.straggler_timeout is not None:
+                record["averaged"] = min(notes)        # fewest gradients in any pair's update
+            elif notes and self.relaxed:
+                record["lead"] = max(notes)            # iterations ahead of the slowest worker
             self._stats.write(json.dumps(record) + "\n")
             self._stats.flush()
 
@@ -391,7 +459,9 @@ class DistributedSolver:
 
     # ----- snapshots --------------------------------------------------------------------------------
     def _fetch_server_state(self):
-        """Worker 0: values and history of every PS parameter from the servers, into history."""
+        """Worker 0: values and history of every PS parameter from the servers, into history.
+        Under --staleness the values too: worker 0's own may miss up to s iterations of the
+        others' updates, and the snapshot must hold the servers' parameters with their history."""
         t = self.transport
         seq = self._get_seq
         self._get_seq += 1
@@ -405,13 +475,18 @@ class DistributedSolver:
                             what=f"the solver state of KV pair {pair['id']} for the snapshot")[0]
             if pid not in hosts:
                 count = self.net.learnable_params[pid].count
-                hosts[pid] = [numpy.empty(count, self.net.dtype) for _ in self.history[pid]]
+                hosts[pid] = [numpy.empty(count, self.net.dtype)
+                              for _ in range(len(self.history[pid]) + 1)]
             off, n = pair["offset"], pair["length"]
             for k, h in enumerate(hosts[pid]):
-                h[off:off + n] = msg.arrays[1 + k]
-        for pid, arrays in hosts.items():
+                h[off:off + n] = msg.arrays[k]
+        refresh = bool(self.options.staleness)
+        for pid, (value, *arrays) in hosts.items():
             for h, host in zip(self.history[pid], arrays):
                 h[...] = backend.to_xp(host.reshape(h.shape), backend.get_array_module(h))
+            if refresh:
+                data = self.net.learnable_params[pid].data
+                data[...] = backend.to_xp(value.reshape(data.shape), backend.get_array_module(data))
 
     def _cursor_state(self):
         s = self.solver
@@ -439,7 +514,14 @@ class DistributedSolver:
                      f"of {self.roles.workers - 1} other worker(s))")
         self.client.barrier("snapshot", timeout=self._slow)
         faults.point("snapshot-done", s.iter)
+        self.last_snapshot = state_file or self._state_file_name()
         return state_file
+
+    def _state_file_name(self):
+        """The solverstate path worker 0 writes at this iteration (the engine's naming)."""
+        from engine.proto import caffe_pb2
+        hdf5 = self.solver.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        return self.solver.snapshot_filename(".solverstate.h5" if hdf5 else ".solverstate")
 
     def _write_manifest(self, state_file, extra_files=()):
         """Worker 0, inside the engine's snapshot(): the other workers' cursor files, then the
@@ -483,6 +565,7 @@ class DistributedSolver:
             s.net.set_data_cursors(state.get("train"))
             for net, cursors in zip(s.test_nets, state.get("test") or []):
                 net.set_data_cursors(cursors)
+        self.last_snapshot = os.fspath(path)
         self._started = False
 
     # ----- the end ----------------------------------------------------------------------------------

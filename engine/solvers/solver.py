@@ -75,6 +75,20 @@ def _g(x):
 
 
 # ----- the solver ------------------------------------------------------------------------------------
+
+def all_finite(array):
+    """True when every element of `array` is finite. One reduction (the sum) decides in the usual
+    case; the elementwise test runs only when the sum is not finite (NaN/Inf, or an overflow)."""
+    xp = backend.get_array_module(array)
+    if bool(xp.isfinite(array.sum())):
+        return True
+    return bool(xp.isfinite(array).all())
+
+
+def param_label(bi):
+    """'weight', 'bias' or 'param #k' for a layer's k-th parameter blob (for messages)."""
+    return ("weight", "bias")[bi] if bi < 2 else f"param #{bi}"
+
 class Solver:
     """Caffe's Solver with the update rule of the solver file's `type`.
 
@@ -320,8 +334,7 @@ class Solver:
         for li in reversed(range(len(self.net.layers))):
             layer = self.net.layers[li]
             for bi, blob in enumerate(layer.blobs):
-                xp = backend.get_array_module(blob.diff)
-                if not bool(xp.isfinite(blob.diff).all()):
+                if not all_finite(blob.diff):
                     culprit = (layer, bi)
                     break
             if culprit:

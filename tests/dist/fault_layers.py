@@ -1,0 +1,54 @@
+"""Python layers that misbehave on one rank, for the straggler and NaN tests.
+
+Both pass their bottom through unchanged and count their own forward passes in the TRAIN phase
+(one per iteration with iter_size 1, starting at 0). They find their worker's rank through
+dist.session.current(), so every rank runs the same prototxt. param_str is JSON:
+  SleepOnRank   {"rank": 2, "iters": [4], "seconds": 3.0}   sleep before the forward pass
+  NaNOnRank     {"rank": 1, "iter": 7}                       NaN into the gradient below it
+"""
+import json
+import time
+
+import engine
+from engine.layer import TRAIN
+from dist.session import current
+
+
+def _rank():
+    session = current()
+    return None if session is None else session.rank
+
+
+class _PassThrough(engine.Layer):
+    exact_bottoms = 1
+
+    def setup(self, bottom, top):
+        self.config = json.loads(self.param_str or "{}")
+        self.calls = -1
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].shape)
+
+    def forward(self, bottom, top):
+        if self.phase == TRAIN:
+            self.calls += 1
+        top[0].data[...] = bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].diff[...] = top[0].diff
+
+
+class SleepOnRank(_PassThrough):
+    def forward(self, bottom, top):
+        super().forward(bottom, top)
+        c = self.config
+        if _rank() == c["rank"] and self.calls in c["iters"]:
+            time.sleep(float(c["seconds"]))
+
+
+class NaNOnRank(_PassThrough):
+    def backward(self, top, propagate_down, bottom):
+        super().backward(top, propagate_down, bottom)
+        if propagate_down[0] and _rank() == self.config["rank"] and self.calls == self.config["iter"]:
+            bottom[0].diff.reshape(-1)[0] = float("nan")
