@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections import OrderedDict
@@ -108,8 +109,11 @@ class Solver:
         self.progress = progress
         if not _logging_configured():
             log_to_stderr()
-        self._check_param()
-        self.rule = rules.make_rule(param)
+        try:
+            self._check_param()
+            self.rule = rules.make_rule(param)
+        except ModelError as e:
+            raise self._at_key(e) from None
         if param.random_seed >= 0:
             rng.seed(param.random_seed)          # before the nets: fillers draw from it
         self.net = self._init_train_net()
@@ -127,8 +131,38 @@ class Solver:
     def _where(self):
         return self.source or "solver"
 
+    def _at_key(self, error):
+        """A solver error with the file:line of the solver field it names (the first one named
+        that the file sets), in place of its "solver:" prefix."""
+        message = str(error)
+        for prefix in ("solver: ", f"{self.source}: "):
+            if message.startswith(prefix):
+                message = message[len(prefix):]
+        where = self._where()
+        if self.source:
+            fields = [f.name for f in caffe_pb2.SolverParameter.DESCRIPTOR.fields]
+            named = sorted((m.start(), name) for name in fields
+                           for m in [re.search(rf"(?<![\w-]){name}(?![\w-])", message)] if m)
+            from ..prototxt import field_line
+            for _, name in named:
+                line = field_line(self.source, name)
+                if line:
+                    where = f"{self.source}:{line}"
+                    break
+        return type(error)(f"{where}: {message}")
+
     def _check_param(self):
         p = self.param
+        for name in ("base_lr", "max_iter", "snapshot", "display", "test_interval"):
+            if getattr(p, name) < 0:
+                raise ModelError(f"{self._where()}: {name} must be >= 0, got "
+                                 f"{getattr(p, name):g}; give a non-negative value")
+        if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+            try:
+                import h5py  # noqa: F401
+            except ImportError:
+                raise ModelError(f"{self._where()}: snapshot_format: HDF5 needs h5py: pip install "
+                                 f"h5py, or remove snapshot_format (binary protobuf)") from None
         if p.iter_size < 1:
             raise ModelError(f"{self._where()}: iter_size must be at least 1, got {p.iter_size}")
         if p.average_loss < 1:
@@ -148,7 +182,8 @@ class Solver:
                 return beside
         looked = "the current directory" + (
             f" and {os.path.dirname(os.path.abspath(self.source))}" if self.source else "")
-        raise ModelError(f"{self._where()}: {what} '{path}' does not exist (looked in {looked})")
+        raise ModelError(f"{self._where()}: {what} '{path}' does not exist (looked in {looked}); "
+                         f"check the path")
 
     def _build_net(self, model, phase, state, shard):
         """A Net in `phase` whose NetState is Caffe's merge: phase < the net's own state < `state`."""
@@ -509,7 +544,8 @@ class Solver:
         from ..io import caffemodel
         path = os.fspath(path)
         if not os.path.exists(path):
-            raise ModelError(f"{path}: solver state file does not exist")
+            raise ModelError(f"{path}: solver state file does not exist; check the --snapshot "
+                             f"path (snapshots are <snapshot_prefix>_iter_N.solverstate)")
         if os.path.exists(manifest.manifest_path(path)):
             manifest.verify_manifest(manifest.manifest_path(path))
         else:
@@ -518,10 +554,22 @@ class Solver:
         try:
             state = (caffemodel.read_solverstate_hdf5(path) if path.endswith(".h5")
                      else caffemodel.read_solverstate(path))
-        except ValueError as e:
-            raise ModelError(str(e)) from None
+        except ImportError:
+            raise ModelError(f"{path}: is an HDF5 solver state and reading it needs h5py: pip "
+                             f"install h5py") from None
+        except (ValueError, OSError, KeyError) as e:
+            reason = str(e).split(";")[0].replace(f"{path} is ", "")
+            raise ModelError(f"{path}: not a readable solver state ({reason[:120]}); give the "
+                             f".solverstate a snapshot wrote (a torn copy also gives this: resume "
+                             f"from an earlier snapshot)") from None
         if state.learned_net:
-            self.net.copy_from(self._learned_net(state.learned_net, path))
+            weights = self._learned_net(state.learned_net, path)
+            try:
+                self.net.copy_from(weights)
+            except ModelError as e:
+                detail = str(e).split("; check that the file")[0]
+                raise ModelError(f"{path}: is a snapshot of another net ({detail}); resume with "
+                                 f"the solver and model that wrote it") from None
         params = self.net.learnable_params
         expected = len(params) * self.rule.num_state
         if len(state.history) != expected:
