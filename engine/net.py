@@ -402,8 +402,9 @@ class Net:
             raise ModelError(f"{path}: is an HDF5 weights file and reading it needs h5py: "
                              f"pip install h5py (or use a binary .caffemodel)") from None
         except (ValueError, OSError, KeyError) as e:
-            reason = str(e).split(";")[0].replace(f"{path} is ", "")
-            raise ModelError(f"{path}: not a readable weights file ({reason[:120]}); give a "
+            reason = ("protobuf cannot parse it as a Caffe NetParameter"
+                      if "Error parsing message" in str(e) else str(e)[:120])
+            raise ModelError(f"{path}: not a readable weights file ({reason}); give a "
                              f"binary .caffemodel or .caffemodel.h5 (a torn copy or download "
                              f"also gives this: copy it again)") from None
         self._copy_arrays(path, source)

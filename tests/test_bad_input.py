@@ -132,9 +132,9 @@ def net_case(name, text, patterns, command="summary"):
     return Case(name, argv, patterns, files={"m.prototxt": text})
 
 
-def solver_case(name, solver_text, patterns, net=IP_NET):
+def solver_case(name, solver_text, patterns, net=IP_NET, **kw):
     return Case(name, ["train", "--solver", "s.prototxt"], patterns,
-                files={"s.prototxt": solver_text, "net.prototxt": net})
+                files={"s.prototxt": solver_text, "net.prototxt": net}, **kw)
 
 
 def lmdb_case(name, source, patterns, transform="", test_source=None, command="time", **kw):
@@ -221,6 +221,9 @@ CASES = [
         '"fixed"', '"sometimes"'), [r"s\.prototxt:3", "lr_policy", "sometimes", "fixed"]),
     solver_case("solver: unknown type", SOLVER.format(net="net.prototxt") + 'type: "Adamm"\n',
                 [r"s\.prototxt:6", "type 'Adamm'", "Adam"]),
+    solver_case("solver: HDF5 snapshots without h5py", SOLVER.format(net="net.prototxt") +
+                'snapshot_format: HDF5\n', [r"s\.prototxt:6", "snapshot_format", "h5py"],
+                env={"PYTHONPATH_FIRST": "no_h5py"}),
     Case("solver: a net file given as --solver", ["train", "--solver", "../ip.prototxt"],
          [r"ip\.prototxt:\d+", "net", "--model|net:"]),
     # -- LMDB data --------------------------------------------------------------------------------
@@ -254,6 +257,12 @@ CASES = [
               transform='transform_param { mean_file: "../mean_3x4x4.binaryproto" }\n  '),
     Case("lmdb: `poseidon mean` of a missing source", ["mean", "no_such_lmdb", "m.binaryproto"],
          ["no_such_lmdb", "does not exist"]),
+    Case("data: image list with a bad line", ["data", "images", ".", "list.txt", "out"],
+         [r"list\.txt:2", "relative/path label"], files={"list.txt": "a.png 0\nb.png cat\n"}),
+    Case("data: CIFAR-10 archive missing", ["data", "cifar10", "cifar.tar.gz", "out"],
+         ["cifar.tar.gz", "does not exist"]),
+    Case("data: output folder not empty", ["data", "digits", "out"], [r"out/train", "not empty"],
+         files={"out/train/notes.txt": "keep me\n"}),
     # -- weights ----------------------------------------------------------------------------------
     Case("weights: --weights file missing", ["test", "--model", "../ip.prototxt", "--weights",
                                              "nope.caffemodel", "--iterations", "1"],
@@ -323,6 +332,7 @@ def run_case(case, base):
     folder = base / re.sub(r"\W+", "_", case.name)
     folder.mkdir()
     for name, text in case.files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
     env = dict(os.environ)
     paths = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])

@@ -558,8 +558,9 @@ class Solver:
             raise ModelError(f"{path}: is an HDF5 solver state and reading it needs h5py: pip "
                              f"install h5py") from None
         except (ValueError, OSError, KeyError) as e:
-            reason = str(e).split(";")[0].replace(f"{path} is ", "")
-            raise ModelError(f"{path}: not a readable solver state ({reason[:120]}); give the "
+            reason = ("protobuf cannot parse it as a Caffe SolverState"
+                      if "Error parsing message" in str(e) else str(e)[:120])
+            raise ModelError(f"{path}: not a readable solver state ({reason}); give the "
                              f".solverstate a snapshot wrote (a torn copy also gives this: resume "
                              f"from an earlier snapshot)") from None
         if state.learned_net:
