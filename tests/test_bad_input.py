@@ -132,9 +132,10 @@ def net_case(name, text, patterns, command="summary"):
     return Case(name, argv, patterns, files={"m.prototxt": text})
 
 
-def solver_case(name, solver_text, patterns, net=IP_NET, **kw):
-    return Case(name, ["train", "--solver", "s.prototxt"], patterns,
-                files={"s.prototxt": solver_text, "net.prototxt": net}, **kw)
+def solver_case(name, solver_text, patterns, net=IP_NET, argv=("train", "--solver", "s.prototxt"),
+                **kw):
+    return Case(name, list(argv), patterns, files={"s.prototxt": solver_text, "net.prototxt": net},
+                **kw)
 
 
 def lmdb_case(name, source, patterns, transform="", test_source=None, command="time", **kw):
@@ -224,6 +225,13 @@ CASES = [
     solver_case("solver: HDF5 snapshots without h5py", SOLVER.format(net="net.prototxt") +
                 'snapshot_format: HDF5\n', [r"s\.prototxt:6", "snapshot_format", "h5py"],
                 env={"PYTHONPATH_FIRST": "no_h5py"}),
+    solver_case("solver: net file missing (distributed)", SOLVER.format(net="nonet.prototxt"),
+                [r"s\.prototxt", "nonet.prototxt", "does not exist"],
+                argv=["train", "--solver", "s.prototxt", "--workers", "2", "--servers", "1"]),
+    solver_case("solver: bad net graph (distributed)", SOLVER.format(net="net.prototxt"),
+                [r"net\.prototxt:3:", "layer 'ip'", "bottom 'dta'"],
+                net=IP_NET.replace('bottom: "data"', 'bottom: "dta"'),
+                argv=["train", "--solver", "s.prototxt", "--workers", "2"]),
     Case("solver: a net file given as --solver", ["train", "--solver", "../ip.prototxt"],
          [r"ip\.prototxt:\d+", "net", "--model|net:"]),
     # -- LMDB data --------------------------------------------------------------------------------

@@ -637,6 +637,48 @@ def _upgrade_snapshot_prefix(param, path):
         log.info(f"snapshot_prefix is a directory and is set to {param.snapshot_prefix}")
 
 
+def check_solver_file(path):
+    """Read a solver file and the net files it names, check the solver's values and each net's
+    graph (tops, bottoms, phases), building no layer and reading no data. A distributed launch calls
+    it first, so a bad file stops the job with one line before any process starts."""
+    from .. import prototxt
+    probe = Solver.__new__(Solver)
+    probe.source = os.fspath(path)
+    probe.param = param = _read_solver(probe.source)
+    try:
+        probe._check_param()
+        rules.make_rule(param)
+    except ModelError as e:
+        raise probe._at_key(e) from None
+
+    def check_graph(net_path, phase, state):
+        net_param = prototxt.read_net(net_path)
+        merged = caffe_pb2.NetState(phase=phase)
+        merged.MergeFrom(net_param.state)
+        if state is not None:
+            merged.MergeFrom(state)
+        merged.phase = phase
+        try:
+            prototxt.insert_splits(prototxt.filter_net(net_param, merged))
+        except ModelError as e:
+            lines = prototxt.layer_lines(net_path)
+            named = sorted((str(e).find(f"layer '{n}'"), line) for n, line in lines.items()
+                           if f"layer '{n}'" in str(e))
+            raise ModelError(f"{net_path}:{named[0][1]}: {e}" if named else
+                             f"{net_path}: {e}") from None
+
+    for field in ("net", "train_net"):
+        if param.HasField(field):
+            check_graph(probe._resolve(getattr(param, field), "net file"), TRAIN,
+                        param.train_state if param.HasField("train_state") else None)
+    tests = list(param.test_net) or ([param.net] * len(param.test_iter)
+                                     if param.HasField("net") else [])
+    for i, name in enumerate(tests):
+        check_graph(probe._resolve(name, "test net file"), TEST,
+                    param.test_state[i] if i < len(param.test_state) else None)
+    return param
+
+
 def get_solver(path_or_param, **kwargs):
     """The solver a solver file (or SolverParameter) describes; its `type` picks the update rule."""
     return Solver(path_or_param, **kwargs)

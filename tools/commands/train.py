@@ -67,6 +67,8 @@ def run(args):
     if args.weights and args.snapshot:
         raise PoseidonError("give either --weights or --snapshot, not both")
     if is_distributed(args):
+        from engine.solvers.solver import check_solver_file
+        check_solver_file(args.solver)   # a bad file: one line, before any process starts
         from dist.launch import launch
         return launch(args)
     setup_logging()
