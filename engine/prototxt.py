@@ -22,7 +22,7 @@ _OTHER_KIND = {"net": ("solver", "SolverParameter", "give it to `poseidon train 
 
 
 def _field_names(full_name):
-    """Field names of a caffe message type ("caffe.InnerProductParameter"), or ()."""
+    """Field names of a caffe message type ("caffe.InnerProductParameter"), or []."""
     from google.protobuf import descriptor_pool
     try:
         return [f.name for f in descriptor_pool.Default().FindMessageTypeByName(full_name).fields]
@@ -37,7 +37,8 @@ def _explain_parse_error(msg, what):
     if unknown:
         message_type, field = unknown.groups()
         other, other_type, where_to = _OTHER_KIND[what]
-        if field in _field_names(f"caffe.{other_type}"):
+        top_level = message_type == f"caffe.{_OTHER_KIND[other][1]}"
+        if top_level and field in _field_names(f"caffe.{other_type}"):
             return (f"unknown field '{field}': this looks like a {other} file, not a {what} file: "
                     f"{where_to}")
         close = difflib.get_close_matches(field, _field_names(message_type), n=1)
