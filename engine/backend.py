@@ -33,6 +33,10 @@ def set_mode_gpu(device=0):
     if not gpu_available():
         raise RuntimeError("GPU mode asked for, but CuPy is not installed or sees no CUDA device: "
                            "install the gpu extra (pip install -e '.[gpu]') or drop --gpu")
+    count = cupy.cuda.runtime.getDeviceCount()
+    if not 0 <= int(device) < count:
+        raise RuntimeError(f"there is no GPU {device}: CUDA sees {count} device(s), ids 0 to "
+                           f"{count - 1}; give one of those")
     cupy.cuda.Device(device).use()
     _state["xp"] = cupy
     _state["device"] = device

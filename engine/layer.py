@@ -35,10 +35,13 @@ def layer_class(type_name, layer_name="?"):
     try:
         return _REGISTRY[type_name]
     except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ModelError(f"layer '{layer_name}': unknown layer type '{type_name}' "
-                         f"(known types: {known}); register a Python layer with "
-                         f"@engine.register('{type_name}') or fix the type") from None
+        import difflib
+        close = difflib.get_close_matches(type_name, list(_REGISTRY), n=1, cutoff=0.7)
+        known = (f"did you mean '{close[0]}'?" if close
+                 else "known: " + ", ".join(sorted(_REGISTRY)))
+        raise ModelError(f"layer '{layer_name}': unknown layer type '{type_name}': fix the type or "
+                         f"register a Python layer with @engine.register('{type_name}'); "
+                         f"{known}") from None
 
 
 def registered_types():

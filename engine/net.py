@@ -6,6 +6,7 @@ are still computing (wait-free backpropagation). `Backward()` runs them all, cal
 in `after_backward` with the layer index right after each.
 """
 import collections
+import logging
 import os
 
 import numpy
@@ -16,6 +17,8 @@ from .errors import DataError, ModelError, PoseidonError
 from .layer import TRAIN, TEST, create_layer
 from .proto import caffe_pb2
 from . import prototxt
+
+log = logging.getLogger("poseidon")
 
 
 class ParamSpec:
@@ -47,12 +50,13 @@ class Net:
 
     model: a prototxt path or a NetParameter. dtype: float32 normally, float64 for gradient checks.
     xp: numpy or cupy (default: the mode set by engine.set_mode_cpu/gpu). shard: (rank, size) given
-    to data layers so that each of `size` workers reads its own part of the data.
+    to data layers so that each of `size` workers reads its own part of the data. source: the file
+    a NetParameter came from, so that errors name its file:line (a path model sets it itself).
     """
 
     def __init__(self, model, phase=TRAIN, weights=None, level=0, stages=(), dtype=numpy.float32,
-                 xp=None, shard=(0, 1), state=None):
-        self.source = model if isinstance(model, str) else None
+                 xp=None, shard=(0, 1), state=None, source=None):
+        self.source = model if isinstance(model, str) else source
         param = prototxt.read_net(model) if isinstance(model, str) else self._copy(model)
         self.phase = parse_phase(phase)
         self.dtype = numpy.dtype(dtype)
@@ -88,12 +92,14 @@ class Net:
 
     def _locate(self, error):
         """Prefix an error with file:line of the layer it names, when the net came from a file."""
-        if not self.source:
-            return error
         message = str(error)
-        for name, line in prototxt.layer_lines(self.source).items():
-            if f"layer '{name}'" in message:
-                return type(error)(f"{self.source}:{line}: {message}")
+        if not self.source or message.startswith(f"{self.source}:"):
+            return error
+        mentions = [(message.find(f"layer '{name}'"), line)
+                    for name, line in prototxt.layer_lines(self.source).items()
+                    if f"layer '{name}'" in message]
+        if mentions:   # the layer the message names first
+            return type(error)(f"{self.source}:{min(mentions)[1]}: {message}")
         return type(error)(f"{self.source}: {message}")
 
     # ----- construction ----------------------------------------------------------------------
@@ -247,8 +253,11 @@ class Net:
     def ForwardLayer(self, li):
         layer = self.layers[li]
         bottom, top = self.bottom_vecs[li], self.top_vecs[li]
-        layer.reshape(bottom, top)
-        layer.forward(bottom, top)
+        try:
+            layer.reshape(bottom, top)
+            layer.forward(bottom, top)
+        except (ModelError, DataError) as e:   # e.g. a corrupt record met by a Data layer
+            raise self._locate(e) from None
 
     def Forward(self, start=0, end=None):
         """Run layers start..end (inclusive); returns the weighted loss of the net."""
@@ -326,8 +335,11 @@ class Net:
                                  f"{len(theirs.blobs)} in net '{other.name}'")
             for bi, blob in enumerate(theirs.blobs):
                 if blob.shape != layer.blobs[bi].shape:
-                    raise ModelError(f"layer '{self.layer_names[li]}': parameter {bi} has shape "
-                                     f"{layer.blobs[bi].shape} here, {blob.shape} in the train net")
+                    raise self._locate(ModelError(
+                        f"layer '{self.layer_names[li]}': parameter {bi} has shape "
+                        f"{layer.blobs[bi].shape} in this {_PHASES[self.phase]} net but "
+                        f"{blob.shape} in net '{other.name}' whose weights it shares: give both "
+                        f"phases data of the same shape (check the data sources and crop_size)"))
                 layer.blobs[bi] = blob
             self.params[self.layer_names[li]] = layer.blobs
 
@@ -377,20 +389,38 @@ class Net:
         """Load weights by layer name from a .caffemodel (binary) or .h5 file, as Caffe does."""
         from .io import caffemodel
         if not os.path.exists(path):
-            raise ModelError(f"{path}: weights file does not exist")
-        if caffemodel.is_hdf5(path):
-            source = [(name, arrays) for name, arrays in caffemodel.read_net_hdf5(path).items()]
-            self._copy_arrays(path, source)
-            return
-        proto = prototxt.upgrade_net(caffemodel.read_net_proto(path))
-        self._copy_arrays(path, [(lp.name, list(lp.blobs)) for lp in proto.layer])
+            raise ModelError(f"{path}: weights file does not exist; check the path")
+        if os.path.isdir(path):
+            raise ModelError(f"{path}: is a folder; give a .caffemodel (or .caffemodel.h5) file")
+        try:
+            if caffemodel.is_hdf5(path):
+                source = [(name, arrays) for name, arrays in caffemodel.read_net_hdf5(path).items()]
+            else:
+                proto = prototxt.upgrade_net(caffemodel.read_net_proto(path))
+                source = [(lp.name, list(lp.blobs)) for lp in proto.layer]
+        except ImportError:
+            raise ModelError(f"{path}: is an HDF5 weights file and reading it needs h5py: "
+                             f"pip install h5py (or use a binary .caffemodel)") from None
+        except (ValueError, OSError, KeyError) as e:
+            reason = ("protobuf cannot parse it as a Caffe NetParameter"
+                      if "Error parsing message" in str(e) else str(e)[:120])
+            raise ModelError(f"{path}: not a readable weights file ({reason}); give a "
+                             f"binary .caffemodel or .caffemodel.h5 (a torn copy or download "
+                             f"also gives this: copy it again)") from None
+        self._copy_arrays(path, source)
 
     def _copy_arrays(self, path, source):
+        """Caffe's CopyTrainedLayersFrom: layers matched by name; the file's other layers are
+        skipped (a warning names them when none matched); a shape mismatch is an error."""
         from .io.caffemodel import proto_to_array, shapes_match
+        skipped, matched = [], 0
         for name, blobs in source:
             layer = self.layer_dict.get(name)
             if layer is None or not blobs:
+                if blobs:
+                    skipped.append(name)
                 continue
+            matched += 1
             if len(blobs) != len(layer.blobs):
                 raise ModelError(f"{path}: layer '{name}' has {len(blobs)} blobs in the weights file "
                                  f"but {len(layer.blobs)} in the net; check that the file matches "
@@ -399,16 +429,28 @@ class Net:
                 if isinstance(src, caffe_pb2.BlobProto):
                     if not shapes_match(src, blob.shape):
                         raise ModelError(f"{path}: layer '{name}' parameter {bi} has shape "
-                                         f"{tuple(proto_to_array(src).shape)} in the weights file "
-                                         f"but {blob.shape} in the net")
-                    array = proto_to_array(src).reshape(blob.shape)
+                                         f"{_stored_shape(src)} in the weights file "
+                                         f"but {blob.shape} in the net; check that the file "
+                                         f"matches the model")
+                    try:
+                        array = proto_to_array(src).reshape(blob.shape)
+                    except ValueError as e:
+                        raise ModelError(f"{path}: layer '{name}' parameter {bi}: {e}; the file "
+                                         f"is damaged: copy it again") from None
                 else:
                     array = numpy.asarray(src)
                     if array.size != blob.count:
                         raise ModelError(f"{path}: layer '{name}' parameter {bi} has shape "
-                                         f"{array.shape} in the weights file but {blob.shape} in the net")
+                                         f"{array.shape} in the weights file but {blob.shape} in "
+                                         f"the net; check that the file matches the model")
                     array = array.reshape(blob.shape)
                 blob.data[...] = backend.to_xp(array.astype(self.dtype, copy=False), self.xp)
+        if skipped and not matched and any(layer.blobs for layer in self.layers):
+            shown = ", ".join(f"'{n}'" for n in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
+            mine = ", ".join(f"'{n}'" for n in self.params)
+            log.warning(f"warning: {path}: none of its layers ({shown}) is named like a layer with "
+                        f"parameters of net '{self.name}' ({mine}); nothing was loaded: check that "
+                        f"the weights belong to this model (layers are matched by name)")
 
     # ----- inspection ---------------------------------------------------------------------------
     def param_counts(self):
@@ -425,3 +467,13 @@ class Net:
                 else:
                     learnable += blob.count
         return learnable, stats
+
+
+_PHASES = {TRAIN: "TRAIN", TEST: "TEST"}
+
+
+def _stored_shape(proto):
+    """The shape a BlobProto declares (its N-d shape, else legacy num/channels/height/width)."""
+    if proto.HasField("shape"):
+        return tuple(int(d) for d in proto.shape.dim)
+    return (proto.num, proto.channels, proto.height, proto.width)

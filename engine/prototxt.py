@@ -15,9 +15,47 @@ from .proto import caffe_pb2
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
 
 
+# What a file given in the wrong place looks like, and where it belongs.
+_OTHER_KIND = {"net": ("solver", "SolverParameter", "give it to `poseidon train --solver`"),
+               "solver": ("net", "NetParameter", "name it in a solver file (net: \"...\") or "
+                                                 "give it to --model")}
+
+
+def _field_names(full_name):
+    """Field names of a caffe message type ("caffe.InnerProductParameter"), or []."""
+    from google.protobuf import descriptor_pool
+    try:
+        return [f.name for f in descriptor_pool.Default().FindMessageTypeByName(full_name).fields]
+    except KeyError:
+        return []
+
+
+def _explain_parse_error(msg, what):
+    """protobuf's parse message, shortened, with the likely fix."""
+    import difflib
+    unknown = re.match(r'Message type "([\w.]+)" has no field named "(\w+)"', msg)
+    if unknown:
+        message_type, field = unknown.groups()
+        other, other_type, where_to = _OTHER_KIND[what]
+        top_level = message_type == f"caffe.{_OTHER_KIND[other][1]}"
+        if top_level and field in _field_names(f"caffe.{other_type}"):
+            return (f"unknown field '{field}': this looks like a {other} file, not a {what} file: "
+                    f"{where_to}")
+        close = difflib.get_close_matches(field, _field_names(message_type), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "check the spelling in caffe.proto"
+        return f"{message_type} has no field '{field}': {hint}"
+    enum = re.search(r'Enum type "([\w.]+)" has no value named (\w+)', msg)
+    if enum:
+        return f"{enum.group(1)} has no value {enum.group(2)}: check the spelling in caffe.proto"
+    msg = re.sub(r"^'.*?': ", "", msg, flags=re.S)   # protobuf repeats the line; we name it
+    return f"{msg.rstrip('.')}: fix the text there"
+
+
 def _read_text(path, message, what):
     if not os.path.exists(path):
-        raise ModelError(f"{path}: {what} file does not exist")
+        raise ModelError(f"{path}: {what} file does not exist; check the path")
+    if os.path.isdir(path):
+        raise ModelError(f"{path}: is a folder; give the {what} prototxt file")
     with open(path, "r", encoding="utf-8", errors="replace") as f:
         text = f.read()
     try:
@@ -27,8 +65,8 @@ def _read_text(path, message, what):
         detail = str(e)
         m = re.match(r"(\d+):(\d+) ?: ?(.*)", detail, re.S)
         where = f"{path}:{m.group(1)}:{m.group(2)}" if m else path
-        msg = m.group(3) if m else detail
-        raise ModelError(f"{where}: not a valid {what} file: {msg.strip()}") from None
+        msg = _explain_parse_error((m.group(3) if m else detail).strip(), what)
+        raise ModelError(f"{where}: not a valid {what} file: {msg}") from None
     return message
 
 
@@ -49,6 +87,19 @@ def read_net(path):
 
 def read_solver(path):
     return _read_text(path, caffe_pb2.SolverParameter(), "solver")
+
+
+def field_line(path, field):
+    """Line number of the first `field:` at the start of a line of a text file (solver keys), or
+    None."""
+    try:
+        with open(path, "r", encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if re.match(rf"\s*{re.escape(field)}\s*:", line):
+                    return number
+    except OSError:
+        pass
+    return None
 
 
 def layer_lines(path):
@@ -202,6 +253,23 @@ def split_blob_name(blob, layer, index, k):
     return f"{blob}_{layer}_{index}_split_{k}"
 
 
+def _missing_bottom(param, li, bottom):
+    """Why layer li's bottom has no producer before it: a later layer makes it (a cycle or a
+    misordered file), the layer itself does, or nothing does."""
+    layer = param.layer[li]
+    if bottom in layer.top:
+        return (f"layer '{layer.name}': bottom '{bottom}' is its own top but no earlier layer "
+                f"produces it (a layer cannot feed itself; in place needs an earlier producer): "
+                f"rename the top or add the layer that makes '{bottom}'")
+    later = [other.name for other in param.layer[li + 1:] if bottom in other.top]
+    if later:
+        return (f"layer '{layer.name}': bottom '{bottom}' is produced only later, by layer "
+                f"'{later[0]}': a net runs top to bottom and cannot have cycles: move "
+                f"'{later[0]}' above '{layer.name}' (or fix the name)")
+    return (f"layer '{layer.name}': bottom '{bottom}' is not produced by any earlier layer: "
+            f"check the name, the layer order, and include/exclude phases")
+
+
 def insert_splits(param):
     """Insert Split layers where one top feeds several bottoms (Caffe's names and order)."""
     producer = {}         # blob name -> (layer index, top index)
@@ -209,9 +277,7 @@ def insert_splits(param):
     for li, layer in enumerate(param.layer):
         for bottom in layer.bottom:
             if bottom not in producer:
-                raise ModelError(f"layer '{layer.name}': bottom '{bottom}' is not produced by any "
-                                 f"earlier layer (check the name, the layer order, and include/"
-                                 f"exclude phases)")
+                raise ModelError(_missing_bottom(param, li, bottom))
             key = producer[bottom]
             consumers[key] = consumers.get(key, 0) + 1
         for ti, top in enumerate(layer.top):

@@ -496,7 +496,7 @@ def decode_batch(records, source="?", color=None):
         except DecodeError as e:
             raise DataError(f"record '{_key_text(key)}' of '{source}' is not a valid Datum "
                             f"({e}): the database is corrupt or was not written by Caffe or "
-                            f"`poseidon data`") from None
+                            f"`poseidon data`; re-create it") from None
         labels[i] = datum.label
         if datum.encoded:
             from .datum import datum_to_array

@@ -189,8 +189,8 @@ class DataLayer(Layer):
         if self.mean is not None and tuple(self.mean.shape) != (c, h, w):
             raise self._fail(f"mean_file holds a mean of shape {tuple(self.mean.shape)} but "
                              f"record '{first_key.decode('utf-8', 'replace')}' of "
-                             f"'{self.source}' has shape {(c, h, w)}: the mean must have the "
-                             f"uncropped data shape")
+                             f"'{self.source}' has shape {(c, h, w)}: compute the mean of this "
+                             f"data (`poseidon mean`); it has the uncropped data shape")
         if self.mean_values and len(self.mean_values) not in (1, c):
             raise self.error(f"gives {len(self.mean_values)} mean_value entries for {c}-channel "
                              f"data: give one, or one per channel")

@@ -269,7 +269,8 @@ class ReshapeLayer(Layer):
             shape[start + self.inferred] = b.count // known
         if int(numpy.prod(shape)) != b.count:
             raise self.error(f"shape {tuple(shape)} holds {int(numpy.prod(shape))} elements but the "
-                             f"input of shape {b.shape} has {b.count}")
+                             f"input of shape {b.shape} has {b.count}: give reshape_param a "
+                             f"shape of {b.count} elements (0 copies an axis, -1 infers one)")
         _alias(top[0], b, tuple(shape))
 
     def forward(self, bottom, top):

@@ -61,8 +61,8 @@ def make_rule(solver_param):
     try:
         cls = _RULES[name]
     except KeyError:
-        raise ModelError(f"solver: unknown solver type '{name}' (known types: "
-                         f"{', '.join(rule_types())}); the names are case-sensitive") from None
+        raise ModelError(f"solver: unknown solver type '{name}': use one of "
+                         f"{', '.join(rule_types())} (the names are case-sensitive)") from None
     return cls(solver_param)
 
 

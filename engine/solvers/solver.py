@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections import OrderedDict
@@ -122,8 +123,11 @@ class Solver:
         self.progress = progress
         if not _logging_configured():
             log_to_stderr()
-        self._check_param()
-        self.rule = rules.make_rule(param)
+        try:
+            self._check_param()
+            self.rule = rules.make_rule(param)
+        except ModelError as e:
+            raise self._at_key(e) from None
         if param.random_seed >= 0:
             rng.seed(param.random_seed)          # before the nets: fillers draw from it
         self.net = self._init_train_net()
@@ -141,8 +145,38 @@ class Solver:
     def _where(self):
         return self.source or "solver"
 
+    def _at_key(self, error):
+        """A solver error with the file:line of the solver field it names (the first one named
+        that the file sets), in place of its "solver:" prefix."""
+        message = str(error)
+        for prefix in ("solver: ", f"{self.source}: "):
+            if message.startswith(prefix):
+                message = message[len(prefix):]
+        where = self._where()
+        if self.source:
+            fields = [f.name for f in caffe_pb2.SolverParameter.DESCRIPTOR.fields]
+            named = sorted((m.start(), name) for name in fields
+                           for m in [re.search(rf"(?<![\w-]){name}(?![\w-])", message)] if m)
+            from ..prototxt import field_line
+            for _, name in named:
+                line = field_line(self.source, name)
+                if line:
+                    where = f"{self.source}:{line}"
+                    break
+        return type(error)(f"{where}: {message}")
+
     def _check_param(self):
         p = self.param
+        for name in ("base_lr", "max_iter", "snapshot", "display", "test_interval"):
+            if getattr(p, name) < 0:
+                raise ModelError(f"{self._where()}: {name} must be >= 0, got "
+                                 f"{getattr(p, name):g}; give a non-negative value")
+        if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+            try:
+                import h5py  # noqa: F401
+            except ImportError:
+                raise ModelError(f"{self._where()}: snapshot_format: HDF5 needs h5py: pip install "
+                                 f"h5py, or remove snapshot_format (binary protobuf)") from None
         if p.iter_size < 1:
             raise ModelError(f"{self._where()}: iter_size must be at least 1, got {p.iter_size}")
         if p.average_loss < 1:
@@ -162,7 +196,8 @@ class Solver:
                 return beside
         looked = "the current directory" + (
             f" and {os.path.dirname(os.path.abspath(self.source))}" if self.source else "")
-        raise ModelError(f"{self._where()}: {what} '{path}' does not exist (looked in {looked})")
+        raise ModelError(f"{self._where()}: {what} '{path}' does not exist (looked in {looked}); "
+                         f"check the path")
 
     def _build_net(self, model, phase, state, shard):
         """A Net in `phase` whose NetState is Caffe's merge: phase < the net's own state < `state`."""
@@ -522,7 +557,8 @@ class Solver:
         from ..io import caffemodel
         path = os.fspath(path)
         if not os.path.exists(path):
-            raise ModelError(f"{path}: solver state file does not exist")
+            raise ModelError(f"{path}: solver state file does not exist; check the --snapshot "
+                             f"path (snapshots are <snapshot_prefix>_iter_N.solverstate)")
         if os.path.exists(manifest.manifest_path(path)):
             manifest.verify_manifest(manifest.manifest_path(path))
         else:
@@ -531,10 +567,23 @@ class Solver:
         try:
             state = (caffemodel.read_solverstate_hdf5(path) if path.endswith(".h5")
                      else caffemodel.read_solverstate(path))
-        except ValueError as e:
-            raise ModelError(str(e)) from None
+        except ImportError:
+            raise ModelError(f"{path}: is an HDF5 solver state and reading it needs h5py: pip "
+                             f"install h5py") from None
+        except (ValueError, OSError, KeyError) as e:
+            reason = ("protobuf cannot parse it as a Caffe SolverState"
+                      if "Error parsing message" in str(e) else str(e)[:120])
+            raise ModelError(f"{path}: not a readable solver state ({reason}); give the "
+                             f".solverstate a snapshot wrote (a torn copy also gives this: resume "
+                             f"from an earlier snapshot)") from None
         if state.learned_net:
-            self.net.copy_from(self._learned_net(state.learned_net, path))
+            weights = self._learned_net(state.learned_net, path)
+            try:
+                self.net.copy_from(weights)
+            except ModelError as e:
+                detail = str(e).split("; check that the file")[0]
+                raise ModelError(f"{path}: is a snapshot of another net ({detail}); resume with "
+                                 f"the solver and model that wrote it") from None
         params = self.net.learnable_params
         expected = len(params) * self.rule.num_state
         if len(state.history) != expected:
@@ -599,6 +648,48 @@ def _upgrade_snapshot_prefix(param, path):
         stem = os.path.splitext(os.path.basename(path))[0]
         param.snapshot_prefix = os.path.join(param.snapshot_prefix, stem)
         log.info(f"snapshot_prefix is a directory and is set to {param.snapshot_prefix}")
+
+
+def check_solver_file(path):
+    """Read a solver file and the net files it names, check the solver's values and each net's
+    graph (tops, bottoms, phases), building no layer and reading no data. A distributed launch calls
+    it first, so a bad file stops the job with one line before any process starts."""
+    from .. import prototxt
+    probe = Solver.__new__(Solver)
+    probe.source = os.fspath(path)
+    probe.param = param = _read_solver(probe.source)
+    try:
+        probe._check_param()
+        rules.make_rule(param)
+    except ModelError as e:
+        raise probe._at_key(e) from None
+
+    def check_graph(net_path, phase, state):
+        net_param = prototxt.read_net(net_path)
+        merged = caffe_pb2.NetState(phase=phase)
+        merged.MergeFrom(net_param.state)
+        if state is not None:
+            merged.MergeFrom(state)
+        merged.phase = phase
+        try:
+            prototxt.insert_splits(prototxt.filter_net(net_param, merged))
+        except ModelError as e:
+            lines = prototxt.layer_lines(net_path)
+            named = sorted((str(e).find(f"layer '{n}'"), line) for n, line in lines.items()
+                           if f"layer '{n}'" in str(e))
+            raise ModelError(f"{net_path}:{named[0][1]}: {e}" if named else
+                             f"{net_path}: {e}") from None
+
+    for field in ("net", "train_net"):
+        if param.HasField(field):
+            check_graph(probe._resolve(getattr(param, field), "net file"), TRAIN,
+                        param.train_state if param.HasField("train_state") else None)
+    tests = list(param.test_net) or ([param.net] * len(param.test_iter)
+                                     if param.HasField("net") else [])
+    for i, name in enumerate(tests):
+        check_graph(probe._resolve(name, "test net file"), TEST,
+                    param.test_state[i] if i < len(param.test_state) else None)
+    return param
 
 
 def get_solver(path_or_param, **kwargs):

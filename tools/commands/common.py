@@ -18,8 +18,14 @@ def apply_gpu(args, local_rank=0):
     try:
         ids = [int(x) for x in str(args.gpu).split(",")]
     except ValueError:
-        raise PoseidonError(f"--gpu takes a device id or a comma-separated list, got '{args.gpu}'")
-    backend.set_mode_gpu(ids[local_rank % len(ids)])
+        raise PoseidonError(f"--gpu takes a device id or a comma-separated list, got "
+                            f"'{args.gpu}'; give e.g. --gpu 0 (or omit it for the CPU)") from None
+    if any(i < 0 for i in ids):
+        raise PoseidonError(f"--gpu takes device ids >= 0, got '{args.gpu}'; omit it for the CPU")
+    try:
+        backend.set_mode_gpu(ids[local_rank % len(ids)])
+    except RuntimeError as e:   # no CuPy, no CUDA device, or no device of that id
+        raise PoseidonError(f"--gpu {args.gpu}: {e}") from None
 
 
 def setup_logging():

@@ -32,8 +32,7 @@ def run(args):
     from engine import prototxt
     param = prototxt.read_net(args.model)
     param.force_backward = True
-    net = Net(param, args.phase)
-    net.source = args.model
+    net = Net(param, args.phase, source=args.model)
     n_layers = len(net.layers)
     fwd = numpy.zeros(n_layers)
     bwd = numpy.zeros(n_layers)
