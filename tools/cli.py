@@ -7,6 +7,7 @@
     poseidon summary --model M [--phase TRAIN|TEST]
     poseidon data digits|cifar10|images ...   (LMDB shards)
     poseidon mean SOURCE OUT.binaryproto
+    poseidon simulate --model vgg19_22k --nodes 1,2,4,8,16,32 --bandwidth 40Gbit
 
 Errors a user can fix (bad files, missing data) print one line and exit with status 1.
 """
@@ -19,6 +20,8 @@ from engine.errors import PoseidonError
 def _add_commands(sub):
     from . import commands
     commands.register_all(sub)
+    from .commands import simulate
+    simulate.add(sub)
 
 
 def build_parser():
