@@ -47,7 +47,7 @@ class Network:
     pcie: float = 12e9                 # PCIe 3.0 x16 as measured in practice, each direction
     update_rate: float = 10e9          # bytes/s a server adds or applies (16-core Xeon, memory bound)
     gemm_rate: float = 6e12            # FLOP/s of the SFB rebuild GEMM (Titan X fp32 peak ~6.6 T)
-    chunk_bytes: int = DEFAULT_PAIR_BYTES
+    chunk_bytes: int = DEFAULT_PAIR_BYTES   # messages cross the wire in pieces of at most this
     kv_pair_bytes: int = DEFAULT_PAIR_BYTES
     separate_servers: bool = False     # servers on their own nodes instead of beside the workers
 

@@ -50,7 +50,9 @@ def add(sub):
     p.add_argument("--update-rate", default="10GB/s",
                    help="bytes/s a server adds or applies (KV-store CPU work)")
     p.add_argument("--gemm-rate", default="6e12", help="FLOP/s of the SFB rebuild GEMM")
-    p.add_argument("--kv-pair", default="2MB", help="KV pair size (as --kv-pair-bytes of train)")
+    p.add_argument("--kv-pair", default="2MB",
+                   help="KV pair size (as --kv-pair-bytes of train); a huge value (1GB) puts "
+                        "each tensor whole on one server, as a PS without KV pairs does")
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma-separated: ps-nooverlap, wfbp, poseidon, sfb, hybrid-nooverlap")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -81,7 +83,7 @@ def _flops(text):
 
 
 def network_from_args(args):
-    from dist.placement import parse_bytes
+    from dist.placement import DEFAULT_PAIR_BYTES, parse_bytes
     from dist.simulate import Network, parse_bandwidth, parse_latency
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
@@ -94,7 +96,8 @@ def network_from_args(args):
     except ValueError as e:
         raise PoseidonError(str(e)) from None
     return Network(bandwidth=bandwidth, latency=latency, pcie=pcie, update_rate=update,
-                   gemm_rate=_flops(args.gemm_rate), chunk_bytes=pair, kv_pair_bytes=pair,
+                   gemm_rate=_flops(args.gemm_rate), kv_pair_bytes=pair,
+                   chunk_bytes=min(pair, DEFAULT_PAIR_BYTES),
                    separate_servers=args.separate_servers)
 
 
@@ -183,6 +186,25 @@ def _finite(value):
     return value
 
 
+def scheme_line(rows, nodes):
+    """Which layers go by SFB at each node count, e.g. '2-4 nodes: fc (SFB), 57 by PS'."""
+    groups = []
+    for p in nodes:
+        schemes = rows[p].schemes
+        sfb = tuple(k for k, v in schemes.items() if v == "sfb")
+        key = (sfb, len(schemes) - len(sfb))
+        if groups and groups[-1][1] == key:
+            groups[-1][0].append(p)
+        else:
+            groups.append(([p], key))
+    parts = []
+    for ps_, (sfb, n_ps) in groups:
+        span = f"{ps_[0]}" if len(ps_) == 1 else f"{ps_[0]}-{ps_[-1]}"
+        what = f"SFB for {', '.join(sfb)}, {n_ps} by PS" if sfb else f"all {n_ps} by PS"
+        parts.append(f"{span} node{'s' if len(ps_) > 1 or ps_[0] > 1 else ''}: {what}")
+    return "; ".join(parts)
+
+
 def _rate(bps):
     return "unlimited" if bps == math.inf else f"{bps * 8 / 1e9:g} Gbit/s"
 
@@ -221,11 +243,7 @@ def run(args):
                  for m in modes]
         out(f"{p:>5}  " + "".join(f"{c:>{width}}" for c in cells))
     for m in modes:
-        biggest = table[m][nodes[-1]]
-        sfb = [k for k, v in biggest.schemes.items() if v == "sfb"]
-        out(f"{m} at {nodes[-1]} nodes: {len(sfb)} layer(s) by SFB"
-            f"{' (' + ', '.join(sfb) + ')' if sfb else ''}, "
-            f"{len(biggest.schemes) - len(sfb)} by PS")
+        out(f"{m}: " + scheme_line(table[m], nodes))
     if args.json:
         payload = {"model": name, "profile_source": profile.get("source"),
                    "network": dict(net.__dict__), "servers": servers,
