@@ -102,7 +102,7 @@ def walk_shapes(param, source="<net>"):
             s = list(bottoms[0])
             s[axis] = sum(b[axis] for b in bottoms)
             tops = [tuple(s)]
-        elif t in ("Eltwise",) or t in _SAME_SHAPE:
+        elif t == "Eltwise" or t in _SAME_SHAPE:
             tops = [bottoms[0]] * max(1, len(lp.top))
             if t == "Scale" and lp.scale_param.bias_term:
                 params = [(bottoms[0][1],), (bottoms[0][1],)]
@@ -229,6 +229,12 @@ def load_profile(path_or_name):
         if key not in prof:
             raise ProfileError(f"{path}: profile lacks '{key}': regenerate it with "
                                f"`poseidon simulate --write-profile`")
+    n_layers = len(prof["layers"])
+    for rec in prof["description"].get("layers", []):
+        if not 0 <= rec.get("index", -1) < n_layers:
+            raise ProfileError(f"{path}: synced layer '{rec.get('name')}' has index "
+                               f"{rec.get('index')!r}, outside the {n_layers} timed layers: "
+                               f"regenerate the profile")
     for i, r in enumerate(prof["layers"]):
         for key in ("forward_ms", "backward_ms"):
             v = r.get(key)

@@ -400,7 +400,7 @@ def parse_bandwidth(text):
 
 def parse_latency(text):
     """'5us', '0.1ms', '0', '1e-6s' -> seconds."""
-    s = str(text).strip().lower().replace("µ", "u")
+    s = str(text).strip().lower().replace(" ", "").replace("µ", "u")
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(ns|us|ms|s)?", s)
     if not m:
         raise ValueError(f"cannot read the latency '{text}': give e.g. 5us, 0.1ms or 0")
