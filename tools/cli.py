@@ -8,8 +8,10 @@
     poseidon data digits|cifar10|images ...   (LMDB shards)
     poseidon mean SOURCE OUT.binaryproto
     poseidon keys FILE                    # the key file of a multi-host job (--keys FILE)
+    poseidon simulate --model vgg19_22k --nodes 1,2,4,8,16,32 --bandwidth 40Gbit
 
-Errors a user can fix (bad files, missing data) print one line and exit with status 1.
+Errors a user can fix (bad files, missing data) print one line and exit with status 1; a
+bad command-line value prints the usage line and exits with status 2 (argparse).
 """
 import argparse
 import sys

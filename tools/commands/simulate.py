@@ -1,0 +1,254 @@
+"""`poseidon simulate`: throughput scaling of one model, per mode and node count, from the
+discrete-event model of dist/simulate.py.
+
+    poseidon simulate --model vgg19_22k --nodes 1,2,4,8,16,32 --bandwidth 40Gbit
+    poseidon simulate --model googlenet --bandwidth 10GbE --modes wfbp,poseidon --json out.json
+    poseidon simulate --profile my.json ...            # a profile written by --write-profile
+    poseidon simulate --model prototxt/cifar10_quick/train_val.prototxt --measure   # timed here
+    poseidon simulate --model prototxt/vgg19/deploy.prototxt --img-per-s 35.5 --write-profile p.json
+
+Values a user can get wrong (unknown model, unreadable bandwidth) print one line and exit 1.
+"""
+import json
+import math
+import os
+import time
+
+from engine.errors import PoseidonError
+
+from .common import out
+
+DEFAULT_MODES = "ps-nooverlap,wfbp,poseidon"
+
+
+def add(sub):
+    p = sub.add_parser("simulate", help="speedup tables from a discrete-event model of one "
+                                        "iteration (paper's models shipped as profiles)")
+    p.add_argument("--model", help="a shipped profile (vgg19, vgg19_22k, googlenet) or, with "
+                                   "--measure or --img-per-s, a prototxt file")
+    p.add_argument("--profile", help="a profile JSON file (from --write-profile)")
+    p.add_argument("--measure", action="store_true",
+                   help="time the model's layers with the engine on this machine")
+    p.add_argument("--iterations", default="3", help="timed iterations for --measure")
+    p.add_argument("--img-per-s", default=None,
+                   help="build the profile from the prototxt and this throughput, per-layer "
+                        "times apportioned by FLOPs")
+    p.add_argument("--write-profile", default=None, help="save the profile used to this file")
+    p.add_argument("--nodes", default="1,2,4,8,16,32", help="node counts, comma-separated")
+    p.add_argument("--servers", default=None,
+                   help="servers P2 (default: one per node, beside each worker, as in the paper)")
+    p.add_argument("--separate-servers", action="store_true",
+                   help="servers on their own nodes instead of beside the workers")
+    p.add_argument("--bandwidth", default="40Gbit", help="per NIC and direction, e.g. 40Gbit, "
+                                                         "10GbE, 1.25GB/s, inf")
+    p.add_argument("--goodput", default=None,
+                   help="the most a node's software stack moves per direction (default: the "
+                        "line rate); the link runs at min(bandwidth, goodput)")
+    p.add_argument("--latency", default="5us", help="per message, e.g. 5us, 0.1ms")
+    p.add_argument("--pcie", default="12GB/s", help="GPU<->host copy rate per direction (inf: "
+                                                    "no copies)")
+    p.add_argument("--update-rate", default="10GB/s",
+                   help="bytes/s a server adds or applies (KV-store CPU work)")
+    p.add_argument("--gemm-rate", default="6e12", help="FLOP/s of the SFB rebuild GEMM")
+    p.add_argument("--kv-pair", default="2MB",
+                   help="KV pair size (as --kv-pair-bytes of train); a huge value (1GB) puts "
+                        "each tensor whole on one server, as a PS without KV pairs does")
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help="comma-separated: ps-nooverlap, wfbp, poseidon, sfb, hybrid-nooverlap")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.set_defaults(run=run)
+
+
+def _positive_ints(text, what):
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise PoseidonError(f"--{what} takes positive integers separated by commas, got '{text}'")
+    return values
+
+
+def _flops(text):
+    s = str(text).strip().upper().replace("FLOPS", "").replace("FLOP/S", "")
+    scale = {"G": 1e9, "T": 1e12, "P": 1e15}.get(s[-1:], 1.0)
+    try:
+        value = float(s[:-1] if s[-1:] in "GTP" and s else s) * scale
+    except ValueError:
+        raise PoseidonError(f"cannot read --gemm-rate '{text}': give FLOP/s, e.g. 6e12, 6T, "
+                            f"or inf") from None
+    if value <= 0:
+        raise PoseidonError(f"--gemm-rate must be positive, got '{text}'")
+    return value
+
+
+def network_from_args(args):
+    from dist.placement import DEFAULT_PAIR_BYTES, parse_bytes
+    from dist.simulate import Network, parse_bandwidth, parse_latency
+    try:
+        bandwidth = parse_bandwidth(args.bandwidth)
+        if args.goodput is not None:
+            bandwidth = min(bandwidth, parse_bandwidth(args.goodput))
+        latency = parse_latency(args.latency)
+        pcie = parse_bandwidth(args.pcie)
+        update = parse_bandwidth(args.update_rate)
+        pair = parse_bytes(args.kv_pair)
+    except ValueError as e:
+        raise PoseidonError(str(e)) from None
+    return Network(bandwidth=bandwidth, latency=latency, pcie=pcie, update_rate=update,
+                   gemm_rate=_flops(args.gemm_rate), kv_pair_bytes=pair,
+                   chunk_bytes=min(pair, DEFAULT_PAIR_BYTES),
+                   separate_servers=args.separate_servers)
+
+
+def _prototxt_for(model):
+    if os.path.exists(model):
+        return model
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(here, "prototxt", model, "deploy.prototxt")
+    if os.path.exists(path):
+        return path
+    raise PoseidonError(f"--model '{model}' is neither a prototxt file nor a folder of prototxt/")
+
+
+def load_or_build_profile(args):
+    from dist import simprofile
+    if args.profile:
+        return simprofile.load_profile(args.profile)
+    if not args.model:
+        raise PoseidonError("give --model (vgg19, vgg19_22k, googlenet or a prototxt with "
+                            "--measure) or --profile FILE")
+    if args.measure:
+        iters = _positive_ints(args.iterations, "iterations")[0]
+        return measure_profile(_prototxt_for(args.model), iters)
+    if args.img_per_s is not None:
+        try:
+            rate = float(args.img_per_s)
+        except ValueError:
+            rate = -1.0
+        if not rate > 0 or not math.isfinite(rate):
+            raise PoseidonError(f"--img-per-s takes a positive number, got '{args.img_per_s}'")
+        path = _prototxt_for(args.model)
+        return simprofile.profile_from_throughput(path, rate, f"{rate} img/s given on the command "
+                                                  f"line; per-layer times apportioned by FLOPs")
+    if args.model.endswith(".prototxt"):
+        raise PoseidonError(f"--model {args.model}: a prototxt needs --measure (time it here) or "
+                            f"--img-per-s (apportion a throughput by FLOPs)")
+    return simprofile.load_profile(args.model)
+
+
+def measure_profile(path, iterations):
+    """Per-layer forward/backward times of the net on this machine (as `poseidon time` takes
+    them), with describe_net's facts from the real Net."""
+    import numpy
+
+    from dist.book import describe_net
+    from engine import prototxt
+    from engine.net import Net
+    param = prototxt.read_net(path)
+    param.force_backward = True
+    net = Net(param, "TRAIN")
+    n = len(net.layers)
+    fwd, bwd = numpy.zeros(n), numpy.zeros(n)
+    net.Forward()
+    net.Backward()
+    for _ in range(iterations):
+        for li in range(n):
+            t = time.perf_counter()
+            net.ForwardLayer(li)
+            fwd[li] += time.perf_counter() - t
+        for li in reversed(range(n)):
+            t = time.perf_counter()
+            net.BackwardThrough(li)
+            bwd[li] += time.perf_counter() - t
+    layers = [{"name": name, "type": layer.type, "forward_ms": 1e3 * fwd[i] / iterations,
+               "backward_ms": 1e3 * bwd[i] / iterations}
+              for i, (name, layer) in enumerate(zip(net.layer_names, net.layers))]
+    desc = describe_net(net)
+    first_top = net.top_vecs[0][0].shape if net.top_vecs and net.top_vecs[0] else (1,)
+    batch = first_top[0] if first_top else 1
+    net.shutdown()
+    step = sum(r["forward_ms"] + r["backward_ms"] for r in layers)
+    return {"model": os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+            "batch": int(batch), "step_ms": step,
+            "source": f"measured with the engine on this machine ({iterations} iterations, CPU)",
+            "layers": layers, "description": desc}
+
+
+def _finite(value):
+    """JSON without Infinity: unlimited rates become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def scheme_line(rows, nodes):
+    """Which layers go by SFB at each node count, e.g. '2-4 nodes: fc (SFB), 57 by PS'."""
+    groups = []
+    for p in nodes:
+        schemes = rows[p].schemes
+        sfb = tuple(k for k, v in schemes.items() if v == "sfb")
+        key = (sfb, len(schemes) - len(sfb))
+        if groups and groups[-1][1] == key:
+            groups[-1][0].append(p)
+        else:
+            groups.append(([p], key))
+    parts = []
+    for ps_, (sfb, n_ps) in groups:
+        span = f"{ps_[0]}" if len(ps_) == 1 else f"{ps_[0]}-{ps_[-1]}"
+        what = f"SFB for {', '.join(sfb)}, {n_ps} by PS" if sfb else f"all {n_ps} by PS"
+        parts.append(f"{span} node{'s' if len(ps_) > 1 or ps_[0] > 1 else ''}: {what}")
+    return "; ".join(parts)
+
+
+def _rate(bps):
+    return "unlimited" if bps == math.inf else f"{bps * 8 / 1e9:g} Gbit/s"
+
+
+def run(args):
+    from dist import simprofile
+    from dist.simulate import MODES, scaling_table
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise PoseidonError(f"--modes: unknown mode '{(bad or [args.modes])[0]}' (choose from "
+                            f"{', '.join(MODES)})")
+    nodes = _positive_ints(args.nodes, "nodes")
+    servers = _positive_ints(args.servers, "servers")[0] if args.servers is not None else None
+    net = network_from_args(args)
+    profile = load_or_build_profile(args)
+    if args.write_profile:
+        simprofile.write_profile(profile, args.write_profile)
+        out(f"profile written to {args.write_profile}")
+    table = scaling_table(profile, nodes, modes, net, servers)
+    name = profile.get("model", "?")
+    where = ("on their own nodes" if args.separate_servers else "beside the workers")
+    out(f"{name}: batch {profile.get('batch')} per node, one-node step "
+        f"{1e3 * next(iter(next(iter(table.values())).values())).compute_s:.1f} ms "
+        f"({profile.get('source', 'profile')})")
+    out(f"network: {_rate(net.bandwidth)} per NIC and direction, latency {net.latency * 1e6:g} us; "
+        f"PCIe {'unlimited' if net.pcie == math.inf else f'{net.pcie / 1e9:g} GB/s'}; "
+        f"{servers or 'one'} server{'s' if servers and servers > 1 else ''} "
+        f"{'in all' if servers else 'per node'}, {where}")
+    out("speedup = P1 * t_1 / t_P1 (t_1: one node, compute only); iteration ms in brackets")
+    out("")
+    width = 20
+    out(f"{'nodes':>5}  " + "".join(f"{m:>{width}}" for m in modes))
+    for p in nodes:
+        cells = [f"{table[m][p].speedup:7.2f}x ({table[m][p].iteration_s * 1e3:6.0f})"
+                 for m in modes]
+        out(f"{p:>5}  " + "".join(f"{c:>{width}}" for c in cells))
+    for m in modes:
+        out(f"{m}: " + scheme_line(table[m], nodes))
+    if args.json:
+        payload = {"model": name, "profile_source": profile.get("source"),
+                   "network": dict(net.__dict__), "servers": servers,
+                   "results": {m: {str(p): r.as_dict() for p, r in rows.items()}
+                               for m, rows in table.items()}}
+        with open(args.json, "w") as f:
+            json.dump(_finite(payload), f, indent=1)
+        out(f"results written to {args.json}")
