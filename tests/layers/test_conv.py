@@ -9,11 +9,14 @@ from engine.errors import LayerError
 from engine.layers.conv import _ConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
-@pytest.fixture(autouse=True, params=["one_gemm", "per_sample_gemm"])
-def gemm_path(request, monkeypatch):
-    """Run every test through both GEMM layouts (small planes normally take the one-GEMM path)."""
-    monkeypatch.setattr(_ConvCore, "PER_SAMPLE_MIN_PLANE",
-                        1 if request.param == "per_sample_gemm" else 10 ** 9)
+@pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands"])
+def chunking(request, monkeypatch):
+    """Run every test through the three ways a batch is cut (see _ConvCore._chunks): one chunk on
+    one thread, several whole samples per chunk on two threads, and bands of one output row."""
+    from engine.layers import im2col
+    monkeypatch.setattr(im2col.parallel(), "workers", 1 if request.param == "one_chunk" else 2)
+    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
+                        1 if request.param == "row_bands" else 1 << 30)
     return request.param
 
 
