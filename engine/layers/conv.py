@@ -107,9 +107,13 @@ class _ConvCore:
         col[...] = view[s0:s0 + m, r0:r1]
         return col
 
-    def _conv_pass(self, buf, src, geom, wt, out, bias, lo, hi, name):
+    def _conv_pass(self, buf, src, geom, wt, out, bias, lo, hi, name, wgrad=None):
         """out[lo:hi] (NCHW) = the windows of src (padded channels-last) x wt (grp, K/grp, O/grp)
-        (+ bias): chunked im2col, one GEMM per chunk, one transposing copy into NCHW."""
+        (+ bias): chunked im2col, one GEMM per chunk, one transposing copy into NCHW.
+
+        wgrad (input gradient only): (x source, pad h, pad w, partial) -- the same columns (of the
+        padded top gradient) also give the weight gradient: partial (grp, K/grp, C/grp) += the
+        columns^T x the chunk's input cells (see backward)."""
         xp = _xp(out)
         grp, kg, og = wt.shape
         out_h, out_w = out.shape[2:]
@@ -118,14 +122,24 @@ class _ConvCore:
         for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * out.itemsize, xp):
             cells = m * (r1 - r0) * out_w
             col = self._columns(buf, view, s0, m, r0, r1, name)
+            cmat = col.reshape(cells, grp, kg)
             y = buf.get(f"{name}y{cells}", (grp, cells, og), out.dtype, xp)
-            xp.matmul(col.reshape(cells, grp, kg).transpose(1, 0, 2), wt, out=y)
+            xp.matmul(cmat.transpose(1, 0, 2), wt, out=y)
             ynchw = y.reshape(grp, m, cells // m, og).transpose(1, 0, 3, 2)
             dst = out[s0:s0 + m].reshape(m, grp, og, plane)[..., r0 * out_w:r1 * out_w]
             if bias is None:
                 dst[...] = ynchw
             else:
                 xp.add(ynchw, bias.reshape(grp, og, 1), out=dst)
+            if wgrad is not None:
+                xsrc, ph, pw, dwp = wgrad
+                cin = xsrc.shape[3]
+                xc = buf.get(f"xcells{cells}", (m, r1 - r0, out_w, cin), out.dtype, xp)
+                xc[...] = xsrc[s0:s0 + m, ph + r0:ph + r1, pw:pw + out_w]
+                tmp = buf.get("dwtmp", dwp.shape, out.dtype, xp)
+                xp.matmul(cmat.transpose(1, 2, 0), xc.reshape(cells, grp, -1).transpose(1, 0, 2),
+                          out=tmp)
+                dwp += tmp
 
     # ----- forward ---------------------------------------------------------------------------------
     def forward(self, x, weight, out, bias=None, key=0):
@@ -177,43 +191,55 @@ class _ConvCore:
         kg = g.kh * g.kw * cg
         src = self.sources.get(key) if weight_diff is not None else None
         data = self._data_grad_plan(dy, weight) if dx is not None else None
+        # stride 1 with both gradients: the columns of the padded top gradient serve both (the
+        # input gradient's GEMM and, against the input cells, the flipped weight gradient), so
+        # the input is never unrolled again in backward
+        shared = weight_diff is not None and data is not None and data["mode"] == "correlate"
 
         def work(worker, lo, hi):
             buf = self._wbuf(worker)
-            if weight_diff is not None or bias_diff is not None:
-                self._param_grad_pass(buf, src, dy, grp, kg, lo, hi,
-                                      weight_diff is not None, bias_diff is not None)
+            if bias_diff is not None:
+                dbp = buf.get("db", (o,), dy.dtype, xp)
+                dbp[...] = dy[lo:hi].reshape(hi - lo, o, -1).sum(axis=2).sum(axis=0)
+            if shared:
+                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
+                dwp.fill(0)
+                self._data_grad_pass(buf, data, dy, dx, lo, hi, (src, g.ph, g.pw, dwp))
+                return
+            if weight_diff is not None:
+                self._weight_grad_pass(buf, src, dy, grp, kg, lo, hi)
             if data is not None:
                 self._data_grad_pass(buf, data, dy, dx, lo, hi)
 
         parts = parallel().run(work, n, xp)
+        w5 = weight_diff.reshape(grp, og, cg, g.kh, g.kw) if weight_diff is not None else None
         for worker in range(parts):
             buf = self._wbuf(worker)
-            if weight_diff is not None:
+            if shared:
+                # (g, kh', kw', O/g, C/g) with kh' = kh-1-i -> Caffe's (O, C/g, kh, kw)
+                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
+                w5[...] += dwp.reshape(grp, g.kh, g.kw, og, cg)[:, ::-1, ::-1].transpose(
+                    0, 3, 4, 1, 2)
+            elif weight_diff is not None:
                 dwp = buf.get("dw", (grp, og, kg), dy.dtype, xp)
                 # (g, O/g, kh, kw, C/g) -> Caffe's (O, C/g, kh, kw)
-                weight_diff.reshape(grp, og, cg, g.kh, g.kw)[...] += \
-                    dwp.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
+                w5[...] += dwp.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
             if bias_diff is not None:
                 bias_diff += buf.get("db", (o,), dy.dtype, xp)
         return dx
 
-    def _param_grad_pass(self, buf, src, dy, grp, kg, lo, hi, want_w, want_b):
-        """Per-thread partial weight gradient (g, O/g, K/g) and bias gradient over samples
-        lo..hi."""
+    def _weight_grad_pass(self, buf, src, dy, grp, kg, lo, hi):
+        """Per-thread partial weight gradient (g, O/g, K/g) over samples lo..hi from the columns
+        of the kept input."""
         xp = _xp(dy)
         g = self.geom
         o, out_h, out_w = dy.shape[1:]
         og = o // grp
         plane = out_h * out_w
-        if want_w:
-            dwp = buf.get("dw", (grp, og, kg), dy.dtype, xp)
-            dwp.fill(0)
-            tmp = buf.get("dwtmp", (grp, og, kg), dy.dtype, xp)
-            view = nhwc_window_view(src, g, out_h, out_w, grp, xp)
-        if want_b:
-            dbp = buf.get("db", (o,), dy.dtype, xp)
-            dbp.fill(0)
+        dwp = buf.get("dw", (grp, og, kg), dy.dtype, xp)
+        dwp.fill(0)
+        tmp = buf.get("dwtmp", (grp, og, kg), dy.dtype, xp)
+        view = nhwc_window_view(src, g, out_h, out_w, grp, xp)
         for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp):
             cells = m * (r1 - r0) * out_w
             band = dy[s0:s0 + m].reshape(m, o, plane)[:, :, r0 * out_w:r1 * out_w]
@@ -222,12 +248,9 @@ class _ConvCore:
             else:
                 dyt = buf.get(f"dyt{cells}", (grp, og, cells), dy.dtype, xp)
                 dyt.reshape(o, m, cells // m)[...] = band.transpose(1, 0, 2)
-            if want_w:
-                col = self._columns(buf, view, s0, m, r0, r1)
-                xp.matmul(dyt, col.reshape(cells, grp, kg).transpose(1, 0, 2), out=tmp)
-                dwp += tmp
-            if want_b:
-                dbp += dyt.reshape(o, cells).sum(axis=1)
+            col = self._columns(buf, view, s0, m, r0, r1)
+            xp.matmul(dyt, col.reshape(cells, grp, kg).transpose(1, 0, 2), out=tmp)
+            dwp += tmp
 
     def backward_data(self, dy, weight, dx):
         """dx (N, C, H, W) = dL/dx for top gradient dy (N, O, Ho, Wo); dx is overwritten."""
@@ -254,14 +277,14 @@ class _ConvCore:
         wmat = xp.ascontiguousarray(w5.transpose(0, 1, 3, 4, 2)).reshape(grp, og, -1)
         return {"mode": "col2im", "wmat": wmat}
 
-    def _data_grad_pass(self, buf, data, dy, dx, lo, hi):
+    def _data_grad_pass(self, buf, data, dy, dx, lo, hi, wgrad=None):
         xp = _xp(dy)
         g = self.geom
         if data["mode"] == "correlate":
             qh, qw = data["qh"], data["qw"]
             dpad = self._padded(dy, "dypad", qh, qw)
             self._fill(dy, dpad, qh, qw, lo, hi)
-            self._conv_pass(buf, dpad, data["geom"], data["wt"], dx, None, lo, hi, "dcol")
+            self._conv_pass(buf, dpad, data["geom"], data["wt"], dx, None, lo, hi, "dcol", wgrad)
             return
         # general stride: GEMM to channels-last columns, then scatter them back (col2im)
         grp, og, kg = data["wmat"].shape

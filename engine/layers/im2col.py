@@ -124,7 +124,7 @@ class BufferCache:
 # after each multi-threaded call, and one left spinning beside our threads halves their speed.
 # POSEIDON_THREADS=1 turns this off (one Python thread, BLAS threads untouched, batch-wide GEMMs);
 # so does a missing threadpoolctl. On CuPy everything runs as one range on the calling thread.
-COLUMN_BLOCK_BYTES = 1 << 20
+COLUMN_BLOCK_BYTES = 1 << 23
 
 
 def _cores():
