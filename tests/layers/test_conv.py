@@ -128,6 +128,24 @@ def test_conv_gradient(name, shape, num_output, extra, kw):
     check_gradient(conv(extra, num_output), [x])
 
 
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", CONV_CONFIGS, ids=CONV_IDS)
+def test_weight_gradient_same_with_and_without_input_gradient(name, shape, num_output, extra,
+                                                              kw):
+    """With the input gradient, stride-1 layers take the weight gradient from the unrolled top
+    gradient (flipped); without it, from the unrolled input: both are the same sums."""
+    x = numpy.random.RandomState(8).standard_normal(shape)
+    grads = []
+    for want_dx in (True, False):
+        layer = conv(extra, num_output)
+        bottom, top = run_forward(layer, [x])
+        top[0].diff[...] = numpy.random.RandomState(9).standard_normal(top[0].shape)
+        layer.backward(top, [want_dx], bottom)
+        grads.append([p.diff.copy() for p in layer.blobs])
+        assert bottom[0].diff.any() == want_dx
+    for a, b in zip(*grads):
+        numpy.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_conv_float32_matches_float64():
     x = numpy.random.RandomState(2).standard_normal((3, 4, 9, 9))
     extra = "kernel_size: 3 pad: 1 stride: 1"
