@@ -200,7 +200,7 @@ class _ConvCore:
             buf = self._wbuf(worker)
             if bias_diff is not None:
                 dbp = buf.get("db", (o,), dy.dtype, xp)
-                dbp[...] = dy[lo:hi].reshape(hi - lo, o, -1).sum(axis=2).sum(axis=0)
+                dbp[...] = dy[lo:hi].reshape(hi - lo, o, out_h * out_w).sum(axis=2).sum(axis=0)
             if shared:
                 dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
                 dwp.fill(0)
