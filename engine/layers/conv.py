@@ -191,6 +191,8 @@ class _ConvCore:
         kg = g.kh * g.kw * cg
         src = self.sources.get(key) if weight_diff is not None else None
         data = self._data_grad_plan(dy, weight) if dx is not None else None
+        if data is not None and data["mode"] == "correlate":   # made here, filled per range
+            data["dpad"] = self._padded(dy, "dypad", data["qh"], data["qw"])
         # stride 1 with both gradients: the columns of the padded top gradient serve both (the
         # input gradient's GEMM and, against the input cells, the flipped weight gradient), so
         # the input is never unrolled again in backward
@@ -282,7 +284,7 @@ class _ConvCore:
         g = self.geom
         if data["mode"] == "correlate":
             qh, qw = data["qh"], data["qw"]
-            dpad = self._padded(dy, "dypad", qh, qw)
+            dpad = data["dpad"]
             self._fill(dy, dpad, qh, qw, lo, hi)
             self._conv_pass(buf, dpad, data["geom"], data["wt"], dx, None, lo, hi, "dcol", wgrad)
             return
