@@ -4,35 +4,44 @@ The arithmetic lives in `_ConvCore`, which both layers share: Deconvolution is t
 Convolution, so its forward is the convolution's input gradient and its input gradient is the
 convolution's forward (exactly as Caffe's deconv_layer.cpp does it).
 
-How the work is laid out (see im2col.py for the column layout and the batch blocks):
-- the batch is cut into one range of samples per core and each range into blocks whose columns
-  (C*kh*kw x block*Ho*Wo) fit in L2; the ranges run at once on Python threads with OpenBLAS held
-  to one thread (im2col.parallel), so copies, GEMMs and transposes all use every core, and the
-  columns never travel to main memory (this machine's memory bandwidth, not its GEMM, was the
-  limit of the batch-wide im2col: 82 MB of columns for conv2 of cifar10_quick);
-- forward, per block: im2col as one copy from a strided view of the padded input (window_view),
-  then for planes of at least PER_SAMPLE_MIN_PLANE cells one GEMM per sample on strided views that
-  writes NCHW directly, else one GEMM for the block and one transposing copy into the top, with the
-  bias added on the way;
-- weight gradient, per block: the columns are made again from the padded input kept from forward
-  (a copy in cache is cheaper than reading stored columns back from memory), one GEMM against the
-  block's transposed top gradient, summed into a per-thread partial; partials are added in thread
-  order, so the result does not depend on timing;
-- input gradient, stride 1: the transposed convolution is itself a stride-1 convolution of the
-  zero-padded top gradient with the flipped, transposed kernel: im2col + GEMM again per block;
-  other strides: GEMM to columns, then col2im per block;
+How the work is laid out (the column layout is in im2col.py, the threads in im2col.parallel):
+- the input is copied once into a zero-padded channels-last buffer (N, Hp, Wp, C); a window's row
+  of kw pixels is then kw*C contiguous numbers, so im2col is one copy from a strided view whose
+  inner runs are kw*C long (640 bytes for a 5x5 kernel on 32 channels) instead of Wo-cell image
+  rows (64 bytes at 16x16): 3-7x faster here;
+- the columns are (cells, kh*kw*C), one row per output cell, and the GEMM is columns x W^T ->
+  (cells, O), the layout OpenBLAS runs fastest for these narrow (32-64 output) weights; the result
+  goes back to NCHW with the bias in one small transposing add;
+- the batch is cut into one range of samples per core (im2col.parallel, OpenBLAS held to one
+  thread) and each range into chunks whose columns stay in L2 (COLUMN_BLOCK_BYTES): several
+  samples when they are small, a band of output rows of one sample when one sample is too large
+  (the VGG block's 56x56 planes);
+- weight gradient, per chunk: the columns are made again from the padded input kept from forward
+  (a copy in cache is cheaper than reading stored columns back from memory), one GEMM of the
+  chunk's top gradient (O, cells) against them into a per-thread partial; partials are added in
+  thread order, so the result does not depend on timing;
+- input gradient, stride 1: a stride-1 convolution of the channels-last, zero-padded top gradient
+  with the flipped, transposed kernel (the same chunked pass as forward); other strides: GEMM to
+  columns, then col2im into a padded channels-last buffer, per chunk of whole samples;
 - 1x1 kernels with stride 1 and no pad: no im2col, batched GEMMs straight on the NCHW arrays.
-Scratch buffers are cached per thread and reallocated only when a shape changes.
+Scratch buffers are cached per thread and reallocated only when a shape changes. On CuPy the
+whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 """
 import numpy
 
 from ..backend import get_array_module as _xp
 from ..layer import Layer, register
-from .im2col import COLUMN_BLOCK_BYTES, BufferCache, Geometry, col2im, parallel, window_view
+from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, nhwc_col2im, nhwc_window_view,
+                     parallel)
 
 
 class _ConvCore:
     """Convolution arithmetic for one geometry and group count (input x: N x C x H x W)."""
+
+    # a chunk's columns stay under this many bytes (L2-sized); tests make it tiny to get chunks
+    COLUMN_BLOCK_BYTES = COLUMN_BLOCK_BYTES
+    # on CuPy (one range, one thread) chunks are only cut to bound the columns' memory
+    GPU_BLOCK_BYTES = 1 << 28
 
     def __init__(self, geom, group):
         self.geom = geom
@@ -44,86 +53,93 @@ class _ConvCore:
         self.pointwise = (g.kh == 1 and g.kw == 1 and g.sh == 1 and g.sw == 1
                           and g.ph == 0 and g.pw == 0)
 
-    # Planes at least this large (Ho*Wo) are multiplied one sample at a time (GEMMs straight into
-    # NCHW); smaller ones as one GEMM over the block plus a transposing copy, which is cheaper than
-    # many small GEMMs. CuPy always takes the one-GEMM path.
-    PER_SAMPLE_MIN_PLANE = 256
-
-    def _per_sample(self, plane, xp):
-        return xp is numpy and plane >= self.PER_SAMPLE_MIN_PLANE
-
     def _wbuf(self, worker):
         buf = self._worker_buffers.get(worker)
         if buf is None:
             buf = self._worker_buffers[worker] = BufferCache()
         return buf
 
-    # a block's columns stay under this many bytes (L2-sized); tests make it tiny to get blocks
-    COLUMN_BLOCK_BYTES = COLUMN_BLOCK_BYTES
-
-    def _block(self, rows, plane, n, xp, itemsize):
-        """Samples per block: the block's columns (rows x block*plane) fit COLUMN_BLOCK_BYTES
-        (the whole range on CuPy, where one large GEMM is best)."""
-        if xp is not numpy or parallel().workers == 1:
-            return max(n, 1)       # one thread: BLAS keeps its threads, large GEMMs are best
-        return max(1, min(n, self.COLUMN_BLOCK_BYTES // max(rows * plane * itemsize, 1)))
-
-    # ----- the padded input ----------------------------------------------------------------------
-    def _source(self, x, key, xp):
-        """The padded NCHW buffer kept under `key` for the columns (x itself without padding);
-        its interior is filled by `_fill_source` (per sample range, on the worker threads)."""
-        g = self.geom
-        if self.pointwise or (g.ph == 0 and g.pw == 0):
-            src = x
+    def _chunks(self, lo, hi, out_h, row_bytes, xp, whole_samples=False):
+        """(first sample, samples, first row, end row) pieces of samples lo..hi whose columns
+        (row_bytes per output row) fit the block size: several whole samples, or bands of output
+        rows of one sample (unless whole_samples)."""
+        if xp is numpy:
+            if parallel().workers == 1:   # one thread: BLAS keeps its threads, large GEMMs
+                return [(lo, hi - lo, 0, out_h)]
+            limit = self.COLUMN_BLOCK_BYTES
         else:
-            n, c, h, w = x.shape
-            src = self.buffers.get(f"xpad{key}", (n, c, h + 2 * g.ph, w + 2 * g.pw), x.dtype,
-                                   xp, 0)
-        self.sources[key] = src
-        return src
+            limit = self.GPU_BLOCK_BYTES
+        sample_bytes = max(out_h * row_bytes, 1)
+        if sample_bytes <= limit or whole_samples:
+            m = max(1, limit // sample_bytes)
+            return [(s, min(m, hi - s), 0, out_h) for s in range(lo, hi, m)]
+        band = max(1, limit // max(row_bytes, 1))
+        return [(s, 1, r, min(r + band, out_h)) for s in range(lo, hi)
+                for r in range(0, out_h, band)]
 
-    def _fill_source(self, x, src, lo, hi):
-        if src is not x:
-            g = self.geom
-            h, w = x.shape[2:]
-            src[lo:hi, :, g.ph:g.ph + h, g.pw:g.pw + w] = x[lo:hi]
+    # ----- the padded channels-last input -------------------------------------------------------
+    def _padded(self, x, name, ph, pw):
+        """A cached (N, H + 2ph, W + 2pw, C) buffer whose border stays zero (written once, when
+        the buffer is made); its interior is filled by `_fill` per sample range."""
+        n, c, h, w = x.shape
+        return self.buffers.get(name, (n, h + 2 * ph, w + 2 * pw, c), x.dtype, _xp(x), 0)
+
+    @staticmethod
+    def _fill(x, dst, ph, pw, lo, hi):
+        h, w = x.shape[2:]
+        dst[lo:hi, ph:ph + h, pw:pw + w] = x[lo:hi].transpose(0, 2, 3, 1)
 
     def prepare(self, x, key=0):
-        """Keep x (padded) under `key` for a later weight gradient, without computing anything."""
-        src = self._source(x, key, _xp(x))
-        self._fill_source(x, src, 0, x.shape[0])
+        """Keep x (padded, channels-last) under `key` for a later weight gradient."""
+        g = self.geom
+        if self.pointwise:
+            self.sources[key] = x
+            return x
+        src = self.sources[key] = self._padded(x, f"xpad{key}", g.ph, g.pw)
+        self._fill(x, src, g.ph, g.pw, 0, x.shape[0])
         return src
 
-    def _columns(self, buf, src, lo, m, out_h, out_w, name="col"):
-        """im2col of samples lo..lo+m of the padded source into a cached per-thread buffer
-        (C, kh, kw, m, out_h, out_w): one copy from a strided view."""
-        xp = _xp(src)
-        g = self.geom
-        c = src.shape[1]
-        col = buf.get(f"{name}{m}", (c, g.kh, g.kw, m, out_h, out_w), src.dtype, xp)
-        col[...] = window_view(src[lo:lo + m], g, out_h, out_w, xp)
+    def _columns(self, buf, view, s0, m, r0, r1, name="col"):
+        """im2col of a chunk into a cached per-thread buffer (m, rows, Wo, grp, kh, kw, C/grp):
+        one copy from the strided window view."""
+        shape = (m, r1 - r0) + view.shape[2:]
+        col = buf.get(f"{name}{shape}", shape, view.dtype, _xp(view))
+        col[...] = view[s0:s0 + m, r0:r1]
         return col
 
-    def _gemm_into_nchw(self, buf, wmat, col, out, bias, m, plane):
-        """out (m, O, plane) NCHW block = wmat (grp, O/g, K/g) x col (K, m*plane) (+ bias)."""
+    def _conv_pass(self, buf, src, geom, wt, out, bias, lo, hi, name, wgrad=None):
+        """out[lo:hi] (NCHW) = the windows of src (padded channels-last) x wt (grp, K/grp, O/grp)
+        (+ bias): chunked im2col, one GEMM per chunk, one transposing copy into NCHW.
+
+        wgrad (input gradient only): (x source, pad h, pad w, partial) -- the same columns (of the
+        padded top gradient) also give the weight gradient: partial (grp, K/grp, C/grp) += the
+        columns^T x the chunk's input cells (see backward)."""
         xp = _xp(out)
-        grp, og, kg = wmat.shape
-        o = grp * og
-        if self._per_sample(plane, xp):
-            # sample s's columns are a (K/g, plane) block of the (K/g, m*plane) matrix (leading
-            # dimension m*plane): one GEMM per sample writes NCHW directly, no transpose
-            xp.matmul(wmat, col.reshape(grp, kg, m, plane).transpose(2, 0, 1, 3),
-                      out=out.reshape(m, grp, og, plane))
-            if bias is not None:
-                out += bias.reshape(1, o, 1, 1)
-            return
-        tmp = buf.get(f"ytmp{m}", (grp, og, m * plane), out.dtype, xp)
-        xp.matmul(wmat, col.reshape(grp, kg, m * plane), out=tmp)
-        ont = tmp.reshape(o, m, plane).transpose(1, 0, 2)
-        if bias is None:
-            out.reshape(m, o, plane)[...] = ont
-        else:
-            xp.add(ont, bias.reshape(1, o, 1), out=out.reshape(m, o, plane))
+        grp, kg, og = wt.shape
+        out_h, out_w = out.shape[2:]
+        plane = out_h * out_w
+        view = nhwc_window_view(src, geom, out_h, out_w, grp, xp)
+        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * out.itemsize, xp):
+            cells = m * (r1 - r0) * out_w
+            col = self._columns(buf, view, s0, m, r0, r1, name)
+            cmat = col.reshape(cells, grp, kg)
+            y = buf.get(f"{name}y{cells}", (grp, cells, og), out.dtype, xp)
+            xp.matmul(cmat.transpose(1, 0, 2), wt, out=y)
+            ynchw = y.reshape(grp, m, cells // m, og).transpose(1, 0, 3, 2)
+            dst = out[s0:s0 + m].reshape(m, grp, og, plane)[..., r0 * out_w:r1 * out_w]
+            if bias is None:
+                dst[...] = ynchw
+            else:
+                xp.add(ynchw, bias.reshape(grp, og, 1), out=dst)
+            if wgrad is not None:
+                xsrc, ph, pw, dwp = wgrad
+                cin = xsrc.shape[3]
+                xc = buf.get(f"xcells{cells}", (m, r1 - r0, out_w, cin), out.dtype, xp)
+                xc[...] = xsrc[s0:s0 + m, ph + r0:ph + r1, pw:pw + out_w]
+                tmp = buf.get("dwtmp", dwp.shape, out.dtype, xp)
+                xp.matmul(cmat.transpose(1, 2, 0), xc.reshape(cells, grp, -1).transpose(1, 0, 2),
+                          out=tmp)
+                dwp += tmp
 
     # ----- forward ---------------------------------------------------------------------------------
     def forward(self, x, weight, out, bias=None, key=0):
@@ -133,24 +149,18 @@ class _ConvCore:
             return self._forward_pointwise(x, weight, out, bias, key)
         g = self.geom
         grp = self.group
-        n, c = x.shape[:2]
-        o = weight.shape[0]
-        out_h, out_w = out.shape[2:]
-        plane = out_h * out_w
-        wmat = weight.reshape(grp, o // grp, -1)
-        src = self._source(x, key, xp)
-        rows = c * g.kh * g.kw
+        o, cg = weight.shape[:2]
+        og = o // grp
+        # W (O, C/g, kh, kw) -> (g, kh*kw*C/g, O/g): the K order of the channels-last columns
+        wt = xp.ascontiguousarray(weight.reshape(grp, og, cg, g.kh, g.kw).transpose(0, 3, 4, 2, 1)
+                                  ).reshape(grp, g.kh * g.kw * cg, og)
+        src = self.sources[key] = self._padded(x, f"xpad{key}", g.ph, g.pw)
 
         def work(worker, lo, hi):
-            buf = self._wbuf(worker)
-            self._fill_source(x, src, lo, hi)
-            nb = self._block(rows, plane, hi - lo, xp, x.itemsize)
-            for s0 in range(lo, hi, nb):
-                m = min(nb, hi - s0)
-                col = self._columns(buf, src, s0, m, out_h, out_w)
-                self._gemm_into_nchw(buf, wmat, col, out[s0:s0 + m], bias, m, plane)
+            self._fill(x, src, g.ph, g.pw, lo, hi)
+            self._conv_pass(self._wbuf(worker), src, g, wt, out, bias, lo, hi, "col")
 
-        parallel().run(work, n, xp)
+        parallel().run(work, x.shape[0], xp)
         return out
 
     def _forward_pointwise(self, x, weight, out, bias, key):
@@ -177,95 +187,125 @@ class _ConvCore:
         grp = self.group
         n, o, out_h, out_w = dy.shape
         og = o // grp
-        plane = out_h * out_w
+        cg = weight.shape[1]
+        kg = g.kh * g.kw * cg
         src = self.sources.get(key) if weight_diff is not None else None
-        c = weight.shape[1] * grp
-        kk = g.kh * g.kw
-        rows = c * kk
-        data = self._data_grad_plan(dy, weight, dx) if dx is not None else None
+        data = self._data_grad_plan(dy, weight) if dx is not None else None
+        if data is not None and data["mode"] == "correlate":   # made here, filled per range
+            data["dpad"] = self._padded(dy, "dypad", data["qh"], data["qw"])
+        # stride 1 with both gradients: the columns of the padded top gradient serve both (the
+        # input gradient's GEMM and, against the input cells, the flipped weight gradient), so
+        # the input is never unrolled again in backward
+        shared = weight_diff is not None and data is not None and data["mode"] == "correlate"
 
         def work(worker, lo, hi):
             buf = self._wbuf(worker)
-            nb = self._block(max(rows, o * kk), max(plane, dx[0, 0].size if dx is not None
-                                                      else 1), hi - lo, xp, dy.itemsize)
-            if weight_diff is not None:
-                dwp = buf.get("dw", (grp, og, rows // grp), dy.dtype, xp)
-                dwp.fill(0)
             if bias_diff is not None:
                 dbp = buf.get("db", (o,), dy.dtype, xp)
-                dbp.fill(0)
-            for s0 in range(lo, hi, nb):
-                m = min(nb, hi - s0)
-                dyt = None
-                if weight_diff is not None or bias_diff is not None or \
-                        (data is not None and data["mode"] == "col2im"):
-                    dyt = buf.get(f"dyt{m}", (grp, og, m * plane), dy.dtype, xp)
-                    dyt.reshape(o, m, plane)[...] = \
-                        dy[s0:s0 + m].reshape(m, o, plane).transpose(1, 0, 2)
-                if weight_diff is not None:
-                    col = self._columns(buf, src, s0, m, out_h, out_w)
-                    tmp = buf.get("dwtmp", (grp, og, rows // grp), dy.dtype, xp)
-                    xp.matmul(dyt, col.reshape(grp, rows // grp, -1).transpose(0, 2, 1), out=tmp)
-                    dwp += tmp
-                if bias_diff is not None:
-                    dbp += dyt.reshape(o, -1).sum(axis=1)
-                if data is not None:
-                    self._data_grad_block(buf, data, dy, dyt, dx, s0, m)
+                dbp[...] = dy[lo:hi].reshape(hi - lo, o, out_h * out_w).sum(axis=2).sum(axis=0)
+            if shared:
+                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
+                dwp.fill(0)
+                self._data_grad_pass(buf, data, dy, dx, lo, hi, (src, g.ph, g.pw, dwp))
+                return
+            if weight_diff is not None:
+                self._weight_grad_pass(buf, src, dy, grp, kg, lo, hi)
+            if data is not None:
+                self._data_grad_pass(buf, data, dy, dx, lo, hi)
 
         parts = parallel().run(work, n, xp)
+        w5 = weight_diff.reshape(grp, og, cg, g.kh, g.kw) if weight_diff is not None else None
         for worker in range(parts):
             buf = self._wbuf(worker)
-            if weight_diff is not None:
-                weight_diff += buf.get("dw", (grp, og, rows // grp), dy.dtype,
-                                       xp).reshape(weight_diff.shape)
+            if shared:
+                # (g, kh', kw', O/g, C/g) with kh' = kh-1-i -> Caffe's (O, C/g, kh, kw)
+                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
+                w5[...] += dwp.reshape(grp, g.kh, g.kw, og, cg)[:, ::-1, ::-1].transpose(
+                    0, 3, 4, 1, 2)
+            elif weight_diff is not None:
+                dwp = buf.get("dw", (grp, og, kg), dy.dtype, xp)
+                # (g, O/g, kh, kw, C/g) -> Caffe's (O, C/g, kh, kw)
+                w5[...] += dwp.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
             if bias_diff is not None:
                 bias_diff += buf.get("db", (o,), dy.dtype, xp)
         return dx
+
+    def _weight_grad_pass(self, buf, src, dy, grp, kg, lo, hi):
+        """Per-thread partial weight gradient (g, O/g, K/g) over samples lo..hi from the columns
+        of the kept input."""
+        xp = _xp(dy)
+        g = self.geom
+        o, out_h, out_w = dy.shape[1:]
+        og = o // grp
+        plane = out_h * out_w
+        dwp = buf.get("dw", (grp, og, kg), dy.dtype, xp)
+        dwp.fill(0)
+        tmp = buf.get("dwtmp", (grp, og, kg), dy.dtype, xp)
+        view = nhwc_window_view(src, g, out_h, out_w, grp, xp)
+        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp):
+            cells = m * (r1 - r0) * out_w
+            band = dy[s0:s0 + m].reshape(m, o, plane)[:, :, r0 * out_w:r1 * out_w]
+            if m == 1:   # one sample: its (O, cells) rows are a strided matrix already
+                dyt = band.reshape(grp, og, cells)
+            else:
+                dyt = buf.get(f"dyt{cells}", (grp, og, cells), dy.dtype, xp)
+                dyt.reshape(o, m, cells // m)[...] = band.transpose(1, 0, 2)
+            col = self._columns(buf, view, s0, m, r0, r1)
+            xp.matmul(dyt, col.reshape(cells, grp, kg).transpose(1, 0, 2), out=tmp)
+            dwp += tmp
 
     def backward_data(self, dy, weight, dx):
         """dx (N, C, H, W) = dL/dx for top gradient dy (N, O, Ho, Wo); dx is overwritten."""
         return self.backward(dy, weight, dx=dx)
 
-    def _data_grad_plan(self, dy, weight, dx):
-        """What the input gradient needs besides the blocks: the mode and the flipped kernel."""
+    def _data_grad_plan(self, dy, weight):
+        """How the input gradient is made: 'correlate' (stride 1: a convolution of the padded
+        top gradient with the flipped kernel) or 'col2im', with the weight in the needed order."""
         xp = _xp(dy)
         g = self.geom
         grp = self.group
-        o = weight.shape[0]
-        c = dx.shape[1]
-        cg, og = c // grp, o // grp
+        o, cg = weight.shape[:2]
+        og = o // grp
+        w5 = weight.reshape(grp, og, cg, g.kh, g.kw)
         qh = g.dh * (g.kh - 1) - g.ph
         qw = g.dw * (g.kw - 1) - g.pw
         if g.sh == 1 and g.sw == 1 and qh >= 0 and qw >= 0:
-            # full correlation of the padded gradient with the flipped, transposed kernel
-            flipped = weight.reshape(grp, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
-            flipped = xp.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4))
+            # K order (kh, kw, O/g) of the padded gradient's columns, output C/g
+            wt = xp.ascontiguousarray(w5[:, :, :, ::-1, ::-1].transpose(0, 3, 4, 1, 2))
             return {"mode": "correlate", "qh": qh, "qw": qw,
-                    "wmat": flipped.reshape(grp, cg, og * g.kh * g.kw),
+                    "wt": wt.reshape(grp, g.kh * g.kw * og, cg),
                     "geom": Geometry(g.kh, g.kw, 1, 1, 0, 0, g.dh, g.dw)}
-        return {"mode": "col2im",
-                "wmat": weight.reshape(grp, og, cg * g.kh * g.kw).transpose(0, 2, 1)}
+        # (g, O/g, kh*kw*C/g): top gradient rows x this -> channels-last columns
+        wmat = xp.ascontiguousarray(w5.transpose(0, 1, 3, 4, 2)).reshape(grp, og, -1)
+        return {"mode": "col2im", "wmat": wmat}
 
-    def _data_grad_block(self, buf, data, dy, dyt, dx, s0, m):
+    def _data_grad_pass(self, buf, data, dy, dx, lo, hi, wgrad=None):
         xp = _xp(dy)
         g = self.geom
-        o, out_h, out_w = dy.shape[1:]
-        c, h, w = dx.shape[1:]
         if data["mode"] == "correlate":
             qh, qw = data["qh"], data["qw"]
-            dpad = buf.get(f"dypad{m}", (m, o, out_h + 2 * qh, out_w + 2 * qw), dy.dtype, xp, 0)
-            dpad[:, :, qh:qh + out_h, qw:qw + out_w] = dy[s0:s0 + m]
-            col = buf.get(f"dcol{m}", (o, g.kh, g.kw, m, h, w), dy.dtype, xp)
-            col[...] = window_view(dpad, data["geom"], h, w, xp)
-            self._gemm_into_nchw(buf, data["wmat"], col, dx[s0:s0 + m], None, m, h * w)
+            dpad = data["dpad"]
+            self._fill(dy, dpad, qh, qw, lo, hi)
+            self._conv_pass(buf, dpad, data["geom"], data["wt"], dx, None, lo, hi, "dcol", wgrad)
             return
-        # general stride: GEMM to columns, then scatter them back (col2im)
-        grp = self.group
-        dcol = buf.get(f"dcolg{m}", (c, g.kh, g.kw, m, out_h, out_w), dy.dtype, xp)
-        xp.matmul(data["wmat"], dyt, out=dcol.reshape(grp, -1, m * out_h * out_w))
-        dpad = buf.get(f"dxpad{m}", (m, c, h + 2 * g.ph, w + 2 * g.pw), dy.dtype, xp)
-        col2im(dcol, dpad.transpose(1, 0, 2, 3), g)
-        dx[s0:s0 + m] = dpad[:, :, g.ph:g.ph + h, g.pw:g.pw + w]
+        # general stride: GEMM to channels-last columns, then scatter them back (col2im)
+        grp, og, kg = data["wmat"].shape
+        o, out_h, out_w = dy.shape[1:]
+        c, h, w = dx.shape[1:]
+        plane = out_h * out_w
+        for s0, m, _, _ in self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp,
+                                        whole_samples=True):
+            cells = m * plane
+            dyc = buf.get(f"dyc{m}", (grp, cells, og), dy.dtype, xp)
+            dyc.reshape(grp, m, plane, og)[...] = \
+                dy[s0:s0 + m].reshape(m, grp, og, plane).transpose(1, 0, 3, 2)
+            dcol = buf.get(f"dcolg{m}", (grp, cells, kg), dy.dtype, xp)
+            xp.matmul(dyc, data["wmat"], out=dcol)
+            cols = dcol.reshape(grp, m, out_h, out_w, g.kh, g.kw, kg // (g.kh * g.kw)
+                                ).transpose(1, 2, 3, 0, 4, 5, 6)
+            dpad = buf.get(f"dxpad{m}", (m, h + 2 * g.ph, w + 2 * g.pw, c), dy.dtype, xp)
+            nhwc_col2im(cols, dpad, g)
+            dx[s0:s0 + m] = dpad[:, g.ph:g.ph + h, g.pw:g.pw + w].transpose(0, 3, 1, 2)
 
     def _backward_pointwise(self, dy, weight, weight_diff, bias_diff, dx, key):
         xp = _xp(dy)

@@ -1,14 +1,15 @@
 """Shared helpers for the 2-D window layers (Convolution, Deconvolution, Pooling).
 
-Everything here is written once for numpy and CuPy (the array module is taken from the arrays) and
-works by looping over the kernel offsets (kh x kw iterations, each one vectorised over the whole
-batch), never over samples or pixels.
+Everything here is written once for numpy and CuPy (the array module is taken from the arrays or
+passed as `xp`) and works by looping over the kernel offsets or copying strided views, never by
+looping over samples or pixels.
 
-Column layout. Caffe's im2col turns one sample (C, H, W) into a (C*kh*kw, Ho*Wo) matrix. Here the
-whole batch is unrolled at once, in the layout (C, kh, kw, N, Ho, Wo): viewed as a matrix it is
-(C*kh*kw, N*Ho*Wo), so a convolution is one GEMM for the batch (one per group), and each kernel
-offset is a single strided copy whose inner loops run along image rows. The image being unrolled is
-given channel-major, (C, N, Hp, Wp), already padded (or an unpadded transposed view of the bottom).
+Column layout (Convolution). Caffe's im2col turns one sample (C, H, W) into a (C*kh*kw, Ho*Wo)
+matrix. Here the image is first copied channels-last and zero-padded, (N, Hp, Wp, C), and the
+columns are (N, Ho, Wo, group, kh, kw, C/group): one row per output cell, viewed as a matrix
+(N*Ho*Wo, kh*kw*C) per group. In that order a window's row of kw pixels is kw*C consecutive
+numbers of the padded image, so the whole im2col is one copy from a strided view
+(`nhwc_window_view`) with long contiguous runs; `nhwc_col2im` is its adjoint.
 """
 from collections import namedtuple
 
@@ -52,26 +53,35 @@ def offset_slices(i, j, out_h, out_w, geom, start_h=0, start_w=0):
             slice(w0, w0 + (out_w - 1) * geom.sw + 1, geom.sw))
 
 
-def im2col(src, col, geom):
-    """Unroll windows: src (C, N, Hp, Wp) padded image -> col (C, kh, kw, N, Ho, Wo)."""
-    out_h, out_w = col.shape[-2:]
-    for i in range(geom.kh):
-        for j in range(geom.kw):
-            col[:, i, j] = src[offset_slices(i, j, out_h, out_w, geom)]
-    return col
+def nhwc_window_view(src, geom, out_h, out_w, group, xp):
+    """The windows of a padded channels-last array src (N, Hp, Wp, C) as a strided view of shape
+    (N, out_h, out_w, group, kh, kw, C/group), without copying: copying it into a buffer of that
+    shape is the whole im2col (for group 1 the last two axes are kw*C consecutive numbers)."""
+    sn, sh, sw, sc = src.strides
+    g = geom
+    n, c = src.shape[0], src.shape[3]
+    cg = c // group
+    return xp.lib.stride_tricks.as_strided(
+        src, (n, out_h, out_w, group, g.kh, g.kw, cg),
+        (sn, sh * g.sh, sw * g.sw, sc * cg, sh * g.dh, sw * g.dw, sc))
 
 
-def col2im(col, dst, geom):
-    """The adjoint of im2col: dst (C, N, Hp, Wp) = sum of the columns put back at their cells.
+def nhwc_col2im(col, dst, geom):
+    """The adjoint of the im2col above: dst (N, Hp, Wp, C) padded channels-last = the sum of the
+    columns col (N, Ho, Wo, group, kh, kw, C/group) put back at their cells.
 
     dst is overwritten (zeroed first); each kernel offset adds one strided slice, so overlapping
     windows accumulate without numpy.add.at.
     """
-    out_h, out_w = col.shape[-2:]
+    n, out_h, out_w, group, kh, kw, cg = col.shape
+    g = geom
     dst[...] = 0
-    for i in range(geom.kh):
-        for j in range(geom.kw):
-            dst[offset_slices(i, j, out_h, out_w, geom)] += col[:, i, j]
+    grouped = dst.reshape(dst.shape[:3] + (group, cg))
+    for i in range(kh):
+        for j in range(kw):
+            h0, w0 = i * g.dh, j * g.dw
+            grouped[:, h0:h0 + (out_h - 1) * g.sh + 1:g.sh,
+                    w0:w0 + (out_w - 1) * g.sw + 1:g.sw] += col[:, :, :, :, i, j]
     return dst
 
 
@@ -100,18 +110,6 @@ class BufferCache:
         self._arrays.clear()
 
 
-def window_view(src, geom, out_h, out_w, xp):
-    """The windows of a padded NCHW array src (N, C, Hp, Wp) as a strided view of shape
-    (C, kh, kw, N, out_h, out_w), without copying: `col[...] = window_view(...)` is the whole
-    im2col of src in one copy, in the column layout of this module."""
-    sn, sc, sh, sw = src.strides
-    g = geom
-    n, c = src.shape[:2]
-    return xp.lib.stride_tricks.as_strided(
-        src, (c, g.kh, g.kw, n, out_h, out_w),
-        (sc, sh * g.dh, sw * g.dw, sn, sh * g.sh, sw * g.sw))
-
-
 # ----- batch blocks on several cores ---------------------------------------------------------------
 # numpy's elementwise work and copies run on one core, and OpenBLAS splits small GEMMs poorly (the
 # weight gradient's long reduction gains nothing from a second thread). So the convolutions cut the
@@ -126,7 +124,7 @@ def window_view(src, geom, out_h, out_w, xp):
 # after each multi-threaded call, and one left spinning beside our threads halves their speed.
 # POSEIDON_THREADS=1 turns this off (one Python thread, BLAS threads untouched, batch-wide GEMMs);
 # so does a missing threadpoolctl. On CuPy everything runs as one range on the calling thread.
-COLUMN_BLOCK_BYTES = 1 << 20
+COLUMN_BLOCK_BYTES = 1 << 23
 
 
 def _cores():

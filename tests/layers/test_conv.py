@@ -9,11 +9,14 @@ from engine.errors import LayerError
 from engine.layers.conv import _ConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
-@pytest.fixture(autouse=True, params=["one_gemm", "per_sample_gemm"])
-def gemm_path(request, monkeypatch):
-    """Run every test through both GEMM layouts (small planes normally take the one-GEMM path)."""
-    monkeypatch.setattr(_ConvCore, "PER_SAMPLE_MIN_PLANE",
-                        1 if request.param == "per_sample_gemm" else 10 ** 9)
+@pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands"])
+def chunking(request, monkeypatch):
+    """Run every test through the three ways a batch is cut (see _ConvCore._chunks): one chunk on
+    one thread, several whole samples per chunk on two threads, and bands of one output row."""
+    from engine.layers import im2col
+    monkeypatch.setattr(im2col.parallel(), "workers", 1 if request.param == "one_chunk" else 2)
+    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
+                        1 if request.param == "row_bands" else 1 << 30)
     return request.param
 
 
@@ -123,6 +126,24 @@ def test_conv_forward(name, shape, num_output, extra, kw):
 def test_conv_gradient(name, shape, num_output, extra, kw):
     x = numpy.random.RandomState(1).standard_normal(shape)
     check_gradient(conv(extra, num_output), [x])
+
+
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", CONV_CONFIGS, ids=CONV_IDS)
+def test_weight_gradient_same_with_and_without_input_gradient(name, shape, num_output, extra,
+                                                              kw):
+    """With the input gradient, stride-1 layers take the weight gradient from the unrolled top
+    gradient (flipped); without it, from the unrolled input: both are the same sums."""
+    x = numpy.random.RandomState(8).standard_normal(shape)
+    grads = []
+    for want_dx in (True, False):
+        layer = conv(extra, num_output)
+        bottom, top = run_forward(layer, [x])
+        top[0].diff[...] = numpy.random.RandomState(9).standard_normal(top[0].shape)
+        layer.backward(top, [want_dx], bottom)
+        grads.append([p.diff.copy() for p in layer.blobs])
+        assert bottom[0].diff.any() == want_dx
+    for a, b in zip(*grads):
+        numpy.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_conv_float32_matches_float64():
