@@ -113,7 +113,7 @@ class SFBScheme(Scheme):
             numpy.copyto(b, sets[0][2])
             for s in sets[1:]:
                 b += s[2]
-            self._apply(self.bias, stage.device_array(b, xp) if stage.on_gpu else b.copy(), it)
+            self._apply(self.bias, stage.device_array(b, xp) if stage.on_gpu else b, it)
         for receipt in self.receipts:
             receipt.wait()
         self.receipts = []

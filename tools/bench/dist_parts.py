@@ -176,7 +176,7 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
             "plain_engine_s": stats(plain), "distributed_s": stats(dist_),
             "overhead": float(numpy.median(ratios)), "overhead_rounds": stats(ratios),
             "job_seconds": time.perf_counter() - t0,
-            "note": f"the plain engine's solver.step vs the same solver file as worker 0 of "
+            "note": f"The plain engine's solver.step vs the same solver file as worker 0 of "
                     f"`--workers 1 --servers 1 --sync ps` (KV server in its own process), in one "
                     f"child process taking turns in blocks of {block} iterations after "
                     f"{warmup} warm-up ones each, the order swapped every round "
