@@ -129,7 +129,8 @@ class InnerProductLayer(Layer):
         Gᵀ·X (M×N), or Xᵀ·G (N×M) with `transpose: true`. `rows=(lo, hi)` gives only those rows
         of it (a block of the weight's first axis, for an update made block by block while the
         block is in cache). Written into `out` (C-contiguous, the block's shape) when given, else
-        into a new array; returns it."""
+        into a new array; returns it. Large weights: the columns split over the cores, as in
+        forward and backward."""
         lo, hi = (0, self.blobs[0].shape[0]) if rows is None else rows
         a, b = (X, G) if self.transpose else (G, X)             # block = a[:, lo:hi]ᵀ·b
         if out is None:
@@ -138,5 +139,9 @@ class InnerProductLayer(Layer):
             raise self.error(f"weight_grad_from_factors: out has shape {tuple(out.shape)}, rows "
                              f"{lo}..{hi} of the gradient need {(hi - lo, b.shape[1])}")
         a = a[:, lo:hi].T
-        self.xp.matmul(a, b, out=out)
+
+        def part(c0, c1):                                       # output columns c0..c1
+            self.xp.matmul(a, b[:, c0:c1], out=out[:, c0:c1])
+
+        self._split(out.shape[1], part)
         return out

@@ -190,9 +190,13 @@ def test_deferred_weight_gradient_leaves_the_weight_diff_alone(extra):
 
 
 @pytest.mark.parametrize("extra", ["", "transpose: true"])
-def test_weight_gradient_rows_from_factors_into_a_given_buffer(extra):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_weight_gradient_rows_from_factors_into_a_given_buffer(extra, workers, monkeypatch):
     """rows=(lo, hi) gives those rows of the weight-layout gradient; out= is written and returned;
-    blocks put together equal the whole gradient."""
+    blocks put together equal the whole gradient, also with the columns split over 3 threads."""
+    from engine.layers import im2col, inner_product
+    monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1 if workers > 1 else 1 << 40)
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
     rs = numpy.random.RandomState(9)
     layer = ip(5, extra=extra)
     run_forward(layer, [rs.standard_normal((6, 7))])
@@ -207,5 +211,7 @@ def test_weight_gradient_rows_from_factors_into_a_given_buffer(extra):
         assert got is out
         blocks.append(got)
     numpy.testing.assert_allclose(numpy.concatenate(blocks), whole, rtol=1e-13, atol=1e-13)
+    expected = X.T @ G if "transpose" in extra else G.T @ X
+    numpy.testing.assert_allclose(whole, expected, rtol=1e-13, atol=1e-13)
     with pytest.raises(LayerError, match="out has shape"):
         layer.weight_grad_from_factors(G, X, out=numpy.empty((3, 3)), rows=(0, 2))
