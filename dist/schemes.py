@@ -31,6 +31,7 @@ def make_scheme(name, syncer):
 
 class Scheme:
     name = None
+    defers_weight_grad = False      # True: the layer's own backward need not make its weight gradient
 
     def __init__(self, syncer):
         self.syncer = syncer

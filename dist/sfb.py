@@ -6,10 +6,16 @@ server is much cheaper when K is small against M and N (Algorithm 1 decides).
 
 How: each worker sends its (G, X) and its bias gradient (M floats) to every peer, zero-copy, and
 gathers theirs. It stacks all P1 factor sets IN RANK ORDER and rebuilds the combined weight gradient
-with ONE GEMM (`layer.weight_grad_from_factors(G_all, X_all)`; the released Poseidon applied each
-peer's factors as a separate SGD step), sums the bias gradients in rank order, and applies the
-solver's update rule with the 1/P1 scale and its own copy of the layer's solver state. Every worker
-computes the same numbers in the same order, so the replicas stay bitwise identical.
+with GEMMs on the stacked factors (`layer.weight_grad_from_factors(G_all, X_all)`; the released
+Poseidon applied each peer's factors as a separate SGD step), sums the bias gradients in rank order,
+and applies the solver's update rule with the 1/P1 scale and its own copy of the layer's solver
+state. Every worker computes the same numbers in the same order, so the replicas stay bitwise
+identical.
+
+Cost: the layer's own backward skips its local weight gradient (`prepare` sets the layer's
+`defer_weight_grad`: the rebuild covers it), and on the CPU the rebuild and the update go together
+block by block of weight rows (REBUILD_BLOCK_ELEMENTS), so each gradient block is updated while it is
+still in cache and no weight-sized gradient is ever written to memory or allocated per iteration.
 """
 import numpy
 
@@ -20,10 +26,17 @@ from .errors import DistError
 from .schemes import Scheme, register_scheme
 from .transport import Msg
 
+# Rows of the weight rebuilt and updated together: about this many elements (4 MiB of float32,
+# within the last-level cache), and at least MIN_BLOCK_ROWS rows (OpenBLAS is slow on GEMMs with
+# fewer rows). On a GPU the whole weight is one block.
+REBUILD_BLOCK_ELEMENTS = 1 << 20
+MIN_BLOCK_ROWS = 64
+
 
 @register_scheme
 class SFBScheme(Scheme):
     name = "sfb"
+    defers_weight_grad = True       # the layer's backward skips its weight gradient (rebuilt here)
 
     def __init__(self, syncer):
         super().__init__(syncer)
@@ -45,6 +58,7 @@ class SFBScheme(Scheme):
         self.peers = [r for r in w.roles.worker_ranks() if r != w.rank]
         self.receipts = []
         self._own = None
+        self._block = None                      # the rebuilt gradient block, reused
 
     @staticmethod
     def cost(rec, P1, P2):
@@ -68,6 +82,7 @@ class SFBScheme(Scheme):
 
     def send(self, it, stats):
         w, stage = self.worker, self.syncer.stage
+        self.layer.defer_weight_grad = False    # set by prepare() for this iteration's backward only
         own = [stage.to_host(a, ("f", i)) for i, a in enumerate(self._factors())]
         stage.synchronize()
         self._own = own
@@ -102,19 +117,40 @@ class SFBScheme(Scheme):
             x_all[row:row + k] = s[1]
             row += k
         xp = w.net.xp
-        grad = self.layer.weight_grad_from_factors(stage.device_array(g_all, xp),
-                                                   stage.device_array(x_all, xp))
-        self._apply(self.weight, grad, it)
+        self._rebuild_and_update(stage.device_array(g_all, xp), stage.device_array(x_all, xp), it)
         if self.bias is not None:
             b = stage.buffer("b_sum", sets[0][2].shape, sets[0][2].dtype)
             numpy.copyto(b, sets[0][2])
             for s in sets[1:]:
                 b += s[2]
-            self._apply(self.bias, stage.device_array(b, xp) if stage.on_gpu else b.copy(), it)
+            self._apply(self.bias, stage.device_array(b, xp) if stage.on_gpu else b, it)
         for receipt in self.receipts:
             receipt.wait()
         self.receipts = []
         self._own = None
+
+    def _rebuild_and_update(self, g_all, x_all, it):
+        """The weight's update from the stacked factors, block of rows by block of rows: each
+        gradient block is made by one GEMM into a reused buffer and updated at once."""
+        w = self.worker
+        p = w.book.params[self.weight]
+        value = w.net.learnable_params[self.weight].data
+        history = w.history[self.weight]
+        rows, row_len = value.shape[0], value.size // max(value.shape[0], 1)
+        if w.net.xp is numpy:
+            step = min(rows, max(MIN_BLOCK_ROWS, REBUILD_BLOCK_ELEMENTS // max(row_len, 1)))
+        else:
+            step = rows
+        if self._block is None or self._block.shape != (step, row_len):
+            self._block = w.net.xp.empty((step, row_len), value.dtype)
+        rate = w.rule.rate(it)
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            grad = self.layer.weight_grad_from_factors(g_all, x_all, out=self._block[:hi - lo],
+                                                       rows=(lo, hi))
+            w.rule.update(value[lo:hi], grad.reshape(value[lo:hi].shape),
+                          [h[lo:hi] for h in history], it, p["lr_mult"], p["decay_mult"],
+                          w.grad_scale, rate=rate)
 
     def _apply(self, pid, grad, it):
         w = self.worker

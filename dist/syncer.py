@@ -142,6 +142,7 @@ class Syncer:
         self.stage = Stage(worker.net.xp)
         self._make = make_scheme
         self._schemes = {}
+        self._plan = (None, None)                     # (iteration, scheme) fixed by prepare()
 
     def scheme(self, name):
         s = self._schemes.get(name)
@@ -149,11 +150,19 @@ class Syncer:
             s = self._schemes[name] = self._make(name, self)
         return s
 
+    def prepare(self, it):
+        """Before the backward of iteration it: fix its scheme and tell a layer that can give
+        sufficient factors whether it must make its own weight gradient (not under SFB)."""
+        name = self.worker.book.best_scheme(self.li)   # decided per layer, per iteration
+        self._plan = (it, name)
+        if getattr(self.layer, "has_sufficient_factors", False):
+            self.layer.defer_weight_grad = self.scheme(name).defers_weight_grad
+
     def sync(self, it, ready=None):
         """Algorithm 2's SYNC(l): stream, Move, BestScheme, Send, Receive, Move back. `ready`: the
         event after layer l's backward (GPU), which the moves wait for."""
         w = self.worker
-        name = w.book.best_scheme(self.li)             # decided per layer, per iteration
+        name = self._plan[1] if self._plan[0] == it else w.book.best_scheme(self.li)
         stats = LayerStats(self.li, self.name, name)
         stats.start = time.time()
         stream = w.streams.acquire()

@@ -272,6 +272,8 @@ class DistributedSolver:
         t_start = time.time()
         backward_s = 0.0
         wait_loss = None
+        for syncer in self.syncers.values():      # this iteration's schemes (SFB: no local dW)
+            syncer.prepare(it)
         for p in range(n):
             last = p == n - 1
             t0 = time.time()

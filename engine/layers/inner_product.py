@@ -18,6 +18,10 @@ class InnerProductLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     has_sufficient_factors = True
+    # Set (per iteration) by whoever rebuilds the weight gradient from sufficient_factors() instead
+    # (dist/sfb.py under SFB): backward then computes only the bias gradient and the bottom diff,
+    # and leaves the weight's diff alone, saving a K·M·N GEMM and a pass over the weight.
+    defer_weight_grad = False
 
     def layer_setup(self, bottom, top):
         p = self.param.inner_product_param
@@ -82,7 +86,7 @@ class InnerProductLayer(Layer):
         xp = self.xp
         g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
         w = self.blobs[0]
-        grad_w = self.param_propagate_down[0]
+        grad_w = self.param_propagate_down[0] and not self.defer_weight_grad
         grad_b = self.bias_term and self.param_propagate_down[1]
         if grad_w and (self._grad_buffer is None or self._grad_buffer.shape != w.shape):
             self._grad_buffer = xp.empty(w.shape, self.dtype)
@@ -120,13 +124,24 @@ class InnerProductLayer(Layer):
         x = bottom[0].data.reshape(self.k, self.n_in)
         return g, x
 
-    def weight_grad_from_factors(self, G, X):
+    def weight_grad_from_factors(self, G, X, out=None, rows=None):
         """Weight gradient in this layer's weight layout from (stacked) factors G (K×M) and X (K×N):
-        Gᵀ·X (M×N), or Xᵀ·G (N×M) with `transpose: true`. A new array."""
-        out = self.xp.empty(self.blobs[0].shape, self.xp.result_type(G.dtype, X.dtype))
-        return self._weight_grad(G, X, out)
+        Gᵀ·X (M×N), or Xᵀ·G (N×M) with `transpose: true`. `rows=(lo, hi)` gives only those rows
+        of it (a block of the weight's first axis, for an update made block by block while the
+        block is in cache). Written into `out` (C-contiguous, the block's shape) when given, else
+        into a new array; returns it. Large weights: the columns split over the cores, as in
+        forward and backward."""
+        lo, hi = (0, self.blobs[0].shape[0]) if rows is None else rows
+        a, b = (X, G) if self.transpose else (G, X)             # block = a[:, lo:hi]ᵀ·b
+        if out is None:
+            out = self.xp.empty((hi - lo, b.shape[1]), self.xp.result_type(G.dtype, X.dtype))
+        elif out.shape != (hi - lo, b.shape[1]):
+            raise self.error(f"weight_grad_from_factors: out has shape {tuple(out.shape)}, rows "
+                             f"{lo}..{hi} of the gradient need {(hi - lo, b.shape[1])}")
+        a = a[:, lo:hi].T
 
-    def _weight_grad(self, g, x, out):
-        if self.transpose:
-            return self.xp.dot(x.T, g, out=out)                 # N×M = Xᵀ·G
-        return self.xp.dot(g.T, x, out=out)                     # M×N = Gᵀ·X
+        def part(c0, c1):                                       # output columns c0..c1
+            self.xp.matmul(a, b[:, c0:c1], out=out[:, c0:c1])
+
+        self._split(out.shape[1], part)
+        return out

@@ -165,3 +165,53 @@ def test_errors():
         layer.reshape([bigger], top)
     layer.reshape([Blob((5, 3, 2), numpy.float64)], top)   # a new batch size is fine
     assert top[0].shape == (5, 3)
+
+
+@pytest.mark.parametrize("extra", ["", "transpose: true", "bias_term: false"])
+def test_deferred_weight_gradient_leaves_the_weight_diff_alone(extra):
+    """defer_weight_grad (set by SFB): backward makes the bias gradient and the bottom diff as
+    usual and does not touch the weight's diff (the syncer rebuilds it from the factors)."""
+    rs = numpy.random.RandomState(8)
+    x, g = rs.standard_normal((3, 5)), rs.standard_normal((3, 4))
+    full = ip(4, extra=extra)
+    bottom_full, _ = _backward(full, x, g)
+    deferred = ip(4, extra=extra)
+    deferred.defer_weight_grad = True
+    bottom, top = run_forward(deferred, [x])
+    deferred.blobs[0].diff[...] = 7.0                     # must survive untouched
+    top[0].diff[...] = g
+    deferred.backward(top, [True], bottom)
+    numpy.testing.assert_array_equal(deferred.blobs[0].diff, 7.0)
+    numpy.testing.assert_array_equal(bottom[0].diff, bottom_full[0].diff)
+    if "bias_term: false" not in extra:
+        numpy.testing.assert_array_equal(deferred.blobs[1].diff, full.blobs[1].diff)
+    G, X = deferred.sufficient_factors(bottom, top)
+    numpy.testing.assert_array_equal(deferred.weight_grad_from_factors(G, X), full.blobs[0].diff)
+
+
+@pytest.mark.parametrize("extra", ["", "transpose: true"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_weight_gradient_rows_from_factors_into_a_given_buffer(extra, workers, monkeypatch):
+    """rows=(lo, hi) gives those rows of the weight-layout gradient; out= is written and returned;
+    blocks put together equal the whole gradient, also with the columns split over 3 threads."""
+    from engine.layers import im2col, inner_product
+    monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1 if workers > 1 else 1 << 40)
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    rs = numpy.random.RandomState(9)
+    layer = ip(5, extra=extra)
+    run_forward(layer, [rs.standard_normal((6, 7))])
+    G, X = rs.standard_normal((6, 5)), rs.standard_normal((6, 7))
+    whole = layer.weight_grad_from_factors(G, X)
+    rows = whole.shape[0]
+    blocks = []
+    for lo in range(0, rows, 2):
+        hi = min(lo + 2, rows)
+        out = numpy.empty((hi - lo, whole.shape[1]))
+        got = layer.weight_grad_from_factors(G, X, out=out, rows=(lo, hi))
+        assert got is out
+        blocks.append(got)
+    numpy.testing.assert_allclose(numpy.concatenate(blocks), whole, rtol=1e-13, atol=1e-13)
+    expected = X.T @ G if "transpose" in extra else G.T @ X
+    numpy.testing.assert_allclose(whole, expected, rtol=1e-13, atol=1e-13)
+    with pytest.raises(LayerError, match="out has shape"):
+        layer.weight_grad_from_factors(G, X, out=numpy.empty((3, 3)), rows=(0, 2))

@@ -60,9 +60,10 @@ def run_job(solver_path, workers, servers, folder, extra=(), timeout=300, thread
            "--stats", str(stats_path), "--timeline", str(timeline_path)] + list(extra)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if threads:
+    if threads:   # BLAS's threads and the engine's own (engine/layers/im2col.parallel)
         env["OPENBLAS_NUM_THREADS"] = str(threads)
         env["OMP_NUM_THREADS"] = str(threads)
+        env["POSEIDON_THREADS"] = str(threads)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=str(folder), env=env, stdout=subprocess.PIPE,
@@ -138,36 +139,51 @@ def _union(spans):
 
 
 # ----- c. single-node overhead ---------------------------------------------------------------------
-def single_node_overhead(workdir, quick=False, runs=5, threads=None):
+def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, warmup=3):
+    """The plain engine and 1 worker + 1 server (`--sync ps`) on the same solver file, in one
+    child process taking turns in blocks of `block` iterations (tools/bench/overhead_ab.py), the
+    order swapped every round; 8 rounds per run. Per round the ratio of the two blocks' medians;
+    the overhead is the median of those ratios."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
     net = nets.cifar10_quick(20 if quick else 100)
-    iters, skip = (4, 1) if quick else (3 + 6 * runs, 3)
-    solver_path = nets.write_solver_files(net, Path(workdir) / "overhead", iters)
-    # the plain engine, in this process: per-iteration times of solver.step(1)
-    solver = nets.make_solver(net)
-    solver.step(skip)
-    plain = []
-    for _ in range(iters - skip):
-        t = time.perf_counter()
-        solver.step(1)
-        plain.append(time.perf_counter() - t)
-    del solver
-    records, _, seconds, error = run_job(solver_path, 1, 1, Path(workdir) / "overhead" / "job",
-                                         extra=["--sync", "ps"], threads=threads)
-    if error:
-        return {"status": "failed", "reason": error}
-    dist_times = iteration_times(records, skip)
-    if not dist_times:
-        return {"status": "failed", "reason": "the job wrote no per-iteration stats"}
-    p, d = stats(plain), stats(dist_times)
-    return {"status": "measured", "net": net.title, "iterations": len(dist_times),
-            "plain_engine_s": p, "distributed_s": d,
-            "overhead": d["median"] / p["median"] - 1.0, "job_seconds": seconds,
-            "note": "1 worker + 1 KV server process through `poseidon train --workers 1 "
-                    "--servers 1 --sync ps` vs the engine's solver.step in one process; "
-                    "iteration time = median of worker 0's consecutive stats records"}
+    rounds = 4 if quick else 8 * max(1, int(runs))
+    folder = Path(workdir) / "overhead"
+    solver_path = nets.write_solver_files(net, folder, 10 ** 6)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if threads:
+        env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                   POSEIDON_THREADS=str(threads))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tools.bench.overhead_ab", str(solver_path),
+                               str(rounds), str(block), str(warmup)], cwd=str(folder), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
+                              text=True)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": "the overhead measurement timed out after 600 s"}
+    if proc.returncode != 0:
+        return {"status": "failed", "reason": f"exit status {proc.returncode}: "
+                                              f"{proc.stderr[-800:]}"}
+    blocks = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain = [float(numpy.median(b)) for b in blocks["plain"]]
+    dist_ = [float(numpy.median(b)) for b in blocks["distributed"]]
+    ratios = [d / p - 1.0 for p, d in zip(plain, dist_)]
+    return {"status": "measured", "net": net.title, "rounds": len(ratios),
+            "iterations_per_block": block,
+            "plain_engine_s": stats(plain), "distributed_s": stats(dist_),
+            "overhead": float(numpy.median(ratios)), "overhead_rounds": stats(ratios),
+            "job_seconds": time.perf_counter() - t0,
+            "note": f"The plain engine's solver.step vs the same solver file as worker 0 of "
+                    f"`--workers 1 --servers 1 --sync ps` (KV server in its own process), in one "
+                    f"child process taking turns in blocks of {block} iterations after "
+                    f"{warmup} warm-up ones each, the order swapped every round "
+                    f"(tools/bench/overhead_ab.py); overhead = median over {len(ratios)} rounds "
+                    f"of the round's ratio of block medians. An A/A run of the same method (two "
+                    f"plain solvers) gave -0.2% with an interquartile range of +-12% per round at "
+                    f"load 6 on this machine: read it with the load average"}
 
 
 # ----- d. transport ---------------------------------------------------------------------------------
@@ -226,44 +242,62 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: 
 
 
 def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
+    """Rounds of (KV job, raw ZeroMQ), the order swapped every round; per round the KV rate is
+    the median over the job's iterations after the warm-up, the raw rate the median of its round
+    trips, and the round's ratio KV / raw. The figures are medians over rounds."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
     from engine import prototxt
+    from dist.placement import DEFAULT_PAIR_BYTES
     if quick:
         megabytes = 4
     side = int((megabytes * 2 ** 20 // 4) ** 0.5)            # a side x side float32 weight
+    total = side * side * 4
     param = prototxt.parse_net_text(KV_NET.format(n=side, m=side))
     bench_net = nets.BenchNet("kv", f"one {side}x{side} float32 parameter", param, 1,
                               {"base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}, {}, side)
     skip = 1 if quick else 2
-    iters = skip + (2 if quick else runs)
-    solver_path = nets.write_solver_files(bench_net, Path(workdir) / "transport", iters)
-    records, _, seconds, error = run_job(solver_path, 1, 1, Path(workdir) / "transport" / "job",
-                                         extra=["--sync", "ps"], threads=threads)
-    if error:
-        return {"status": "failed", "reason": error}
-    rates, payload = [], None
-    for rec in records[skip:]:
-        layer = rec["layers"].get("fc")
-        if not layer or not layer["sync_s"]:
-            continue
-        payload = layer["sent_payload"] + layer["recv_payload"]
-        rates.append(payload / layer["sync_s"])
-    if not rates:
-        return {"status": "failed", "reason": "the job wrote no sync stats for the parameter"}
-    from dist.placement import DEFAULT_PAIR_BYTES
-    total = side * side * 4
-    raw_frames = raw_zmq(total, DEFAULT_PAIR_BYTES, runs=2 if quick else runs)
-    raw_one = raw_zmq(total, total, runs=2 if quick else runs)
-    kv = stats(rates)
+    measured = 2 if quick else 5
+    rounds = 1 if quick else max(1, min(int(runs), 3))
+    folder = Path(workdir) / "transport"
+    solver_path = nets.write_solver_files(bench_net, folder, skip + measured)
+    kv_rounds, raw_rounds, one_rounds, ratios, payload = [], [], [], [], None
+    for r in range(rounds):
+        got = {}
+        for side_name in (("kv", "raw") if r % 2 == 0 else ("raw", "kv")):
+            if side_name == "raw":
+                got["raw"] = raw_zmq(total, DEFAULT_PAIR_BYTES, runs=measured)["median"]
+                got["one"] = raw_zmq(total, total, runs=2 if quick else 3)["median"]
+                continue
+            records, _, seconds, error = run_job(solver_path, 1, 1, folder / f"job-{r}",
+                                                 extra=["--sync", "ps"], threads=threads)
+            if error:
+                return {"status": "failed", "reason": error}
+            rates = []
+            for rec in records[skip:]:
+                layer = rec["layers"].get("fc")
+                if layer and layer["sync_s"]:
+                    payload = layer["sent_payload"] + layer["recv_payload"]
+                    rates.append(payload / layer["sync_s"])
+            if not rates:
+                return {"status": "failed",
+                        "reason": "the job wrote no sync stats for the parameter"}
+            got["kv"] = float(numpy.median(rates))
+        kv_rounds.append(got["kv"])
+        raw_rounds.append(got["raw"])
+        one_rounds.append(got["one"])
+        ratios.append(got["kv"] / got["raw"])
     return {"status": "measured", "parameter_bytes": total, "kv_pair_bytes": DEFAULT_PAIR_BYTES,
-            "kv_push_pull_Bps": kv, "raw_zmq_frames_Bps": raw_frames,
-            "raw_zmq_one_frame_Bps": raw_one,
-            "ratio": kv["median"] / raw_frames["median"], "payload_per_sync": payload,
+            "rounds": rounds, "kv_push_pull_Bps": stats(kv_rounds),
+            "raw_zmq_frames_Bps": stats(raw_rounds), "raw_zmq_one_frame_Bps": stats(one_rounds),
+            "ratio": float(numpy.median(ratios)), "ratio_rounds": stats(ratios),
+            "payload_per_sync": payload,
             "note": "KV: 1 worker + 1 server, --sync ps; (sent + received payload) / the layer's "
-                    "sync time (push, server sum + update, pull). Raw: a PAIR socket round trip "
-                    "of the same bytes as frames of the KV pair size to an echo thread"}
+                    "sync time (push, server sum + update, pull), median over the job's "
+                    "iterations. Raw: a PAIR socket round trip of the same bytes as frames of "
+                    "the KV pair size to an echo thread. Alternated over rounds with the order "
+                    "swapped; ratio = median over rounds of the round's KV / raw"}
 
 
 # ----- e. scaling under a bandwidth cap ---------------------------------------------------------------
@@ -272,48 +306,105 @@ MODES = (("no-overlap ps", ["--no-overlap", "--sync", "ps"]),
          ("hybrid", ["--sync", "hybrid"]))
 
 
-def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), iterations=None):
+# net key -> (builder, measured iterations per job, most rounds): fc_heavy carries the target, so
+# it gets the rounds; a job's start-up (8 processes, worker 0's state sent under the cap) is most of
+# its 15-45 s here.
+SCALING_NETS = {"fc_heavy": (nets.fc_heavy, 3, 3), "cifar10_quick": (nets.cifar10_quick, 6, 1)}
+
+
+def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), iterations=None,
+            net_keys=("fc_heavy", "cifar10_quick"), runs=3):
+    """Per net and worker count, `runs` rounds (at most the net's, SCALING_NETS) of one job per mode,
+    the order of the modes rotated every round so that each sees the same disturbances; a job
+    measures `iterations` after one warm-up iteration. A row's iteration time is the median over
+    rounds of each job's median iteration (min-max over rounds); the hybrid / no-overlap ratio
+    is also taken per round (the two jobs of a round ran minutes apart at most)."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
     if quick:
         return not_measured("skipped in --quick (it starts 12 jobs of up to 8 processes)")
-    results = []
-    for bench_net, iters in ((nets.fc_heavy(), iterations or 4),
-                             (nets.cifar10_quick(), iterations or 8)):
-        skip = 1
+    unknown = [k for k in net_keys if k not in SCALING_NETS]
+    if unknown:
+        return not_measured(f"unknown net(s) {', '.join(unknown)} for part e (known: "
+                            f"{', '.join(SCALING_NETS)})")
+    skip = 1
+    results, all_rounds = [], {}
+    for key in net_keys:
+        make, default_iters, most_rounds = SCALING_NETS[key]
+        bench_net, iters = make(), iterations or default_iters
+        rounds = all_rounds[key] = max(1, min(int(runs), most_rounds))
         for p1 in worker_counts:
             folder = Path(workdir) / "scaling" / f"{bench_net.key}-{p1}"
             solver_path = nets.write_solver_files(bench_net, folder, iters + skip + 1)
-            for mode, flags in MODES:
-                extra = flags + ["--bandwidth", bandwidth] if bandwidth else flags
-                records, timeline, seconds, error = run_job(
-                    solver_path, p1, p1, folder / mode.replace(" ", "_"), extra=extra,
-                    timeout=420, threads=1)
-                row = {"net": bench_net.key, "workers": p1, "servers": p1, "mode": mode,
-                       "bandwidth": bandwidth, "job_seconds": seconds}
-                if error:
-                    row.update(status="failed", reason=error)
-                else:
-                    it_s = iteration_times(records, skip)
-                    sent = [r.get("sent_payload", 0) + r.get("sent_header", 0)
-                            for r in records[skip:]]
-                    recv = [r.get("recv_payload", 0) + r.get("recv_header", 0)
-                            for r in records[skip:]]
-                    row.update(status="measured" if it_s else "failed",
-                               iteration_s=stats(it_s) if it_s else None,
-                               bytes_sent_per_iter=float(numpy.median(sent)) if sent else None,
-                               bytes_recv_per_iter=float(numpy.median(recv)) if recv else None,
-                               hidden_share=hidden_share(timeline, skip),
-                               barrier_wait_s=stats([r["barrier_wait_s"] for r in records[skip:]])
-                               if records[skip:] else None)
-                results.append(row)
-    return {"status": "measured", "rows": results,
+            jobs = {mode: [] for mode, _ in MODES}
+            for r in range(rounds):
+                order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+                for mode, flags in order:
+                    extra = flags + ["--bandwidth", bandwidth] if bandwidth else flags
+                    records, timeline, seconds, error = run_job(
+                        solver_path, p1, p1, folder / f"{mode.replace(' ', '_')}-{r}",
+                        extra=extra, timeout=420, threads=1)
+                    jobs[mode].append((records, timeline, seconds, error))
+            for mode, _ in MODES:
+                results.append(_scaling_row(bench_net.key, p1, mode, bandwidth, jobs[mode], skip))
+    ratios = _per_round_ratios(results)
+    rounds = ", ".join(f"{k} {n}" for k, n in all_rounds.items())
+    return {"status": "measured", "rows": results, "rounds": all_rounds,
+            "hybrid_over_no_overlap": ratios,
             "note": f"P1 workers and P2 = P1 servers on this machine, each process capped at "
-                    f"{bandwidth} of sends (--bandwidth), 1 BLAS thread per process; iteration "
-                    f"time = worker 0's consecutive stats records; bytes = worker 0's payload + "
-                    f"headers; hidden = share of worker 0's sync time inside its backward "
-                    f"(timeline)"}
+                    f"{bandwidth} of sends (--bandwidth) and given 1 thread (BLAS and the "
+                    f"engine's own: POSEIDON_THREADS=1); rounds of one job per mode ({rounds}), "
+                    f"the mode order rotated each round; iteration time = median over rounds of "
+                    f"each job's median iteration (worker 0's consecutive stats records, "
+                    f"{skip} warm-up iteration left out), min-max over rounds; bytes = worker "
+                    f"0's payload + headers; hidden = share of worker 0's sync time inside its "
+                    f"backward (timeline)"}
+
+
+def _scaling_row(net, p1, mode, bandwidth, jobs, skip):
+    row = {"net": net, "workers": p1, "servers": p1, "mode": mode, "bandwidth": bandwidth,
+           "job_seconds": [j[2] for j in jobs]}
+    errors = [j[3] for j in jobs if j[3]]
+    if errors:
+        row.update(status="failed", reason=errors[0])
+        return row
+    per_round, hidden, waits, sent, recv = [], [], [], [], []
+    for records, timeline, _, _ in jobs:
+        it_s = iteration_times(records, skip)
+        if it_s:
+            per_round.append(float(numpy.median(it_s)))
+        share = hidden_share(timeline, skip)
+        if share:
+            hidden += share["runs"]
+        waits += [r["barrier_wait_s"] for r in records[skip:]]
+        sent += [r.get("sent_payload", 0) + r.get("sent_header", 0) for r in records[skip:]]
+        recv += [r.get("recv_payload", 0) + r.get("recv_header", 0) for r in records[skip:]]
+    row.update(status="measured" if per_round else "failed",
+               iteration_s=stats(per_round) if per_round else None,
+               iteration_s_by_round=per_round,
+               bytes_sent_per_iter=float(numpy.median(sent)) if sent else None,
+               bytes_recv_per_iter=float(numpy.median(recv)) if recv else None,
+               hidden_share=stats(hidden) if hidden else None,
+               barrier_wait_s=stats(waits) if waits else None)
+    if not per_round:
+        row["reason"] = "the jobs wrote no per-iteration stats"
+    return row
+
+
+def _per_round_ratios(rows):
+    """{"<net>-<P1>": stats of hybrid / no-overlap ps per round} where both were measured."""
+    out = {}
+    by_key = {(r["net"], r["workers"], r["mode"]): r for r in rows}
+    for (net, p1, mode), row in by_key.items():
+        base = by_key.get((net, p1, "no-overlap ps"))
+        if mode != "hybrid" or not base or not row.get("iteration_s") or not base.get("iteration_s"):
+            continue
+        if len(row["iteration_s_by_round"]) != len(base["iteration_s_by_round"]):
+            continue
+        pairs = zip(row["iteration_s_by_round"], base["iteration_s_by_round"])
+        out[f"{net}-{p1}"] = stats([h / b for h, b in pairs])
+    return out
 
 
 def workdir():

@@ -86,8 +86,13 @@ def _why(part):
 
 
 def scaling_ratio(scaling):
+    """fc_heavy, 4 workers: hybrid / no-overlap ps iteration time, the median of the per-round
+    ratios (each round ran both jobs close together), else the ratio of the medians."""
     if scaling.get("status") != "measured":
         return None
+    per_round = (scaling.get("hybrid_over_no_overlap") or {}).get("fc_heavy-4")
+    if per_round:
+        return per_round["median"]
     found = {}
     for row in scaling["rows"]:
         if row["net"] == "fc_heavy" and row["workers"] == 4 and row.get("iteration_s"):
@@ -171,7 +176,9 @@ def markdown(results):
         lines += [f"**c. Single-node overhead** ({c['net']}): plain engine "
                   f"{_mm(c['plain_engine_s'], '{:.1f}', 1e3)} ms/iter, 1 worker + 1 server "
                   f"{_mm(c['distributed_s'], '{:.1f}', 1e3)} ms/iter: overhead "
-                  f"{100 * c['overhead']:+.1f}%. {c['note']}.", ""]
+                  f"{100 * c['overhead']:+.1f}%"
+                  + (f" (per round {_mm(c['overhead_rounds'], '{:+.1f}', 100)}%)"
+                     if c.get("overhead_rounds") else "") + f". {c['note']}.", ""]
     else:
         lines += [f"**c. Single-node overhead**: {_why(c)}", ""]
     t = d.get("transport") or {}
@@ -201,6 +208,11 @@ def markdown(results):
                          f"{(r['bytes_sent_per_iter'] or 0) / 1e6:.1f} / "
                          f"{(r['bytes_recv_per_iter'] or 0) / 1e6:.1f} | {hid} | "
                          f"{_mm(r['barrier_wait_s'], '{:.3f}')} |")
+        ratios = s.get("hybrid_over_no_overlap") or {}
+        if ratios:
+            lines += ["", "hybrid / no-overlap ps iteration time, per round: " + "; ".join(
+                f"{k.replace('-', ', ')} workers {_mm(v, '{:.2f}')}"
+                for k, v in sorted(ratios.items()))]
         lines += ["", s["note"] + ".", ""]
     else:
         lines += [f"**e. Scaling under a bandwidth cap**: {_why(s)}", ""]

@@ -37,6 +37,8 @@ def add(sub):
                    help="comma-separated parts to run: a throughput, b per-layer, c single-node "
                         "overhead, d transport, e scaling (default all)")
     p.add_argument("--bandwidth", default="1Gbit", help="send cap per process for part e")
+    p.add_argument("--scaling-nets", default="fc_heavy,cifar10_quick",
+                   help="nets of part e, comma-separated (default fc_heavy,cifar10_quick)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib)")
     p.add_argument("--unpinned", action="store_true",
@@ -120,8 +122,9 @@ def run(args):
             out(f"  {_status(dist_results['transport'], 'ratio', '{:.0%}')}")
         if "e" in parts:
             out(f"e. scaling under a {args.bandwidth} cap")
-            dist_results["scaling"] = dist_parts.scaling(work, quick=args.quick,
-                                                         bandwidth=args.bandwidth)
+            dist_results["scaling"] = dist_parts.scaling(
+                work, quick=args.quick, bandwidth=args.bandwidth, runs=runs,
+                net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
             out(f"  {dist_results['scaling']['status']}"
                 + (f": {dist_results['scaling'].get('reason')}"
                    if dist_results['scaling'].get('reason') else ""))

@@ -1,0 +1,55 @@
+"""SFB's rebuild on the workers: block by block of weight rows, fused with the update, and with
+the layer's own weight gradient skipped (dist/sfb.py, InnerProduct's defer_weight_grad).
+
+Roles run as threads of this process over real ZeroMQ sockets (tests/dist/helpers.py), float64.
+
+Run: python -m pytest tests/dist/test_sfb_rebuild.py -q
+"""
+import numpy
+import pytest
+
+from dist import sfb
+
+from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
+                      solver_param)
+
+ITERS = 12
+K = 8
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("db") / "train")
+
+
+@pytest.mark.parametrize("P1,P2", [(2, 1), (3, 0)])
+def test_rebuild_in_small_blocks_equals_one_process(data, tmp_path, monkeypatch, P1, P2):
+    """Blocks of 5 rows (ip1: 48 rows = 9 blocks of 5 + one of 3; ip2: 20 + 4) give the
+    parameters of one process on the combined batch, the replicas stay bitwise equal, and the
+    SFB layers never made their local weight gradient (their weight diffs stay zero)."""
+    monkeypatch.setattr(sfb, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(sfb, "REBUILD_BLOCK_ELEMENTS", 5 * 192)
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(fc_net(data, P1 * K), max_iter=ITERS), weights_out=weights)
+    solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, P2,
+                          weights=weights, sync="sfb")
+    first = params_of(solvers[0])
+    assert_params_close(first, want, rtol=1e-5, label=f"sfb P1={P1} P2={P2} in blocks")
+    for s in solvers[1:]:
+        for a, b in zip(params_of(s), first):
+            assert numpy.array_equal(a, b), "replicas differ"
+    net = solvers[0].solver.net
+    for name in ("ip1", "ip2", "ip3"):
+        layer = net.layers[net.layer_names.index(name)]
+        assert layer.defer_weight_grad is False              # only during SFB's backward
+        assert not layer.blobs[0].diff.any(), f"{name} made its own weight gradient under SFB"
+        if len(layer.blobs) > 1:
+            assert layer.blobs[1].diff.any()                 # the bias gradient is still made
+
+
+def test_layers_by_ps_keep_their_weight_gradient(data, tmp_path):
+    """Under --sync ps the InnerProducts compute their weight gradients as usual."""
+    solvers = run_threads(solver_param(fc_net(data, K), max_iter=2), 2, 1, sync="ps")
+    net = solvers[0].solver.net
+    for name in ("ip1", "ip2", "ip3"):
+        assert net.layers[net.layer_names.index(name)].blobs[0].diff.any()

@@ -1,0 +1,50 @@
+"""The distributed parts of `poseidon bench` (tools/bench/dist_parts.py): how iteration times are
+taken from the jobs' stats (warm-up left out, rounds paired for the hybrid / no-overlap ratio),
+and part c's alternating measurement end to end (a real KV server process). No timing assertions.
+"""
+import pytest
+
+from tools.bench import dist_parts
+
+
+def _records(times, sent=1000):
+    return [{"time": t, "barrier_wait_s": 0.01, "sent_payload": sent, "sent_header": 10,
+             "recv_payload": sent, "recv_header": 10} for t in times]
+
+
+def test_iteration_times_leave_out_the_warm_up():
+    assert dist_parts.iteration_times(_records([0.0, 5.0, 6.0, 8.0]), skip=1) == [1.0, 2.0]
+
+
+def test_scaling_rows_take_the_median_per_round_and_pair_rounds_for_the_ratio():
+    # round medians: no-overlap 2.0 then 4.0 (a loaded round), hybrid 0.5 then 2.0
+    slow = [(_records([0, 9, 11, 13, 15]), None, 1.0, None),       # warm-up 9 s, then 2 s each
+            (_records([0, 9, 13, 17, 21]), None, 1.0, None)]
+    fast = [(_records([0, 9, 9.5, 10.0, 10.5], sent=10), None, 1.0, None),
+            (_records([0, 9, 11, 13, 15], sent=10), None, 1.0, None)]
+    rows = [dist_parts._scaling_row("fc_heavy", 4, "no-overlap ps", "1Gbit", slow, skip=1),
+            dist_parts._scaling_row("fc_heavy", 4, "hybrid", "1Gbit", fast, skip=1)]
+    assert rows[0]["iteration_s_by_round"] == [2.0, 4.0]
+    assert rows[0]["iteration_s"]["median"] == 3.0
+    assert rows[1]["bytes_sent_per_iter"] == 20
+    ratios = dist_parts._per_round_ratios(rows)
+    assert sorted(ratios["fc_heavy-4"]["runs"]) == [0.25, 0.5]    # 0.5/2 and 2/4, not 0.5/4
+
+
+def test_a_failed_job_makes_a_failed_row_with_its_reason():
+    row = dist_parts._scaling_row("fc_heavy", 2, "hybrid", "1Gbit",
+                                  [([], None, 1.0, "exit status 1: boom")], skip=1)
+    assert row["status"] == "failed" and "boom" in row["reason"]
+
+
+def test_scaling_refuses_an_unknown_net():
+    out = dist_parts.scaling("/nonexistent", net_keys=["vgg99"])
+    assert out["status"] == "not measured" and "vgg99" in out["reason"]
+
+
+def test_single_node_overhead_alternates_plain_and_distributed(tmp_path):
+    out = dist_parts.single_node_overhead(tmp_path, quick=True, threads=1)
+    assert out["status"] == "measured", out.get("reason")
+    assert out["rounds"] == 4 and len(out["overhead_rounds"]["runs"]) == 4
+    assert out["plain_engine_s"]["median"] > 0 and out["distributed_s"]["median"] > 0
+    assert out["overhead"] == pytest.approx(out["overhead_rounds"]["median"])
