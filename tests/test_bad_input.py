@@ -247,9 +247,7 @@ CASES = [
     # Caffe reshapes a Data top per batch (fully convolutional nets take any size), so the layer
     # that cannot take the new size is the one to speak
     lmdb_case("lmdb: a later batch of another size", "later_batch_lmdb",
-              [r"m\.prototxt:4:", "layer 'ip'", r"\(2, 1, 5, 5\)", r"\b16\b"],
-              known_gap="engine/layers/inner_product.py (another helper's file) names the layer "
-                        "and both sizes but not what to do"),
+              [r"m\.prototxt:4:", "layer 'ip'", r"\(2, 1, 5, 5\)", r"\b16\b"]),
     lmdb_case("lmdb: TEST data of other channels", "good_lmdb", [
         r"m\.prototxt:\d+:", "layer 'ip'", r"\b48\b", r"\b16\b"],
         test_source="../rgb_lmdb", command="train"),

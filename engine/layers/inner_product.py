@@ -54,7 +54,8 @@ class InnerProductLayer(Layer):
         if n_in != self.n_in:
             raise self.error(f"bottom shape {tuple(b.shape)} gives {n_in} inputs per sample (axes "
                              f"{axis}.. flattened), but the weights were set up for {self.n_in}: an "
-                             f"InnerProduct's input size is fixed at setup")
+                             f"InnerProduct's input size is fixed at setup: give every record the same "
+                             f"size (resize or crop them in the data, or set a crop_size)")
         self.axis = axis
         self.k = b.count_range(0, axis)                         # K: samples (rows of the GEMM)
         top[0].reshape(tuple(b.shape[:axis]) + (self.num_output,))
