@@ -156,14 +156,7 @@ class DropPolicy(_Policy):
         st["update_s"] += time.perf_counter() - t0
         if n < self.workers:
             self._record_drop(pair, it, st, arrived)
-        for w in range(self.workers):
-            self._send(pair, w, it, st, aux=n)
-        pair.count = 0
-        pair.have = [False] * self.workers
-        pair.iteration = it + 1
-        st["pairs_done"] += 1
-        if st["pairs_done"] == len(s.pairs):
-            s._flush_stats(it)
+        s.answer(pair, it, st, pair.value, aux=n)
 
     def _record_drop(self, pair, it, st, arrived):
         s = self.server

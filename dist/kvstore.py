@@ -264,9 +264,15 @@ class KVServer:
         it = pair.iteration
         out = self.handler.complete(pair, it)
         st["update_s"] += time.perf_counter() - t0
+        self.answer(pair, it, st, out)
+
+    def answer(self, pair, it, st, out, aux=0):
+        """Send every worker the pair's result of iteration it and open the pair's next iteration
+        (BSP here, and the straggler policy once its deadline has passed)."""
         pair.receipts = []
         for w in range(self.workers):
-            receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pair.id, arrays=[out])
+            receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pair.id, aux=aux,
+                                          arrays=[out])
             pair.receipts.append(receipt)
             st["sent_payload"] += receipt.payload_bytes
             st["sent_header"] += receipt.header_bytes

@@ -20,6 +20,7 @@ Why it is shaped this way:
 """
 import enum
 import json
+import logging
 import re
 import socket
 import struct
@@ -231,6 +232,8 @@ class Mailbox:
         self._fifo_types = set()
         self._error = None
         self._namer = namer
+        self.owner = None             # this process's name, for the stall inspector's lines
+        self.stall_warning = 0.0      # seconds between stall lines (0: never); the session sets it
 
     def set_fifo(self, types):
         """Serve these types in arrival order (messages already filed move to the queue)."""
@@ -269,7 +272,7 @@ class Mailbox:
         k = (mtype, key, iteration)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        stall = getattr(self, "stall_warning", 0) or 0
+        stall = self.stall_warning or 0
         warn_at = start + stall
 
         def awaited(box):            # (what, from whom) for the deadline error and stall lines
@@ -304,9 +307,8 @@ class Mailbox:
                              else f"iteration {iteration}: ")
                     got = f"; got {len(box or [])} of {count}" if count > 1 else ""
                     label, source = awaited(box)
-                    import logging
                     logging.getLogger("poseidon").warning(
-                        f"{getattr(self, 'owner', None) or 'this process'}: {where}waiting "
+                        f"{self.owner or 'this process'}: {where}waiting "
                         f"{now - start:.0f} s for {label} from {source}{got}")
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
 

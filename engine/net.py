@@ -402,8 +402,7 @@ class Net:
             raise ModelError(f"{path}: is an HDF5 weights file and reading it needs h5py: "
                              f"pip install h5py (or use a binary .caffemodel)") from None
         except (ValueError, OSError, KeyError) as e:
-            reason = ("protobuf cannot parse it as a Caffe NetParameter"
-                      if "Error parsing message" in str(e) else str(e)[:120])
+            reason = caffemodel.unreadable_reason(e, "NetParameter")
             raise ModelError(f"{path}: not a readable weights file ({reason}); give a "
                              f"binary .caffemodel or .caffemodel.h5 (a torn copy or download "
                              f"also gives this: copy it again)") from None

@@ -173,6 +173,13 @@ def _read_proto(path, message, what):
     return message
 
 
+def unreadable_reason(error, message):
+    """Why a weights or solver-state file could not be read, short enough for a one-line error."""
+    if "Error parsing message" in str(error):
+        return f"protobuf cannot parse it as a Caffe {message}"
+    return str(error)[:120]
+
+
 def read_net_proto(path):
     """Read a binary NetParameter (e.g. a .caffemodel); ValueError if unparseable."""
     return _read_proto(path, caffe_pb2.NetParameter(), "NetParameter (.caffemodel)")

@@ -571,8 +571,7 @@ class Solver:
             raise ModelError(f"{path}: is an HDF5 solver state and reading it needs h5py: pip "
                              f"install h5py") from None
         except (ValueError, OSError, KeyError) as e:
-            reason = ("protobuf cannot parse it as a Caffe SolverState"
-                      if "Error parsing message" in str(e) else str(e)[:120])
+            reason = caffemodel.unreadable_reason(e, "SolverState")
             raise ModelError(f"{path}: not a readable solver state ({reason}); give the "
                              f".solverstate a snapshot wrote (a torn copy also gives this: resume "
                              f"from an earlier snapshot)") from None
