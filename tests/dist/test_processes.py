@@ -309,7 +309,7 @@ def _digits_run(tmp_path, name, batch, extra_args):
     net = net.replace("data/digits/", str(tmp_path / "data" / "digits") + "/")
     (folder / "train_val.prototxt").write_text(net)
     solver = (ROOT / "prototxt" / "digits_quick" / "solver.prototxt").read_text()
-    for key, value in (("max_iter", 300), ("test_interval", 300), ("display", 100),
+    for key, value in (("max_iter", 500), ("test_interval", 500), ("display", 100),
                        ("snapshot", 0)):
         solver = re.sub(rf"\n{key}: \d+", f"\n{key}: {value}", solver)
     (folder / "solver.prototxt").write_text(solver)
@@ -321,12 +321,15 @@ def _digits_run(tmp_path, name, batch, extra_args):
 
 
 def test_four_workers_two_servers_converge_like_one_process_on_the_combined_batch(tmp_path):
-    """The digits demo set, 300 iterations (about 13 epochs of the combined batch 64)."""
+    """The digits demo set, 500 iterations (about 22 epochs of the combined batch 64). Both runs
+    sit on the loss-2.30 plateau for 100-250 iterations and float32 rounding decides when each
+    leaves it, so the comparison is made well past it (at 300 iterations one run may have just
+    left it: 0.94 vs 0.86 was seen)."""
     from engine.io.datasets import make_digits_lmdb
     make_digits_lmdb(str(tmp_path / "data" / "digits"))
     single = _digits_run(tmp_path, "single", 64, [])
     distributed = _digits_run(tmp_path, "dist", 16, ["--workers", 4, "--servers", 2])
-    print(f"\ntest accuracy after 300 iterations: one process (batch 64) {single:.4f}, "
+    print(f"\ntest accuracy after 500 iterations: one process (batch 64) {single:.4f}, "
           f"4 workers x 16 + 2 servers {distributed:.4f}")
     assert single > 0.8
     assert abs(single - distributed) <= 0.01
