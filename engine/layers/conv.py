@@ -30,6 +30,7 @@ whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 import numpy
 
 from ..backend import get_array_module as _xp
+from ..gemm import matmul
 from ..layer import Layer, register
 from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, nhwc_col2im, nhwc_window_view,
                      parallel)
@@ -124,7 +125,7 @@ class _ConvCore:
             col = self._columns(buf, view, s0, m, r0, r1, name)
             cmat = col.reshape(cells, grp, kg)
             y = buf.get(f"{name}y{cells}", (grp, cells, og), out.dtype, xp)
-            xp.matmul(cmat.transpose(1, 0, 2), wt, out=y)
+            matmul(xp, cmat.transpose(1, 0, 2), wt, out=y)
             ynchw = y.reshape(grp, m, cells // m, og).transpose(1, 0, 3, 2)
             dst = out[s0:s0 + m].reshape(m, grp, og, plane)[..., r0 * out_w:r1 * out_w]
             if bias is None:
@@ -137,7 +138,7 @@ class _ConvCore:
                 xc = buf.get(f"xcells{cells}", (m, r1 - r0, out_w, cin), out.dtype, xp)
                 xc[...] = xsrc[s0:s0 + m, ph + r0:ph + r1, pw:pw + out_w]
                 tmp = buf.get("dwtmp", dwp.shape, out.dtype, xp)
-                xp.matmul(cmat.transpose(1, 2, 0), xc.reshape(cells, grp, -1).transpose(1, 0, 2),
+                matmul(xp, cmat.transpose(1, 2, 0), xc.reshape(cells, grp, -1).transpose(1, 0, 2),
                           out=tmp)
                 dwp += tmp
 
@@ -169,7 +170,7 @@ class _ConvCore:
         grp = self.group
         o = weight.shape[0]
         n, c = x.shape[:2]
-        xp.matmul(weight.reshape(grp, o // grp, c // grp),
+        matmul(xp, weight.reshape(grp, o // grp, c // grp),
                   x.reshape(n, grp, c // grp, -1), out=out.reshape(n, grp, o // grp, -1))
         if bias is not None:
             out += bias.reshape(1, o, 1, 1)
@@ -251,7 +252,7 @@ class _ConvCore:
                 dyt = buf.get(f"dyt{cells}", (grp, og, cells), dy.dtype, xp)
                 dyt.reshape(o, m, cells // m)[...] = band.transpose(1, 0, 2)
             col = self._columns(buf, view, s0, m, r0, r1)
-            xp.matmul(dyt, col.reshape(cells, grp, kg).transpose(1, 0, 2), out=tmp)
+            matmul(xp, dyt, col.reshape(cells, grp, kg).transpose(1, 0, 2), out=tmp)
             dwp += tmp
 
     def backward_data(self, dy, weight, dx):
@@ -300,7 +301,7 @@ class _ConvCore:
             dyc.reshape(grp, m, plane, og)[...] = \
                 dy[s0:s0 + m].reshape(m, grp, og, plane).transpose(1, 0, 3, 2)
             dcol = buf.get(f"dcolg{m}", (grp, cells, kg), dy.dtype, xp)
-            xp.matmul(dyc, data["wmat"], out=dcol)
+            matmul(xp, dyc, data["wmat"], out=dcol)
             cols = dcol.reshape(grp, m, out_h, out_w, g.kh, g.kw, kg // (g.kh * g.kw)
                                 ).transpose(1, 2, 3, 0, 4, 5, 6)
             dpad = buf.get(f"dxpad{m}", (m, h + 2 * g.ph, w + 2 * g.pw, c), dy.dtype, xp)
@@ -316,14 +317,14 @@ class _ConvCore:
         if weight_diff is not None:
             x = self.sources[key]
             c = x.shape[1]
-            per = xp.matmul(dy.reshape(n, grp, og, -1),
+            per = matmul(xp, dy.reshape(n, grp, og, -1),
                             x.reshape(n, grp, c // grp, -1).transpose(0, 1, 3, 2))
             weight_diff += per.sum(axis=0).reshape(weight_diff.shape)
         if bias_diff is not None:
             bias_diff += dy.reshape(n, o, -1).sum(axis=2).sum(axis=0)
         if dx is not None:
             c = dx.shape[1]
-            xp.matmul(weight.reshape(grp, og, c // grp).transpose(0, 2, 1),
+            matmul(xp, weight.reshape(grp, og, c // grp).transpose(0, 2, 1),
                       dy.reshape(n, grp, og, -1), out=dx.reshape(n, grp, c // grp, -1))
         return dx
 

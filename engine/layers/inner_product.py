@@ -5,6 +5,7 @@ bias `blobs[1]` is (num_output,). With K samples (the product of the axes before
 G is K×M (M = num_output) and the input X is K×N (N = N_in); the weight gradient is Gᵀ·X, a sum of K
 rank-1 products: the layer's *sufficient factors*, which dist/sfb.py broadcasts instead of the gradient.
 """
+from ..gemm import matmul
 from ..layer import Layer, register
 from .im2col import parallel
 
@@ -77,7 +78,7 @@ class InnerProductLayer(Layer):
         b = self.blobs[1].data if self.bias_term else None
 
         def part(lo, hi):                                       # output columns lo..hi
-            xp.matmul(x, wt[:, lo:hi], out=y[:, lo:hi])         # K×M = X·Wᵀ (or X·W)
+            matmul(xp, x, wt[:, lo:hi], out=y[:, lo:hi])         # K×M = X·Wᵀ (or X·W)
             if b is not None:
                 y[:, lo:hi] += b[lo:hi]
 
@@ -96,10 +97,10 @@ class InnerProductLayer(Layer):
         def params(lo, hi):                                     # outputs lo..hi
             if grad_w:
                 if self.transpose:                              # N×M = Xᵀ·G
-                    xp.matmul(x.T, g[:, lo:hi], out=buf[:, lo:hi])
+                    matmul(xp, x.T, g[:, lo:hi], out=buf[:, lo:hi])
                     w.diff[:, lo:hi] += buf[:, lo:hi]
                 else:                                           # M×N = Gᵀ·X
-                    xp.matmul(g[:, lo:hi].T, x, out=buf[lo:hi])
+                    matmul(xp, g[:, lo:hi].T, x, out=buf[lo:hi])
                     w.diff[lo:hi] += buf[lo:hi]
             if grad_b:
                 self.blobs[1].diff[lo:hi] += g[:, lo:hi].sum(axis=0)
@@ -111,7 +112,7 @@ class InnerProductLayer(Layer):
             wd = w.data.T if self.transpose else w.data         # M×N
 
             def data(lo, hi):                                   # inputs lo..hi
-                xp.matmul(g, wd[:, lo:hi], out=dx[:, lo:hi])    # K×N = G·W (or G·Wᵀ)
+                matmul(xp, g, wd[:, lo:hi], out=dx[:, lo:hi])    # K×N = G·W (or G·Wᵀ)
 
             self._split(self.n_in, data)
 
@@ -142,7 +143,7 @@ class InnerProductLayer(Layer):
         a = a[:, lo:hi].T
 
         def part(c0, c1):                                       # output columns c0..c1
-            self.xp.matmul(a, b[:, c0:c1], out=out[:, c0:c1])
+            matmul(self.xp, a, b[:, c0:c1], out=out[:, c0:c1])
 
         self._split(out.shape[1], part)
         return out

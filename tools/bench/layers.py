@@ -9,6 +9,7 @@ import numpy
 
 from . import nets
 from .env import stats
+from engine.gemm import METER
 
 
 def _sync(xp):
@@ -40,7 +41,20 @@ def gemm_flops(net, li):
     return 0.0, 0.0
 
 
-def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log=print):
+def _metered(fn, totals):
+    """Run fn() and add the GEMM FLOPs and in-call seconds it spent (engine.gemm.METER)."""
+    before = METER.snapshot()
+    fn()
+    after = METER.snapshot()
+    totals[0] += after["flops"] - before["flops"]
+    totals[1] += after["seconds"] - before["seconds"]
+
+
+def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log=print,
+            call_peak_gflops=None):
+    """Per-layer times; with call_peak_gflops (the GEMM peak of the threads one GEMM call gets:
+    one core while the engine splits the batch over cores) also the rate of the GEMM calls
+    themselves, metered inside the layers (engine.gemm), and its share of that peak."""
     out = {}
     for bn in bench_nets:
         # the engine runs its own threads (POSEIDON_THREADS, set by the command)
@@ -51,6 +65,8 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
         fwd = [[] for _ in range(n_layers)]
         bwd = [[] for _ in range(n_layers)]
         upd = []
+        gemm = [[0.0, 0.0] for _ in range(n_layers)]   # FLOPs, seconds inside GEMM calls
+        METER.enabled = call_peak_gflops is not None
         for _ in range(runs):
             f = numpy.zeros(n_layers)
             b = numpy.zeros(n_layers)
@@ -60,12 +76,12 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                 for li in range(n_layers):
                     _sync(net.xp)
                     t = time.perf_counter()
-                    net.ForwardLayer(li)
+                    _metered(lambda: net.ForwardLayer(li), gemm[li])
                     _sync(net.xp)
                     f[li] += time.perf_counter() - t
                 for li in range(n_layers - 1, -1, -1):
                     t = time.perf_counter()
-                    net.BackwardThrough(li)
+                    _metered(lambda: net.BackwardThrough(li), gemm[li])
                     _sync(net.xp)
                     b[li] += time.perf_counter() - t
                 t = time.perf_counter()
@@ -77,8 +93,10 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                 fwd[li].append(f[li] / iterations * 1e3)
                 bwd[li].append(b[li] / iterations * 1e3)
             upd.append(u / iterations * 1e3)
+        METER.enabled = False
         rows = []
         gemm_time = gemm_fl = 0.0
+        call_fl = call_s = 0.0
         for li, name in enumerate(net.layer_names):
             layer = net.layers[li]
             ff, bf = gemm_flops(net, li)
@@ -98,6 +116,11 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                 row["peak_share"] = (ff + bf) / (tf + tb) / 1e9 / peak_gflops
                 gemm_time += tf + tb
                 gemm_fl += ff + bf
+                if gemm[li][1] > 0:
+                    row["gemm_call_gflops"] = gemm[li][0] / gemm[li][1] / 1e9
+                    row["gemm_call_share"] = row["gemm_call_gflops"] / call_peak_gflops
+                    call_fl += gemm[li][0]
+                    call_s += gemm[li][1]
             rows.append(row)
         update = stats(upd)
         total_f = sum(r["forward_ms"]["median"] for r in rows)
@@ -108,9 +131,15 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                        "gemm_layers_ms": gemm_time * 1e3,
                        "gemm_layers_gflop": gemm_fl / 1e9,
                        "gemm_layers_peak_share": gemm_fl / gemm_time / 1e9 / peak_gflops
-                       if gemm_time else None}
+                       if gemm_time else None,
+                       "gemm_calls_gflops": call_fl / call_s / 1e9 if call_s else None,
+                       "gemm_calls_share": call_fl / call_s / 1e9 / call_peak_gflops
+                       if call_s else None,
+                       "gemm_call_peak_gflops": call_peak_gflops}
         log(f"  {bn.key}: forward {total_f:.1f} ms, backward {total_b:.1f} ms, update "
             f"{update['median']:.1f} ms; conv/IP layers at "
-            f"{100 * (out[bn.key]['gemm_layers_peak_share'] or 0):.0f}% of the GEMM peak")
+            f"{100 * (out[bn.key]['gemm_layers_peak_share'] or 0):.0f}% of the GEMM peak"
+            + (f", their GEMM calls at {100 * out[bn.key]['gemm_calls_share']:.0f}% of the "
+               f"per-call peak" if out[bn.key]["gemm_calls_share"] else ""))
         del solver, net
     return out

@@ -86,6 +86,18 @@ def run(args):
                                              runs=3 if args.quick else 7)
     out(f"GEMM peak: {results['gemm_peak']['peak']:.0f} GFLOP/s (best of "
         f"{len(results['gemm_peak']['runs'])}; median {results['gemm_peak']['median']:.0f})")
+    # one GEMM call of the engine runs on one core while it splits the batch over cores
+    # (engine/layers/im2col.parallel), on every BLAS thread otherwise: its peak is that of those
+    call_threads = 1 if threads > 1 else threads
+    if call_threads != threads:
+        with env.blas_threads(call_threads):
+            results["gemm_peak_call"] = env.gemm_peak(size=1024 if args.quick else 2048,
+                                                      runs=3 if args.quick else 5)
+        out(f"GEMM peak of one call ({call_threads} thread): "
+            f"{results['gemm_peak_call']['peak']:.0f} GFLOP/s")
+    else:
+        results["gemm_peak_call"] = dict(results["gemm_peak"])
+    results["gemm_peak_call"]["threads"] = call_threads
 
     if "a" in parts:
         from tools.bench import throughput
@@ -97,6 +109,7 @@ def run(args):
         from tools.bench import layers
         out("b. per-layer times")
         results["layers"] = layers.measure(bench_nets, threads, results["gemm_peak"]["peak"],
+                                           call_peak_gflops=results["gemm_peak_call"]["peak"],
                                            runs=runs, iterations=1 if args.quick else 4, log=out)
     dist_results = {}
     need_dist = [p for p in ("c", "d", "e") if p in parts]

@@ -1,0 +1,63 @@
+"""The layers' matrix products, through one function so that they can be metered.
+
+`matmul(xp, a, b, out)` is `xp.matmul` unless the meter is on; then it also adds the product's
+FLOPs and the seconds spent inside it to per-thread totals. The bench uses this to report how fast
+the GEMMs themselves run (FLOPs / seconds inside the calls, per core) next to the share of the
+machine's peak that whole layers reach (which also pays for im2col, transposes and bias), so a gap
+between the two says where the time goes. Off, the meter costs one attribute test per call.
+"""
+import threading
+import time
+
+import numpy
+
+
+class GemmMeter:
+    """Per-thread FLOP and second totals of the metered matmuls (thread-safe, additive)."""
+
+    def __init__(self):
+        self.enabled = False
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self.flops = 0.0
+            self.seconds = 0.0
+            self.calls = 0
+
+    def add(self, flops, seconds):
+        with self._lock:
+            self.flops += flops
+            self.seconds += seconds
+            self.calls += 1
+
+    def snapshot(self):
+        with self._lock:
+            return {"flops": self.flops, "seconds": self.seconds, "calls": self.calls}
+
+
+METER = GemmMeter()
+
+
+def product_flops(a_shape, b_shape):
+    """2*M*K*N times the broadcast batch of a matmul of arrays with these shapes."""
+    m, k = a_shape[-2], a_shape[-1]
+    n = b_shape[-1]
+    batch = numpy.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
+    return 2.0 * m * k * n * float(numpy.prod(batch, dtype=numpy.float64))
+
+
+def matmul(xp, a, b, out=None):
+    """xp.matmul(a, b, out=out), metered when METER.enabled (GPU calls are synchronised then)."""
+    if not METER.enabled:
+        return xp.matmul(a, b, out=out)
+    sync = None if xp is numpy else xp.cuda.Stream.null.synchronize
+    if sync:
+        sync()
+    t = time.perf_counter()
+    result = xp.matmul(a, b, out=out)
+    if sync:
+        sync()
+    METER.add(product_flops(a.shape, b.shape), time.perf_counter() - t)
+    return result
