@@ -1,0 +1,56 @@
+"""engine.gemm: the meter counts every matmul the layers do. Checked against the textbook FLOP
+count of each Convolution / InnerProduct (tools/bench/layers.gemm_flops), layer by layer, so a
+product that bypasses the meter or is done twice shows up here."""
+import numpy
+import pytest
+
+from engine.gemm import METER, matmul, product_flops
+from tools.bench import layers, nets
+
+
+def test_product_flops_broadcasts_batch():
+    assert product_flops((4, 5), (5, 6)) == 2 * 4 * 5 * 6
+    assert product_flops((3, 4, 5), (5, 6)) == 3 * 2 * 4 * 5 * 6
+    assert product_flops((2, 1, 4, 5), (3, 5, 6)) == 6 * 2 * 4 * 5 * 6
+
+
+def test_meter_off_by_default_and_counts_when_on():
+    a = numpy.ones((8, 3), numpy.float32)
+    b = numpy.ones((3, 2), numpy.float32)
+    METER.reset()
+    matmul(numpy, a, b)
+    assert METER.snapshot()["calls"] == 0
+    METER.enabled = True
+    try:
+        out = numpy.empty((8, 2), numpy.float32)
+        matmul(numpy, a, b, out=out)
+    finally:
+        METER.enabled = False
+    snap = METER.snapshot()
+    assert snap["calls"] == 1 and snap["flops"] == 2 * 8 * 3 * 2 and snap["seconds"] >= 0
+    assert numpy.all(out == 3)
+
+
+@pytest.mark.parametrize("make", [nets.cifar10_quick, nets.vgg_block, nets.fc_heavy],
+                         ids=["cifar10_quick", "vgg_block", "fc_heavy"])
+def test_metered_flops_match_each_layers_formula(make):
+    bench_net = make(batch=4)
+    solver = nets.make_solver(bench_net)
+    net = solver.net
+    solver.step(1)
+    METER.enabled = True
+    try:
+        net.ClearParamDiffs()
+        for li in range(len(net.layers)):
+            METER.reset()
+            net.ForwardLayer(li)
+            fwd = METER.snapshot()["flops"]
+            want_fwd, _ = layers.gemm_flops(net, li)
+            assert fwd == pytest.approx(want_fwd), net.layer_names[li]
+        for li in range(len(net.layers) - 1, -1, -1):
+            METER.reset()
+            net.BackwardThrough(li)
+            _, want_bwd = layers.gemm_flops(net, li)
+            assert METER.snapshot()["flops"] == pytest.approx(want_bwd), net.layer_names[li]
+    finally:
+        METER.enabled = False
