@@ -132,7 +132,7 @@ class DropPolicy(_Policy):
                 self.complete(self.server.pairs[pid])
 
     def complete(self, pair):
-        """Sum the arrived slots in rank order, scale by the arrived count, update, answer all."""
+        """Sum the arrived pushes in rank order, scale by the arrived count, update, answer all."""
         s = self.server
         self.deadlines.pop(pair.id, None)
         it = pair.iteration
