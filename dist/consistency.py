@@ -109,8 +109,7 @@ class DropPolicy(_Policy):
         if pair.have[r]:
             return self._drop(msg, f"{self._name(r)} pushed KV pair {pair.id} twice in "
                                    f"iteration {it}")
-        grad = msg.arrays[0]
-        numpy.copyto(pair.slots[r], grad)
+        pair.grads[r] = msg.arrays[0]      # kept as it arrived (see dist/kvstore.py)
         pair.have[r] = True
         pair.count += 1
         self._count_bytes(s._stats(it), msg)
@@ -133,7 +132,7 @@ class DropPolicy(_Policy):
                 self.complete(self.server.pairs[pid])
 
     def complete(self, pair):
-        """Sum the arrived slots in rank order, scale by the arrived count, update, answer all."""
+        """Sum the arrived pushes in rank order, scale by the arrived count, update, answer all."""
         s = self.server
         self.deadlines.pop(pair.id, None)
         it = pair.iteration
@@ -141,10 +140,11 @@ class DropPolicy(_Policy):
         arrived = [r for r in range(self.workers) if pair.have[r]]
         n = len(arrived)
         t0 = time.perf_counter()
+        grads, pair.grads = pair.grads, [None] * self.workers
         acc = s.scratch(pair.length)
-        numpy.copyto(acc, pair.slots[arrived[0]])
+        numpy.copyto(acc, grads[arrived[0]])
         for r in arrived[1:]:
-            acc += pair.slots[r]
+            acc += grads[r]
         for receipt in pair.receipts:
             receipt.wait()
         pair.receipts = []

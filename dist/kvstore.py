@@ -2,13 +2,17 @@
 
 Why it is built this way (the paper's KV store, made exact):
 - Pairs of at most 2 MB placed by greedy LPT (dist/placement.py), so bytes per server are even.
-- Bulk synchronous: a pair keeps one slot per worker; when all P1 slots of an iteration are full it
-  sums them IN RANK ORDER (not arrival order), so the result does not depend on timing and a
+- Bulk synchronous: a pair keeps each worker's pushed gradient of the iteration; when all P1 have
+  come it sums them IN RANK ORDER (not arrival order), so the result does not depend on timing and a
   resumed run is bitwise equal to an uninterrupted one; then it scales by 1/P1 (the mean: what one
   process computes on the combined batch; `--sum-gradients` keeps the paper's sum) and applies the
   solver's own update rule (engine.solvers.rules: learning-rate policy at the iteration the
   workers send, momentum and the other state kept per pair, lr_mult/decay_mult of the parameter).
   The rule is elementwise, so a slice updated here equals the same slice updated by one process.
+- A push's array is kept as it arrived, not copied into a slot: over TCP ZeroMQ hands this process
+  a buffer of its own (decrypted, under CURVE), so the rank-order sum goes into the first worker's
+  array in place. That is one copy of every pair per worker and iteration less (the KV store is
+  CPU-bound under CURVE on few cores), and the server holds no P1 copies of its slice.
 - It answers every worker with the new values (push and pull of a pair are one round trip).
 - INIT sets values (and history, on resume) from worker 0; GET returns values and history for
   snapshots. What happens when a pair is complete is a pluggable handler: `update` (the default
@@ -28,7 +32,7 @@ from .transport import Msg
 
 class PairState:
     __slots__ = ("id", "param", "offset", "length", "value", "state", "lr_mult", "decay_mult",
-                 "slots", "have", "count", "iteration", "receipts")
+                 "grads", "have", "count", "iteration", "receipts")
 
     def __init__(self, rec, param, workers, dtype, rule):
         self.id, self.param = rec["id"], rec["param"]
@@ -36,11 +40,23 @@ class PairState:
         self.value = numpy.zeros(self.length, dtype)
         self.state = rule.init_state((self.length,), numpy, dtype)
         self.lr_mult, self.decay_mult = param["lr_mult"], param["decay_mult"]
-        self.slots = numpy.zeros((workers, self.length), dtype)
+        self.grads = [None] * workers         # each worker's pushed array of the iteration
         self.have = [False] * workers
         self.count = 0
         self.iteration = None
         self.receipts = []
+
+
+def rank_order_sum(pair, workers):
+    """The pushed gradients of pair summed in rank order, into the first worker's array (the
+    receiver's own frame; a read-only one is copied first). The arrays are let go."""
+    grads, pair.grads = pair.grads, [None] * workers
+    acc = grads[0]
+    if not acc.flags.writeable:
+        acc = acc.copy()
+    for r in range(1, workers):
+        acc += grads[r]
+    return acc
 
 
 class UpdateHandler:
@@ -53,9 +69,7 @@ class UpdateHandler:
 
     def complete(self, pair, it):
         s = self.server
-        acc = pair.slots[0]                  # summed in place: every slot is refilled next time
-        for r in range(1, s.workers):
-            acc += pair.slots[r]
+        acc = rank_order_sum(pair, s.workers)   # the rule takes it as scratch
         for receipt in pair.receipts:        # the last reply's frames may still be in flight
             receipt.wait()
         s.rule.update(pair.value, acc, pair.state, it, pair.lr_mult, pair.decay_mult,
@@ -73,9 +87,7 @@ class AverageHandler:
 
     def complete(self, pair, it):
         s = self.server
-        out = numpy.array(pair.slots[0])
-        for r in range(1, s.workers):
-            out += pair.slots[r]
+        out = rank_order_sum(pair, s.workers)
         out *= out.dtype.type(s.grad_scale)
         return out
 
@@ -230,6 +242,7 @@ class KVServer:
         pair.iteration = msg.iteration
         pair.count = 0
         pair.have = [False] * self.workers
+        pair.grads = [None] * self.workers
         if self.policy is not None:
             self.policy.on_init(pair)
 
@@ -250,9 +263,8 @@ class KVServer:
         r = msg.sender
         if self.policy is not None:
             return self.policy.on_push(pair, msg)
-        grad = msg.arrays[0]
         self._suspects.pop((pair.id, r), None)
-        numpy.copyto(pair.slots[r], grad)
+        pair.grads[r] = msg.arrays[0]
         pair.have[r] = True
         pair.count += 1
         st = self._stats(msg.iteration)

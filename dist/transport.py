@@ -135,7 +135,7 @@ def decode_header(buf):
 
 
 class Message:
-    """A received message: header fields, arrays (read-only views over the frames) and sizes."""
+    """A received message: header fields, arrays (views over frames this process owns), sizes."""
 
     __slots__ = ("type", "sender", "iteration", "key", "aux", "arrays", "obj", "header_bytes",
                  "payload_bytes", "received_at")

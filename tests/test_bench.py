@@ -51,3 +51,27 @@ def test_bench_quick_writes_results(tmp_path):
         for name in results["plots"]:
             assert (out / name).stat().st_size > 0
         assert "throughput.png" in results["plots"]
+
+
+def test_transport_target_compares_like_for_like():
+    """Part d's target row: KV with CURVE against raw ZeroMQ with CURVE, --insecure KV against
+    plain raw beside it; results written before both were measured still render."""
+    from tools.bench import report
+
+    def s(v):
+        return {"median": v, "min": v, "max": v, "runs": [v]}
+
+    t = {"status": "measured", "parameter_bytes": 64 << 20, "kv_pair_bytes": 2 << 20, "rounds": 1,
+         "kv_push_pull_Bps": s(0.6e9), "raw_zmq_curve_frames_Bps": s(0.8e9),
+         "kv_push_pull_insecure_Bps": s(1.5e9), "raw_zmq_frames_Bps": s(2.0e9),
+         "raw_zmq_one_frame_Bps": s(1.0e9), "ratio": 0.75, "ratio_rounds": s(0.75),
+         "ratio_insecure": 0.75, "ratio_insecure_rounds": s(0.75), "note": "n"}
+    row = [r for r in report.targets({"distributed": {"transport": t}})
+           if r[0] == report.TARGETS[4][0]][0]
+    assert "75% with CURVE on both (0.60 vs 0.80 GB/s)" in row[2]
+    assert "--insecure vs plain 75% (1.50 vs 2.00 GB/s)" in row[2] and row[3] is True
+    old = {k: t[k] for k in ("status", "kv_push_pull_Bps", "raw_zmq_frames_Bps")}
+    old["ratio"] = 0.3
+    row = [r for r in report.targets({"distributed": {"transport": old}})
+           if r[0] == report.TARGETS[4][0]][0]
+    assert row[2] == "30% (0.60 vs 2.00 GB/s)" and row[3] is False

@@ -2,7 +2,8 @@
 --servers P2`, child processes on loopback) and the stats/timeline files it writes:
 
   c. single_node_overhead: 1 worker + 1 server through the distributed path vs the plain engine;
-  d. transport: KV-store push + pull of a 64 MB parameter set vs raw ZeroMQ on the same loopback;
+  d. transport: KV-store push + pull of a 64 MB parameter set vs raw ZeroMQ on the same loopback,
+     with CURVE on both sides (the default) and without (`--insecure`, plain ZeroMQ);
   e. scaling: 2 and 4 workers on fc_heavy and cifar10_quick under `--bandwidth` (default 1Gbit),
      for `--no-overlap --sync ps`, `--sync ps` (WFBP) and `--sync hybrid` (WFBP + HybComm).
 
@@ -187,33 +188,40 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
 
 
 # ----- d. transport ---------------------------------------------------------------------------------
-def _echo(ctx, address, rounds, ready):
-    import zmq
-    sock = ctx.socket(zmq.PAIR)
-    sock.bind(address)
-    ready.set()
+def _echo(sock, rounds):
     for _ in range(rounds):
-        parts = sock.recv_multipart(copy=False)
-        sock.send_multipart(parts, copy=False)
-    sock.close(linger=1000)
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
-def raw_zmq(total_bytes, frame_bytes, runs):
+def raw_zmq(total_bytes, frame_bytes, runs, curve=False):
     """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback to an
     echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy); bytes/s
-    counts both directions, as a push + pull does."""
+    counts both directions, as a push + pull does.
+
+    Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
+    encryption and decryption run on two I/O threads as in the KV job's two processes. With
+    `curve` the sockets are set up as the project's are (dist/security.py): fresh job keys from
+    zmq.curve_keypair, the echo end a CURVE server (secure_server) with the project's ZAP handler
+    (Gatekeeper) on its context, the sending end a CURVE client (secure_client). ZAP runs once,
+    at the handshake, so it costs the round trips nothing; it is there so the set-up is the job's."""
     import threading
     import zmq
+    from dist import security
     from dist.transport import free_port
     address = f"tcp://127.0.0.1:{free_port()}"
     n = max(1, total_bytes // frame_bytes)
     payload = [numpy.ones(frame_bytes // 4, numpy.float32) for _ in range(n)]
-    ctx = zmq.Context()
-    ready = threading.Event()
-    echo = threading.Thread(target=_echo, args=(ctx, address, runs + 1, ready), daemon=True)
+    keys = security.make_keys() if curve else None
+    client_ctx, echo_ctx = zmq.Context(io_threads=1), zmq.Context(io_threads=1)
+    gatekeeper = security.Gatekeeper(echo_ctx, keys) if curve else None
+    echo_sock = echo_ctx.socket(zmq.PAIR)
+    sock = client_ctx.socket(zmq.PAIR)
+    if curve:
+        security.secure_server(echo_sock, keys)
+        security.secure_client(sock, keys)
+    echo_sock.bind(address)
+    echo = threading.Thread(target=_echo, args=(echo_sock, runs + 1), daemon=True)
     echo.start()
-    ready.wait(30)
-    sock = ctx.socket(zmq.PAIR)
     sock.connect(address)
     rates = []
     try:
@@ -224,10 +232,16 @@ def raw_zmq(total_bytes, frame_bytes, runs):
             dt = time.perf_counter() - t
             if r:
                 rates.append(2 * n * frame_bytes / dt)
+        if curve and gatekeeper.admitted != 1:
+            raise RuntimeError(f"the ZAP handler admitted {gatekeeper.admitted} clients, not 1")
     finally:
         sock.close(linger=0)
         echo.join(30)
-        ctx.term()
+        echo_sock.close(linger=0)
+        if gatekeeper is not None:
+            gatekeeper.stop()
+        client_ctx.term()
+        echo_ctx.term()
     return stats(rates)
 
 
@@ -241,10 +255,19 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: 
 """
 
 
+# The four sides of part d, rotated every round: (name, KV job flags or None for raw, CURVE on).
+TRANSPORT_SIDES = (("kv", ["--sync", "ps"], True),
+                   ("raw_curve", None, True),
+                   ("kv_insecure", ["--sync", "ps", "--insecure"], False),
+                   ("raw", None, False))
+
+
 def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
-    """Rounds of (KV job, raw ZeroMQ), the order swapped every round; per round the KV rate is
-    the median over the job's iterations after the warm-up, the raw rate the median of its round
-    trips, and the round's ratio KV / raw. The figures are medians over rounds."""
+    """Like for like, twice: the KV job as it runs by default (CURVE) against raw ZeroMQ with
+    CURVE, and the KV job with --insecure against plain raw ZeroMQ. Rounds of the four sides, the
+    order rotated every round; per round the KV rate is the median over the job's iterations
+    after the warm-up, a raw rate the median of its round trips, and the round's ratios KV / raw
+    of the same security. The figures are medians over rounds; the target is the CURVE ratio."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
@@ -262,18 +285,21 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     rounds = 1 if quick else max(1, min(int(runs), 3))
     folder = Path(workdir) / "transport"
     solver_path = nets.write_solver_files(bench_net, folder, skip + measured)
-    kv_rounds, raw_rounds, one_rounds, ratios, payload = [], [], [], [], None
+    got = {name: [] for name, _, _ in TRANSPORT_SIDES}
+    one_rounds, payload = [], None
     for r in range(rounds):
-        got = {}
-        for side_name in (("kv", "raw") if r % 2 == 0 else ("raw", "kv")):
-            if side_name == "raw":
-                got["raw"] = raw_zmq(total, DEFAULT_PAIR_BYTES, runs=measured)["median"]
-                got["one"] = raw_zmq(total, total, runs=2 if quick else 3)["median"]
+        k = r % len(TRANSPORT_SIDES)
+        for name, flags, curve in TRANSPORT_SIDES[k:] + TRANSPORT_SIDES[:k]:
+            if flags is None:
+                got[name].append(raw_zmq(total, DEFAULT_PAIR_BYTES, runs=measured,
+                                         curve=curve)["median"])
+                if not curve:
+                    one_rounds.append(raw_zmq(total, total, runs=2 if quick else 3)["median"])
                 continue
-            records, _, seconds, error = run_job(solver_path, 1, 1, folder / f"job-{r}",
-                                                 extra=["--sync", "ps"], threads=threads)
+            records, _, seconds, error = run_job(solver_path, 1, 1, folder / f"{name}-{r}",
+                                                 extra=flags, threads=threads)
             if error:
-                return {"status": "failed", "reason": error}
+                return {"status": "failed", "reason": f"{name}: {error}"}
             rates = []
             for rec in records[skip:]:
                 layer = rec["layers"].get("fc")
@@ -282,22 +308,31 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
                     rates.append(payload / layer["sync_s"])
             if not rates:
                 return {"status": "failed",
-                        "reason": "the job wrote no sync stats for the parameter"}
-            got["kv"] = float(numpy.median(rates))
-        kv_rounds.append(got["kv"])
-        raw_rounds.append(got["raw"])
-        one_rounds.append(got["one"])
-        ratios.append(got["kv"] / got["raw"])
+                        "reason": f"{name}: the job wrote no sync stats for the parameter"}
+            got[name].append(float(numpy.median(rates)))
+    ratios = [kv / raw for kv, raw in zip(got["kv"], got["raw_curve"])]
+    ratios_plain = [kv / raw for kv, raw in zip(got["kv_insecure"], got["raw"])]
     return {"status": "measured", "parameter_bytes": total, "kv_pair_bytes": DEFAULT_PAIR_BYTES,
-            "rounds": rounds, "kv_push_pull_Bps": stats(kv_rounds),
-            "raw_zmq_frames_Bps": stats(raw_rounds), "raw_zmq_one_frame_Bps": stats(one_rounds),
+            "rounds": rounds,
+            "kv_push_pull_Bps": stats(got["kv"]),
+            "raw_zmq_curve_frames_Bps": stats(got["raw_curve"]),
+            "kv_push_pull_insecure_Bps": stats(got["kv_insecure"]),
+            "raw_zmq_frames_Bps": stats(got["raw"]),
+            "raw_zmq_one_frame_Bps": stats(one_rounds),
             "ratio": float(numpy.median(ratios)), "ratio_rounds": stats(ratios),
+            "ratio_insecure": float(numpy.median(ratios_plain)),
+            "ratio_insecure_rounds": stats(ratios_plain),
+            "compared": "ratio: KV with CURVE (the default) / raw ZeroMQ with CURVE; "
+                        "ratio_insecure: KV with --insecure / plain raw ZeroMQ",
             "payload_per_sync": payload,
-            "note": "KV: 1 worker + 1 server, --sync ps; (sent + received payload) / the layer's "
-                    "sync time (push, server sum + update, pull), median over the job's "
-                    "iterations. Raw: a PAIR socket round trip of the same bytes as frames of "
-                    "the KV pair size to an echo thread. Alternated over rounds with the order "
-                    "swapped; ratio = median over rounds of the round's KV / raw"}
+            "note": "KV: 1 worker + 1 server, --sync ps, once as by default (CURVE) and once "
+                    "with --insecure; (sent + received payload) / the layer's sync time (push, "
+                    "server sum + update, pull), median over the job's iterations. Raw: a PAIR "
+                    "socket round trip of the same bytes as frames of the KV pair size to an "
+                    "echo thread, each end with its own one-I/O-thread context, once with "
+                    "CURVE set up as the job's sockets are (keys, ZAP handler) and once plain. "
+                    "Rounds of the four, the order rotated; a ratio = median over rounds of the "
+                    "round's KV / raw of the same security"}
 
 
 # ----- e. scaling under a bandwidth cap ---------------------------------------------------------------

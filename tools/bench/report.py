@@ -74,9 +74,7 @@ def targets(results):
                  else _why(c), c["overhead"] <= 0.01 if c.get("status") == "measured" else None))
     t = d.get("transport") or {}
     rows.append((TARGETS[4][0], TARGETS[4][1],
-                 f"{100 * t['ratio']:.0f}% ({t['kv_push_pull_Bps']['median'] / 1e9:.2f} vs "
-                 f"{t['raw_zmq_frames_Bps']['median'] / 1e9:.2f} GB/s)"
-                 if t.get("status") == "measured" else _why(t),
+                 transport_text(t) if t.get("status") == "measured" else _why(t),
                  t["ratio"] >= 0.70 if t.get("status") == "measured" else None))
     s = d.get("scaling") or {}
     ratio = scaling_ratio(s)
@@ -84,6 +82,19 @@ def targets(results):
                  f"{ratio:.2f}" if ratio is not None else _why(s),
                  ratio <= 1 / 3 if ratio is not None else None))
     return rows
+
+
+def transport_text(t):
+    """The target's figure: KV with CURVE (the default) vs raw ZeroMQ with CURVE, then --insecure
+    KV vs plain raw. Results written before both were measured compared KV with plain raw."""
+    gb = lambda key: t[key]["median"] / 1e9                       # noqa: E731
+    if not t.get("raw_zmq_curve_frames_Bps"):
+        return (f"{100 * t['ratio']:.0f}% ({gb('kv_push_pull_Bps'):.2f} vs "
+                f"{gb('raw_zmq_frames_Bps'):.2f} GB/s)")
+    return (f"{100 * t['ratio']:.0f}% with CURVE on both ({gb('kv_push_pull_Bps'):.2f} vs "
+            f"{gb('raw_zmq_curve_frames_Bps'):.2f} GB/s); --insecure vs plain "
+            f"{100 * t['ratio_insecure']:.0f}% ({gb('kv_push_pull_insecure_Bps'):.2f} vs "
+            f"{gb('raw_zmq_frames_Bps'):.2f} GB/s)")
 
 
 def _why(part):
@@ -203,7 +214,23 @@ def markdown(results):
     else:
         lines += [f"**c. Single-node overhead**: {_why(c)}", ""]
     t = d.get("transport") or {}
-    if t.get("status") == "measured":
+    if t.get("status") == "measured" and t.get("raw_zmq_curve_frames_Bps"):
+        pair_mib = t["kv_pair_bytes"] / 2 ** 20
+        lines += [f"**d. Transport** ({t['parameter_bytes'] / 2 ** 20:.0f} MiB parameter, "
+                  f"{t['rounds']} rounds; GB/s, both directions counted):", "",
+                  f"| security | KV push+pull | raw ZeroMQ, {pair_mib:.0f} MiB frames | KV / raw |",
+                  "|---|---|---|---|",
+                  f"| CURVE (the default; the target) | "
+                  f"{_mm(t['kv_push_pull_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['raw_zmq_curve_frames_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['ratio_rounds'], '{:.0f}', 100)}% |",
+                  f"| none (`--insecure`, plain ZeroMQ) | "
+                  f"{_mm(t['kv_push_pull_insecure_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['raw_zmq_frames_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['ratio_insecure_rounds'], '{:.0f}', 100)}% |", "",
+                  f"Plain raw ZeroMQ as one frame: "
+                  f"{_mm(t['raw_zmq_one_frame_Bps'], '{:.2f}', 1e-9)} GB/s. {t['note']}.", ""]
+    elif t.get("status") == "measured":
         lines += [f"**d. Transport** ({t['parameter_bytes'] / 2 ** 20:.0f} MiB parameter): KV "
                   f"push+pull {_mm(t['kv_push_pull_Bps'], '{:.2f}', 1e-9)} GB/s; raw ZeroMQ "
                   f"{_mm(t['raw_zmq_frames_Bps'], '{:.2f}', 1e-9)} GB/s as "

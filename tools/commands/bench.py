@@ -126,13 +126,16 @@ def run(args):
                     work, runs=runs)
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
         if "d" in parts:
-            out("d. KV-store push+pull vs raw ZeroMQ")
+            out("d. KV-store push+pull vs raw ZeroMQ (CURVE and plain)")
             if args.quick:
                 dist_results["transport"] = dist_parts.not_measured(
                     "skipped in --quick (it starts a distributed job)")
             else:
                 dist_results["transport"] = dist_parts.transport(work, runs=runs)
-            out(f"  {_status(dist_results['transport'], 'ratio', '{:.0%}')}")
+            t = dist_results["transport"]
+            out(f"  {_status(t, 'ratio', '{:.0%}')}" + (
+                f" (CURVE both; --insecure vs plain {t['ratio_insecure']:.0%})"
+                if t.get("ratio_insecure") is not None else ""))
         if "e" in parts:
             out(f"e. scaling under a {args.bandwidth} cap")
             dist_results["scaling"] = dist_parts.scaling(
