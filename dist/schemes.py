@@ -47,6 +47,11 @@ class Scheme:
     def receive(self, it, stats):
         raise NotImplementedError
 
+    def unwritten_params(self):
+        """The parameters whose diff the layer's backward does not write under this scheme (the
+        worker then skips clearing them: nothing reads them either)."""
+        return ()
+
     def nonfinite(self):
         """What of this layer's gradient holds NaN/Inf ('weight gradient', ...), or None. Checked
         before anything is sent, so a bad gradient never leaves the worker."""

@@ -72,6 +72,9 @@ class SFBScheme(Scheme):
             arrays.append(net.learnable_params[self.bias].diff)
         return arrays
 
+    def unwritten_params(self):
+        return (self.weight,)                   # defers_weight_grad: rebuilt here, never stored
+
     def nonfinite(self):
         """NaN/Inf in the factors (G, X) or the bias gradient: the weight gradient is built from
         them, and here is where it would leave."""

@@ -151,12 +151,16 @@ class Syncer:
         return s
 
     def prepare(self, it):
-        """Before the backward of iteration it: fix its scheme and tell a layer that can give
-        sufficient factors whether it must make its own weight gradient (not under SFB)."""
-        name = self.worker.book.best_scheme(self.li)   # decided per layer, per iteration
-        self._plan = (it, name)
+        """Before the backward of iteration it: fix its scheme (once per iteration: the diffs are
+        cleared by it before the backward runs) and tell a layer that can give sufficient factors
+        whether it must make its own weight gradient (not under SFB). Returns the parameters whose
+        diff that backward leaves alone (the worker need not clear them)."""
+        if self._plan[0] != it:
+            self._plan = (it, self.worker.book.best_scheme(self.li))   # per layer, per iteration
+        scheme = self.scheme(self._plan[1])
         if getattr(self.layer, "has_sufficient_factors", False):
-            self.layer.defer_weight_grad = self.scheme(name).defers_weight_grad
+            self.layer.defer_weight_grad = scheme.defers_weight_grad
+        return scheme.unwritten_params()
 
     def sync(self, it, ready=None):
         """Algorithm 2's SYNC(l): stream, Move, BestScheme, Send, Receive, Move back. `ready`: the

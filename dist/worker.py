@@ -16,6 +16,8 @@ solver instance:
 - snapshot / restore: one Caffe snapshot by worker 0 (solver history fetched from the servers for
   PS parameters), one cursor file per worker; restore sends worker 0's state to servers and peers.
 BatchNorm's stored statistics are averaged over the workers before testing and snapshotting.
+- clear_param_diffs: every diff but the weights that SFB rebuilds from factors (never stored), which
+  are zeroed once after they may have been written, not every iteration.
 - check_finite and the syncs: the loss is checked once, and each synced layer's gradient (or its
   sufficient factors) with one reduction before it is sent, so NaN/Inf never leaves a worker; the
   job stops naming the iteration, the worker, the first bad layer in backward order and the last
@@ -129,6 +131,7 @@ class DistributedSolver:
         self._checks = {}                       # layer -> what is not finite (None: all good)
         self._checks_it = None
         self._checks_cond = threading.Condition()
+        self._zero_diffs = set()                # parameters whose diff is known to hold zeros
         self.syncers = {li: Syncer(self, li) for li in self.book.synced_layers()}
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync", initializer=_use_device,
@@ -146,6 +149,7 @@ class DistributedSolver:
         self._engine = {name: getattr(solver, name) for name in
                         ("step", "snapshot", "restore", "write_manifest")}
         self._peer_cursors = None
+        solver.clear_param_diffs = self._clear_param_diffs
         solver.forward_backward = self._forward_backward
         solver.check_finite = self._check_finite
         solver.apply_update = self._apply_update
@@ -260,6 +264,26 @@ class DistributedSolver:
                 h[...] = backend.to_xp(value.reshape(h.shape), xp)
 
     # ----- Algorithm 2 ------------------------------------------------------------------------------
+    def _clear_param_diffs(self):
+        """ClearParamDiffs, less the diffs this iteration's backward leaves alone: a weight synced
+        by SFB never gets its gradient stored (the rebuild makes it block by block from the
+        factors), so its diff is zeroed only when it may hold something (the first iteration, or
+        an earlier one whose scheme for the layer was PS), not every iteration (fc_heavy: 234 MB
+        of writes per worker per iteration). Decided per layer and per iteration, from the same
+        plan that the layer's backward and sync then follow (Syncer.prepare)."""
+        it = self.solver.iter
+        unwritten = set()
+        for syncer in self.syncers.values():
+            unwritten.update(syncer.prepare(it))
+        for pid, blob in enumerate(self.net.learnable_params):
+            if pid in unwritten:
+                if pid not in self._zero_diffs:
+                    blob.diff[...] = 0
+                    self._zero_diffs.add(pid)
+            else:
+                blob.diff[...] = 0
+                self._zero_diffs.discard(pid)       # the backward writes it
+
     def _forward_backward(self):
         s, net, tl = self.solver, self.net, self.timeline
         it = s.iter
@@ -273,7 +297,7 @@ class DistributedSolver:
         backward_s = 0.0
         wait_loss = None
         for syncer in self.syncers.values():      # this iteration's schemes (SFB: no local dW)
-            syncer.prepare(it)
+            syncer.prepare(it)                    # (already fixed by _clear_param_diffs in step)
         for p in range(n):
             last = p == n - 1
             t0 = time.time()

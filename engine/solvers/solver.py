@@ -8,8 +8,8 @@ One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
   test_initialization) -> forward_backward() (iter_size passes, mean loss) -> check_finite(loss)
   -> smoothed loss and the display lines -> apply_update() (clip -> 1/iter_size -> regularize ->
   rule, for every learnable parameter) -> iter += 1 -> snapshot when iter % snapshot == 0.
-`forward_backward`, `check_finite`, `apply_update`, `grad_norm_sq`, `test` and `snapshot` are the
-seams a distributed trainer overrides; the loop itself stays here.
+`clear_param_diffs`, `forward_backward`, `check_finite`, `apply_update`, `grad_norm_sq`, `test` and
+`snapshot` are the seams a distributed trainer overrides; the loop itself stays here.
 
 Logging goes to the "poseidon" logger in glog's line format (GlogFormatter), so Caffe's log parsers
 (tools/extra/parse_log.py) read it; `log_to_stderr()` installs the handler.
@@ -289,7 +289,7 @@ class Solver:
         bar = self._progress_bar(stop_iter - start_iter)
         try:
             while self.iter < stop_iter:
-                self.net.ClearParamDiffs()
+                self.clear_param_diffs()
                 if (p.test_interval and self.iter % p.test_interval == 0
                         and (self.iter > 0 or p.test_initialization)):
                     self.test_all()
@@ -350,6 +350,10 @@ class Solver:
         self._action = action
 
     # ----- seams ------------------------------------------------------------------------------------
+    def clear_param_diffs(self):
+        """Zero every parameter gradient before the iteration's backward (Caffe's ClearParamDiffs)."""
+        self.net.ClearParamDiffs()
+
     def forward_backward(self):
         """iter_size forward and backward passes of the train net (gradients accumulate); the mean loss."""
         n = self.param.iter_size

@@ -53,3 +53,38 @@ def test_layers_by_ps_keep_their_weight_gradient(data, tmp_path):
     net = solvers[0].solver.net
     for name in ("ip1", "ip2", "ip3"):
         assert net.layers[net.layer_names.index(name)].blobs[0].diff.any()
+
+
+def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
+    """Under hybrid (ip1, ip2 by SFB, ip3 by PS) the step clears every diff but the SFB weights,
+    which are zeroed once after they may have been written: when the layer went by PS in an
+    earlier iteration (simulated here, as the book's scheme is fixed for a job)."""
+    solvers = run_threads(solver_param(fc_net(data, K), max_iter=3), 4, 2)
+    ds = solvers[0]
+    net = ds.net
+    assert [rec["scheme"] for rec in ds.book.layers] == ["sfb", "sfb", "ps"]
+    weights = {net.layers[net.layer_names.index(n)].blobs[0] for n in ("ip1", "ip2")}
+    params = net.learnable_params
+    assert not any(b.diff.any() for b in weights)            # kept at zero through the run
+    assert net.layers[net.layer_names.index("ip3")].blobs[0].diff.any()
+
+    def written():                                           # what a backward by PS leaves
+        for b in params:
+            b.diff[...] = 1.0
+
+    written()
+    ds._clear_param_diffs()                                  # known zero already: SFB's skipped
+    for b in params:
+        assert b.diff.any() == (b in weights)
+    with monkeypatch.context() as m:                         # an iteration where all go by PS
+        for syncer in ds.syncers.values():
+            m.setattr(syncer, "prepare", lambda it: ())
+        ds._clear_param_diffs()
+        assert not any(b.diff.any() for b in params)
+        written()
+    ds._clear_param_diffs()                                  # back to SFB: cleared once
+    assert not any(b.diff.any() for b in params)
+    written()
+    ds._clear_param_diffs()
+    for b in params:
+        assert b.diff.any() == (b in weights)
