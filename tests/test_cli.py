@@ -355,9 +355,13 @@ def test_resume_via_cli_is_bitwise_identical(straight20):
 
 
 def test_train_digits_reaches_90_percent(digits):
-    """The README's demo (>= 95% after 1000 iterations) shortened to 300 iterations (~92%)."""
+    """The README's demo (>= 95% after 1000 iterations) shortened to 500 iterations (~96%).
+
+    Not fewer: the net sits on a loss-2.30 plateau first, and the iteration it leaves it (250-350
+    here) moves with float32 rounding, e.g. with the convolution's chunk size (300 iterations gave
+    0.92 with 8 MiB column chunks and 0.78 with 2 MiB; at 500 both are past 0.96)."""
     work, _ = digits
-    solver = solver_copy(work, "short.prototxt", max_iter=300, test_interval=300,
+    solver = solver_copy(work, "short.prototxt", max_iter=500, test_interval=500,
                          display=100, snapshot=0, snapshot_after_train="false")
     result = ok(poseidon("train", "--solver", solver, cwd=work))
     final = re.search(r"Final test accuracy \(net #0\): ([\d.]+)", result.stdout)
