@@ -86,17 +86,31 @@ _LOG_AT = frozenset(10 ** k for k in range(2, 13))
 FUTURE_WINDOW = 1000                   # iterations ahead of the last taken a message may be
 
 
-def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
-    parts = [_FIXED.pack(int(mtype), flags, sender, iteration, key, aux, len(arrays))]
-    for a in arrays:
+_SPEC_BYTES = {}                       # (dtype, shape) -> its bytes in a header
+
+
+def _spec_bytes(dtype, shape):
+    k = (dtype, shape)
+    b = _SPEC_BYTES.get(k)
+    if b is None:
         try:
-            code = _CODES[a.dtype]
+            code = _CODES[dtype]
         except KeyError:
-            raise TypeError(f"cannot send arrays of dtype {a.dtype}") from None
-        parts.append(_ARRAY.pack(code, a.ndim))
-        if a.ndim:
-            parts.append(struct.pack(f"<{a.ndim}I", *a.shape))
-    return b"".join(parts)
+            raise TypeError(f"cannot send arrays of dtype {dtype}") from None
+        b = _ARRAY.pack(code, len(shape))
+        if shape:
+            b += struct.pack(f"<{len(shape)}I", *shape)
+        if len(_SPEC_BYTES) < 4096:
+            _SPEC_BYTES[k] = b
+    return b
+
+
+def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
+    """The header of a message (the array descriptions of a (dtype, shape) are built once)."""
+    head = _FIXED.pack(int(mtype), flags, sender, iteration, key, aux, len(arrays))
+    if not arrays:
+        return head
+    return head + b"".join([_spec_bytes(a.dtype, a.shape) for a in arrays])
 
 
 class BadMessage(ValueError):
