@@ -91,12 +91,18 @@ class WireRules:
         self._pairs = {}
         self._sfb = {}
         self._dtype = None
+        self._verdicts = {}          # (type, sender) -> the role check's verdict (see _roles_say)
+        self._verdicts_for = None    # the roles those verdicts were reached with
+        self._values = {}            # KV pair -> (server rank, shape) of its KV_VALUE arrays
 
     def set_book(self, book):
         """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
         self._dtype = numpy.dtype(book.data["dtype"])
         self._pairs = {p["id"]: p for p in book.pairs}
         self._sfb = {rec["index"]: rec for rec in book.layers if rec.get("scheme") == "sfb"}
+        self._values = ({} if self.roles is None else
+                        {k: (self.roles.server_rank(p["server"]), (p["length"],))
+                         for k, p in self._pairs.items()})
         self.book = book
 
     # ----- the check -----------------------------------------------------------------------------
@@ -119,18 +125,46 @@ class WireRules:
             a = msg.arrays[0]
             if a.dtype != numpy.float64 or a.ndim != 1:
                 return f"{name} carries {_spec(a)}, expected a float64 vector"
+        reason = self._roles_say(msg.type, msg.sender, name)
+        if reason is not None:
+            return reason
+        if self.book is not None:
+            if msg.type == Msg.KV_VALUE:       # the common case, checked without building lists
+                server, shape = self._values.get(msg.key, (None, None))
+                a = msg.arrays[0]
+                if msg.sender == server and a.dtype == self._dtype and a.shape == shape:
+                    return None
+            return self._check_shapes(msg, name)
+        return None
+
+    def _roles_say(self, mtype, sender, name):
+        """The sender/receiver check, which depends only on (type, sender) once the roles are
+        known: reached once per pair and then looked up (it ran for every message)."""
         roles = self.roles
-        if msg.sender == self.rank:
+        if self._verdicts_for is not roles:
+            self._verdicts, self._verdicts_for = {}, roles
+        k = (mtype, sender)
+        try:
+            return self._verdicts[k]
+        except KeyError:
+            pass
+        reason = self._role_reason(mtype, sender, name)
+        if len(self._verdicts) < 4096:        # bounded: a sender cannot make it grow for ever
+            self._verdicts[k] = reason
+        return reason
+
+    def _role_reason(self, mtype, sender, name):
+        senders, receivers = RULES[mtype][:2]
+        roles = self.roles
+        if sender == self.rank:
             return f"{name} claims to come from this process itself"
-        if not _is("anyone", msg.sender, roles):
-            return f"{name} from rank {msg.sender}, which is not a member of this job"
-        if not _is(senders, msg.sender, roles):
+        if not _is("anyone", sender, roles):
+            return f"{name} from rank {sender}, which is not a member of this job"
+        if not _is(senders, sender, roles):
             return (f"{name} may come only from the {ROLE_WORDS[senders]}, not from "
-                    f"{self.namer(msg.sender)}")
+                    f"{self.namer(sender)}")
         if not _is(receivers, self.rank, roles):
             return f"{name} is not a message {self.namer(self.rank)} takes"
-        if self.book is not None:
-            return self._check_shapes(msg, name)
         return None
 
     def _check_shapes(self, msg, name):

@@ -74,7 +74,8 @@ def point(name, iteration=None):
 
 
 def watch_server(transport):
-    """A server's failpoints (init, push, get) on the messages it serves; nothing when unarmed."""
+    """A server's failpoints (init, push, get) on the messages it serves (from the queue or by a
+    receive-thread handler); nothing when unarmed."""
     if not _armed:
         return
     from .transport import Msg
@@ -87,3 +88,13 @@ def watch_server(transport):
             point(points[msg.type], msg.iteration)
         return msg
     transport.next = next_with_failpoints
+    handle = transport.handle
+
+    def handle_with_failpoints(mtype, fn):      # the KV server serves on the receive thread
+        if mtype in points:
+            def served(msg):
+                point(points[msg.type], msg.iteration)
+                return fn(msg)
+            return handle(mtype, served)
+        return handle(mtype, fn)
+    transport.handle = handle_with_failpoints

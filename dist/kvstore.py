@@ -21,6 +21,7 @@ Why it is built this way (the paper's KV store, made exact):
   takes over pushes; with neither, `self.policy` is None and the path above is untouched.
 """
 import json
+import threading
 import time
 
 import numpy
@@ -120,6 +121,9 @@ class KVServer:
         self._stats_file = open(stats_path, "w", encoding="utf-8") if stats_path else None
         self._iter_stats = {}
         self.running = True
+        self._lock = threading.Lock()         # the receive thread serves, this one keeps the clock
+        self._wake = threading.Event()
+        self._handlers = {}
         self._suspects = {}                 # (pair, worker) -> (since, why): see _bad_push
         self.report_after = getattr(transport, "timeout", 30.0) / 2
         transport.set_fifo(self.MESSAGES)
@@ -134,25 +138,67 @@ class KVServer:
 
     # ----- the loop --------------------------------------------------------------------------------
     def run(self):
-        handlers = {Msg.KV_INIT: self.on_init, Msg.KV_INIT_DONE: self.on_init_done,
-                    Msg.KV_PUSH: self.on_push, Msg.KV_GET: self.on_get,
-                    Msg.KV_SHUTDOWN: self.on_shutdown}
+        """Serve until SHUTDOWN (or the job aborts).
+
+        The messages are served on the transport's receive thread (handlers), not handed to this
+        thread through the mailbox: the hand-off (file, wake this thread, take) cost more CPU than
+        serving most pushes. This thread keeps the clock: the disagreement and straggler deadlines,
+        and the job's errors. One lock keeps the two threads' work on the pairs apart; messages
+        queued before the handlers were set are served first, in arrival order."""
+        self._handlers = {Msg.KV_INIT: self.on_init, Msg.KV_INIT_DONE: self.on_init_done,
+                          Msg.KV_PUSH: self.on_push, Msg.KV_GET: self.on_get,
+                          Msg.KV_SHUTDOWN: self.on_shutdown}
+        t = self.transport
+        t.on_abort.append(lambda error: self._wake.set())
         try:
+            with self._lock:
+                for mtype in self.MESSAGES:
+                    t.handle(mtype, self._on_message)
             while self.running:
-                msg = self.transport.next(timeout=self._wait())
-                if msg is not None:
-                    handler = handlers.get(msg.type)
-                    if handler is None:
-                        self.transport.drop(msg, f"{msg.type.name} is not a message a server "
-                                                 f"takes")
-                    else:
-                        handler(msg)
-                self._check_disagreements()
-                if self.policy is not None:
-                    self.policy.on_deadline()
+                self._wake.clear()
+                with self._lock:
+                    self._serve_queued()
+                    self._check_disagreements()
+                    if self.policy is not None:
+                        self.policy.on_deadline()
+                    due = self._wait()
+                if t.error is not None:
+                    raise t.error
+                if self.running:
+                    self._wake.wait(due)
+            if t.error is not None:
+                raise t.error
         finally:
             if self._stats_file:
                 self._stats_file.close()
+
+    def _on_message(self, msg):
+        """On the receive thread: serve msg (after anything queued before the handlers were set)."""
+        with self._lock:
+            if not self.running:
+                return
+            self._serve_queued()
+            self._serve(msg)
+            self._check_disagreements()
+            if self.policy is not None:
+                self.policy.on_deadline()
+                self._wake.set()              # its next deadline may be earlier now
+        if not self.running:
+            self._wake.set()
+
+    def _serve_queued(self):
+        while self.running:
+            msg = self.transport.next(timeout=0)
+            if msg is None:
+                return
+            self._serve(msg)
+
+    def _serve(self, msg):
+        handler = self._handlers.get(msg.type)
+        if handler is None:
+            self.transport.drop(msg, f"{msg.type.name} is not a message a server takes")
+        else:
+            handler(msg)
 
     def _wait(self):
         """How long the loop may block: a second under BSP (to look at suspected disagreements),

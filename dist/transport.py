@@ -75,6 +75,8 @@ _ARRAY = struct.Struct("<BB")          # dtype code, ndim (then ndim uint32 dims
 _DTYPES = [numpy.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8")]
 _CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 _KNOWN_TYPES = frozenset(int(m) for m in Msg)
+_BY_VALUE = {int(m): m for m in Msg}   # a dict lookup, not Msg(value) (the enum call is slow)
+_NAMES = {m: m.name for m in Msg}
 MAX_ARRAYS = 64                        # more arrays, or more dimensions, than any message has
 MAX_NDIM = 8
 ZERO_COPY_BYTES = 64 * 1024            # frames at least this big are sent with copy=False + tracker
@@ -84,26 +86,47 @@ _LOG_AT = frozenset(10 ** k for k in range(2, 13))
 FUTURE_WINDOW = 1000                   # iterations ahead of the last taken a message may be
 
 
-def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
-    parts = [_FIXED.pack(int(mtype), flags, sender, iteration, key, aux, len(arrays))]
-    for a in arrays:
+_SPEC_BYTES = {}                       # (dtype, shape) -> its bytes in a header
+
+
+def _spec_bytes(dtype, shape):
+    k = (dtype, shape)
+    b = _SPEC_BYTES.get(k)
+    if b is None:
         try:
-            code = _CODES[a.dtype]
+            code = _CODES[dtype]
         except KeyError:
-            raise TypeError(f"cannot send arrays of dtype {a.dtype}") from None
-        parts.append(_ARRAY.pack(code, a.ndim))
-        if a.ndim:
-            parts.append(struct.pack(f"<{a.ndim}I", *a.shape))
-    return b"".join(parts)
+            raise TypeError(f"cannot send arrays of dtype {dtype}") from None
+        b = _ARRAY.pack(code, len(shape))
+        if shape:
+            b += struct.pack(f"<{len(shape)}I", *shape)
+        if len(_SPEC_BYTES) < 4096:
+            _SPEC_BYTES[k] = b
+    return b
+
+
+def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
+    """The header of a message (the array descriptions of a (dtype, shape) are built once)."""
+    head = _FIXED.pack(int(mtype), flags, sender, iteration, key, aux, len(arrays))
+    if not arrays:
+        return head
+    return head + b"".join([_spec_bytes(a.dtype, a.shape) for a in arrays])
 
 
 class BadMessage(ValueError):
     """A received message that cannot be what a member sends; it is dropped, logged and counted."""
 
 
+_SPEC_CACHE = {}                       # (arrays, header tail) -> specs, for headers seen before
+_SPEC_CACHE_SIZE = 4096                # a bound, so no sender can make it grow for ever
+
+
 def decode_header(buf):
     """Header fields and the (dtype, shape) of each array; BadMessage for a header that is
-    truncated, too long, of an unknown type or flag, or with an impossible array description."""
+    truncated, too long, of an unknown type or flag, or with an impossible array description.
+
+    The array descriptions of a (type, key) are the same every iteration, so the parse of a header
+    tail already seen valid is looked up instead of redone (the fixed part is checked each time)."""
     if len(buf) < _FIXED.size:
         raise BadMessage(f"truncated header ({len(buf)} bytes, at least {_FIXED.size} needed)")
     mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(buf, 0)
@@ -111,6 +134,16 @@ def decode_header(buf):
         raise BadMessage(f"unknown message type {mtype}")
     if flags & ~FLAG_JSON:
         raise BadMessage(f"unknown flags 0x{flags:02x}")
+    tail = (n, buf[_FIXED.size:])
+    specs = _SPEC_CACHE.get(tail)
+    if specs is None:
+        specs = _decode_specs(buf, n)
+        if len(_SPEC_CACHE) < _SPEC_CACHE_SIZE:
+            _SPEC_CACHE[tail] = specs
+    return mtype, flags, sender, iteration, key, aux, specs
+
+
+def _decode_specs(buf, n):
     if n > MAX_ARRAYS:
         raise BadMessage(f"declares {n} arrays (at most {MAX_ARRAYS})")
     off = _FIXED.size
@@ -131,7 +164,7 @@ def decode_header(buf):
         specs.append((_DTYPES[code], tuple(shape)))
     if off != len(buf):
         raise BadMessage(f"{len(buf) - off} bytes after the end of the header")
-    return mtype, flags, sender, iteration, key, aux, specs
+    return tuple(specs)
 
 
 class Message:
@@ -142,10 +175,7 @@ class Message:
 
     def __init__(self, mtype, sender, iteration, key, aux, arrays, obj, header_bytes,
                  payload_bytes):
-        try:
-            self.type = Msg(mtype)
-        except ValueError:
-            self.type = mtype
+        self.type = _BY_VALUE.get(mtype, mtype)
         self.sender, self.iteration, self.key, self.aux = sender, iteration, key, aux
         self.arrays, self.obj = arrays, obj
         self.header_bytes, self.payload_bytes = header_bytes, payload_bytes
@@ -223,41 +253,56 @@ class TokenBucket:
 # ------------------------------------------------------------------------------------------------
 class Mailbox:
     """Messages filed by (type, key, iteration) for the threads that wait on them; some types
-    (the ones a server or the coordinator serves in arrival order) go to one FIFO queue instead."""
+    (the ones a server or the coordinator serves in arrival order) go to one FIFO queue instead.
+
+    One lock, but a condition per awaited key: a message wakes only the thread waiting for its
+    key (or the FIFO reader), not every sync thread of the worker (a notify_all on one shared
+    condition woke all of them for each of the iteration's messages)."""
 
     def __init__(self, namer):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._boxes = defaultdict(list)
         self._fifo = deque()
-        self._fifo_types = set()
+        self._fifo_types = frozenset()
+        self._fifo_cond = threading.Condition(self._lock)
+        self._waiting = {}            # key -> [condition, number of waiters]
         self._error = None
         self._namer = namer
         self.owner = None             # this process's name, for the stall inspector's lines
         self.stall_warning = 0.0      # seconds between stall lines (0: never); the session sets it
 
+    def _wake_all(self):
+        self._fifo_cond.notify_all()
+        for cond, _ in self._waiting.values():
+            cond.notify_all()
+
     def set_fifo(self, types):
         """Serve these types in arrival order (messages already filed move to the queue)."""
-        with self._cond:
-            self._fifo_types = set(types)
+        with self._lock:
+            self._fifo_types = frozenset(types)
             early = [m for k in list(self._boxes) if k[0] in self._fifo_types
                      for m in self._boxes.pop(k)]
             early.sort(key=lambda m: m.received_at)
             self._fifo.extend(early)
-            self._cond.notify_all()
+            self._wake_all()
 
     def put(self, msg):
-        with self._cond:
+        with self._lock:
             if msg.type in self._fifo_types:
                 self._fifo.append(msg)
+                self._fifo_cond.notify_all()
             else:
-                self._boxes[(msg.type, msg.key, msg.iteration)].append(msg)
-            self._cond.notify_all()
+                k = (msg.type, msg.key, msg.iteration)
+                self._boxes[k].append(msg)
+                waiting = self._waiting.get(k)
+                if waiting is not None:
+                    waiting[0].notify_all()
 
     def fail(self, error):
-        with self._cond:
+        with self._lock:
             if self._error is None:
                 self._error = error
-            self._cond.notify_all()
+            self._wake_all()
 
     @property
     def error(self):
@@ -282,40 +327,54 @@ class Mailbox:
                     ", ".join(self._namer(s) for s in missing) if missing
                     else f"{count - len(have)} sender(s)")
 
-        with self._cond:
-            while True:
-                if self._error is not None:
-                    raise self._error
-                box = self._boxes.get(k)
-                if box is not None and len(box) >= count:
-                    got = box[:count]
-                    del box[:count]
-                    if not box:
-                        del self._boxes[k]
-                    got.sort(key=lambda m: m.sender)
-                    return got
-                now = time.monotonic()
-                left = None if deadline is None else deadline - now
-                if left is not None and left <= 0:
-                    label, source = awaited(box)
-                    raise DeadlineError(f"timed out after {timeout:g} s waiting for {label} "
-                                        f"from {source} (raise --timeout if the peers are just "
-                                        f"slow)")
-                if stall and now >= warn_at:
-                    warn_at = now + stall
-                    where = ("" if COORDINATOR in (senders or [])
-                             else f"iteration {iteration}: ")
-                    got = f"; got {len(box or [])} of {count}" if count > 1 else ""
-                    label, source = awaited(box)
-                    logging.getLogger("poseidon").warning(
-                        f"{self.owner or 'this process'}: {where}waiting "
-                        f"{now - start:.0f} s for {label} from {source}{got}")
-                self._cond.wait(1.0 if left is None else min(left, 1.0))
+        with self._lock:
+            cond = None
+            try:
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    box = self._boxes.get(k)
+                    if box is not None and len(box) >= count:
+                        got = box[:count]
+                        del box[:count]
+                        if not box:
+                            del self._boxes[k]
+                        got.sort(key=lambda m: m.sender)
+                        return got
+                    now = time.monotonic()
+                    left = None if deadline is None else deadline - now
+                    if left is not None and left <= 0:
+                        label, source = awaited(box)
+                        raise DeadlineError(f"timed out after {timeout:g} s waiting for {label} "
+                                            f"from {source} (raise --timeout if the peers are "
+                                            f"just slow)")
+                    if stall and now >= warn_at:
+                        warn_at = now + stall
+                        where = ("" if COORDINATOR in (senders or [])
+                                 else f"iteration {iteration}: ")
+                        got = f"; got {len(box or [])} of {count}" if count > 1 else ""
+                        label, source = awaited(box)
+                        logging.getLogger("poseidon").warning(
+                            f"{self.owner or 'this process'}: {where}waiting "
+                            f"{now - start:.0f} s for {label} from {source}{got}")
+                    if cond is None:          # register as a waiter for k (put wakes only us)
+                        waiting = self._waiting.get(k)
+                        if waiting is None:
+                            waiting = self._waiting[k] = [threading.Condition(self._lock), 0]
+                        waiting[1] += 1
+                        cond = waiting[0]
+                    cond.wait(1.0 if left is None else min(left, 1.0))
+            finally:
+                if cond is not None:
+                    waiting = self._waiting[k]
+                    waiting[1] -= 1
+                    if not waiting[1]:
+                        del self._waiting[k]
 
     def next(self, timeout=None):
         """The next FIFO message, or None after `timeout` seconds (None: wait for ever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while True:
                 if self._error is not None:
                     raise self._error
@@ -324,7 +383,7 @@ class Mailbox:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                self._cond.wait(1.0 if left is None else min(left, 1.0))
+                self._fifo_cond.wait(1.0 if left is None else min(left, 1.0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -633,50 +692,59 @@ class ZmqTransport(Transport):
         return None
 
     def _loop(self):
-        poller = zmq.Poller()
-        poller.register(self._inbox, zmq.POLLIN)
+        """Receive, check and file (or handle) messages; tick the heart at least every 0.1 s.
+
+        A blocking receive with a 100 ms timeout rather than poll + non-blocking receives: a
+        message costs one call, not a poll, a receive and the exception of the empty receive
+        that ended each burst."""
+        inbox = self._inbox
+        inbox.setsockopt(zmq.RCVTIMEO, 100)
+        next_tick = 0.0
         while not self._closing.is_set():
             try:
-                ready = dict(poller.poll(100))
+                frames = inbox.recv_multipart(copy=False)
+            except zmq.Again:
+                frames = None
             except zmq.ZMQError:
-                break
-            if self._inbox in ready:
-                while True:
-                    try:
-                        frames = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError:
-                        return
-                    try:
-                        msg = self._decode(frames)
-                    except BadMessage as e:
-                        self._refuse(None, str(e))
-                        continue
-                    except Exception as e:    # anything else unreadable: the same, said plainly
-                        self._refuse(None, f"unreadable ({type(e).__name__}: {e})")
-                        continue
-                    reason = self._admit(msg)
-                    if reason is not None:
-                        self._refuse(msg, reason)
-                        continue
-                    with self.counters_lock:
-                        self.recv_payload += msg.payload_bytes
-                        self.recv_header += msg.header_bytes
-                        self.recv_messages += 1
-                        self.recv_types[msg.type.name] = self.recv_types.get(msg.type.name, 0) + 1
-                    if msg.sender in self._watched:
-                        self._watched[msg.sender] = time.monotonic()
-                    handler = self._handlers.get(msg.type)
-                    if handler is not None:
-                        try:
-                            handler(msg)
-                        except Exception as e:
-                            self.fail(e if isinstance(e, DistError) else
-                                      DistError(f"{self.name}: handling {msg!r} failed: {e}"))
-                    else:
-                        self.mailbox.put(msg)
-            self._tick()
+                return
+            if frames is not None:
+                self._take_in(frames)
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + 0.1
+                self._tick()
+
+    def _take_in(self, frames):
+        """One received message: decode, admit, count, then hand to its handler or mailbox."""
+        try:
+            msg = self._decode(frames)
+        except BadMessage as e:
+            self._refuse(None, str(e))
+            return
+        except Exception as e:    # anything else unreadable: the same, said plainly
+            self._refuse(None, f"unreadable ({type(e).__name__}: {e})")
+            return
+        reason = self._admit(msg)
+        if reason is not None:
+            self._refuse(msg, reason)
+            return
+        name = _NAMES[msg.type]
+        with self.counters_lock:
+            self.recv_payload += msg.payload_bytes
+            self.recv_header += msg.header_bytes
+            self.recv_messages += 1
+            self.recv_types[name] = self.recv_types.get(name, 0) + 1
+        if msg.sender in self._watched:
+            self._watched[msg.sender] = time.monotonic()
+        handler = self._handlers.get(msg.type)
+        if handler is not None:
+            try:
+                handler(msg)
+            except Exception as e:
+                self.fail(e if isinstance(e, DistError) else
+                          DistError(f"{self.name}: handling {msg!r} failed: {e}"))
+        else:
+            self.mailbox.put(msg)
 
     def _tick(self):
         now = time.monotonic()

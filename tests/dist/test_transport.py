@@ -36,7 +36,7 @@ def test_header_round_trip():
     assert len(head) == FIXED_HEADER_BYTES + 3 * 2 + 4 * 3
     mtype, flags, sender, it, key, aux, specs = decode_header(head)
     assert (mtype, sender, it, key, aux) == (Msg.SF, 5, 123456789012, 42, -3)
-    assert specs == [(numpy.dtype("float32"), (3, 4)), (numpy.dtype("float64"), (7,)),
+    assert list(specs) == [(numpy.dtype("float32"), (3, 4)), (numpy.dtype("float64"), (7,)),
                      (numpy.dtype("int64"), ())]
 
 
