@@ -44,6 +44,21 @@ def _extra(st):
     return extra
 
 
+def rank_order_sum(pair, ranks):
+    """The gradients pushed to pair by `ranks` (ascending) summed in that order, into the first
+    one's array (the receiver's own frame; a read-only one is copied first). The pair lets go of
+    all its pushed arrays. BSP (dist/kvstore.py) sums every worker, the straggler policy those
+    that arrived: the same order either way, so a full arrival is bitwise BSP."""
+    grads, pair.grads = pair.grads, [None] * len(pair.grads)
+    first, *rest = ranks
+    acc = grads[first]
+    if not acc.flags.writeable:
+        acc = acc.copy()
+    for r in rest:
+        acc += grads[r]
+    return acc
+
+
 class _Policy:
     def __init__(self, server):
         if server.handler.name != "update":
@@ -140,11 +155,7 @@ class DropPolicy(_Policy):
         arrived = [r for r in range(self.workers) if pair.have[r]]
         n = len(arrived)
         t0 = time.perf_counter()
-        grads, pair.grads = pair.grads, [None] * self.workers
-        acc = s.scratch(pair.length)
-        numpy.copyto(acc, grads[arrived[0]])
-        for r in arrived[1:]:
-            acc += grads[r]
+        acc = rank_order_sum(pair, arrived)
         for receipt in pair.receipts:
             receipt.wait()
         pair.receipts = []

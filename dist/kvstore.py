@@ -26,7 +26,7 @@ import time
 
 import numpy
 
-from .consistency import make_policy
+from .consistency import make_policy, rank_order_sum
 from .errors import DistError
 from .transport import Msg
 
@@ -48,18 +48,6 @@ class PairState:
         self.receipts = []
 
 
-def rank_order_sum(pair, workers):
-    """The pushed gradients of pair summed in rank order, into the first worker's array (the
-    receiver's own frame; a read-only one is copied first). The arrays are let go."""
-    grads, pair.grads = pair.grads, [None] * workers
-    acc = grads[0]
-    if not acc.flags.writeable:
-        acc = acc.copy()
-    for r in range(1, workers):
-        acc += grads[r]
-    return acc
-
-
 class UpdateHandler:
     """Sum in rank order, scale, apply the solver rule, reply with the new values."""
 
@@ -70,7 +58,7 @@ class UpdateHandler:
 
     def complete(self, pair, it):
         s = self.server
-        acc = rank_order_sum(pair, s.workers)   # the rule takes it as scratch
+        acc = rank_order_sum(pair, range(s.workers))   # the rule takes it as scratch
         for receipt in pair.receipts:        # the last reply's frames may still be in flight
             receipt.wait()
         s.rule.update(pair.value, acc, pair.state, it, pair.lr_mult, pair.decay_mult,
@@ -88,7 +76,7 @@ class AverageHandler:
 
     def complete(self, pair, it):
         s = self.server
-        out = rank_order_sum(pair, s.workers)
+        out = rank_order_sum(pair, range(s.workers))
         out *= out.dtype.type(s.grad_scale)
         return out
 
@@ -158,9 +146,7 @@ class KVServer:
                 self._wake.clear()
                 with self._lock:
                     self._serve_queued()
-                    self._check_disagreements()
-                    if self.policy is not None:
-                        self.policy.on_deadline()
+                    self._keep_deadlines()
                     due = self._wait()
                 if t.error is not None:
                     raise t.error
@@ -179,12 +165,18 @@ class KVServer:
                 return
             self._serve_queued()
             self._serve(msg)
-            self._check_disagreements()
+            self._keep_deadlines()
             if self.policy is not None:
-                self.policy.on_deadline()
                 self._wake.set()              # its next deadline may be earlier now
         if not self.running:
             self._wake.set()
+
+    def _keep_deadlines(self):
+        """Stop the job on a disagreement past its grace; let the straggler policy act on its
+        deadlines (both threads call this after serving, under the lock)."""
+        self._check_disagreements()
+        if self.policy is not None:
+            self.policy.on_deadline()
 
     def _serve_queued(self):
         while self.running:
