@@ -14,7 +14,7 @@ import json
 
 from .cost import ps_cost, sfb_cost
 from .errors import DistError
-from .placement import cut_pairs, place_pairs
+from .placement import DEFAULT_PAIR_BYTES, bundle_pairs, cut_pairs, place_pairs
 
 SYNC_MODES = ("hybrid", "ps", "sfb")
 
@@ -128,6 +128,34 @@ def first_difference(a, b, path=""):
     return None if a == b else f"{path or 'value'}: {a!r} vs {b!r}"
 
 
+def fusion_bytes(options):
+    """The --fusion-bytes of a job's options (default: the KV pair size); 0 (one message per pair)
+    under relaxed consistency, whose policies time, drop and hold replies pair by pair."""
+    if relaxed_consistency(options):
+        return 0
+    value = options.get("fusion_bytes")
+    if value is None:
+        value = options.get("kv_pair_bytes") or DEFAULT_PAIR_BYTES
+    return int(value)
+
+
+def make_bundles(layers, cut, itemsize, fusion):
+    """The KV messages of every PS layer: [{'id', 'layer', 'pairs': [pair id, ...]}], from the
+    cut [(pair id, param id, offset, length)] (dist/placement.bundle_pairs); a bundle's id is its
+    first pair's id, which keys its push and its reply. The server is added by placement."""
+    by_param = {}
+    for pair_id, pid, _, length in cut:
+        by_param.setdefault(pid, []).append((pair_id, length))
+    bundles = []
+    for rec in layers:
+        if rec["scheme"] != "ps":
+            continue
+        own = [pair for pid in rec["params"] for pair in by_param.get(pid, [])]
+        for ids in bundle_pairs(own, fusion, itemsize):
+            bundles.append({"id": ids[0], "layer": rec["index"], "pairs": ids})
+    return bundles
+
+
 # ------------------------------------------------------------------------------------------------
 # the book
 # ------------------------------------------------------------------------------------------------
@@ -146,6 +174,10 @@ class InformationBook:
         self._pairs_of = {}
         for pair in self.pairs:
             self._pairs_of.setdefault(pair["param"], []).append(pair)
+        self.bundles = data["bundles"]
+        self._bundles_of = {}
+        for bundle in self.bundles:
+            self._bundles_of.setdefault(bundle["layer"], []).append(bundle)
 
     # ----- building -------------------------------------------------------------------------------
     @classmethod
@@ -185,15 +217,22 @@ class InformationBook:
         pair_bytes = int(options.get("kv_pair_bytes"))
         ps_params = [(p["id"], p["count"]) for p in params if p["scheme"] == "ps"]
         cut = cut_pairs(ps_params, itemsize, pair_bytes)
-        where = place_pairs([length * itemsize for (_, _, _, length) in cut], servers)
-        pairs = [{"id": i, "param": pid, "offset": off, "length": length, "server": s}
-                 for (i, pid, off, length), s in zip(cut, where)]
+        length = {pair_id: n for pair_id, _, _, n in cut}
+        bundles = make_bundles(layers, cut, itemsize, fusion_bytes(options))
+        where = place_pairs([sum(length[k] for k in b["pairs"]) * itemsize for b in bundles],
+                            servers)
+        server_of = {}
+        for bundle, s in zip(bundles, where):
+            bundle["server"] = s
+            server_of.update((k, s) for k in bundle["pairs"])
+        pairs = [{"id": i, "param": pid, "offset": off, "length": n, "server": server_of[i]}
+                 for (i, pid, off, n) in cut]
         iter_size = int(description.get("iter_size", 1))
         scale = (1.0 if options.get("sum_gradients") else 1.0 / workers) / iter_size
         data = {"workers": workers, "servers": servers, "options": dict(options),
                 "net": description["net"], "dtype": description.get("dtype", "float32"),
                 "itemsize": itemsize, "iter_size": iter_size, "grad_scale": scale,
-                "layers": layers, "params": params, "pairs": pairs,
+                "layers": layers, "params": params, "pairs": pairs, "bundles": bundles,
                 "addresses": {str(k): v for k, v in (addresses or {}).items()},
                 "hosts": {str(k): v for k, v in (hosts or {}).items()}, "solver": solver_text}
         return cls(data)
@@ -214,6 +253,13 @@ class InformationBook:
     def pairs_of_param(self, pid):
         return self._pairs_of.get(pid, [])
 
+    def bundles_of_layer(self, li):
+        """The layer's KV messages: [{'id', 'layer', 'server', 'pairs': [pair id, ...]}]."""
+        return self._bundles_of.get(li, [])
+
+    def bundles_on_server(self, server_index):
+        return [b for b in self.bundles if b["server"] == server_index]
+
     def pairs_on_server(self, server_index):
         return [p for p in self.pairs if p["server"] == server_index]
 
@@ -227,7 +273,7 @@ class InformationBook:
         return self.data["addresses"][str(rank)]
 
     def digest(self):
-        return digest({k: self.data[k] for k in ("layers", "params", "pairs", "options",
+        return digest({k: self.data[k] for k in ("layers", "params", "pairs", "bundles", "options",
                                                  "workers", "servers", "solver")})
 
     def query(self, what, **kw):
@@ -261,5 +307,6 @@ class InformationBook:
                          f"K={rec['K']:<5} -> {rec['scheme'].upper()}")
         if self.servers:
             loads = ", ".join(f"{b / 1e6:.2f} MB" for b in self.server_bytes())
-            lines.append(f"  KV pairs: {len(self.pairs)} over {self.servers} server(s): {loads}")
+            lines.append(f"  KV pairs: {len(self.pairs)} over {self.servers} server(s): {loads}; "
+                         f"{len(self.bundles)} messages each way per iteration")
         return lines

@@ -17,6 +17,7 @@ is one line in RULES), so a new type works before anyone writes its rule.
 """
 import numpy
 
+from .placement import MAX_BUNDLE_ARRAYS
 from .roles import COORDINATOR
 from .transport import Msg
 
@@ -42,8 +43,8 @@ RULES = {
     Msg.KV_INIT_DONE: ("worker0", "server", (0, 0), ()),
     Msg.KV_GET: ("worker0", "server", (0, 0), ()),
     Msg.KV_SHUTDOWN: ("worker0", "server", (0, 0), ()),
-    Msg.KV_PUSH: ("worker", "server", (1, 1), ()),
-    Msg.KV_VALUE: ("server", "worker", (1, 1), ()),
+    Msg.KV_PUSH: ("worker", "server", (1, MAX_BUNDLE_ARRAYS), ()),
+    Msg.KV_VALUE: ("server", "worker", (1, MAX_BUNDLE_ARRAYS), ()),
     Msg.KV_GET_REPLY: ("server", "worker0", ANY, ()),
     Msg.KV_INIT_ACK: ("server", "worker0", (0, 0), ()),
     Msg.SF: ("worker", "worker", (2, 3), ()),
@@ -93,7 +94,7 @@ class WireRules:
         self._dtype = None
         self._verdicts = {}          # (type, sender) -> the role check's verdict (see _roles_say)
         self._verdicts_for = None    # the roles those verdicts were reached with
-        self._values = {}            # KV pair -> (server rank, shape) of its KV_VALUE arrays
+        self._values = {}            # message key -> (server rank, shapes) of its KV_VALUE arrays
 
     def set_book(self, book):
         """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
@@ -101,8 +102,9 @@ class WireRules:
         self._pairs = {p["id"]: p for p in book.pairs}
         self._sfb = {rec["index"]: rec for rec in book.layers if rec.get("scheme") == "sfb"}
         self._values = ({} if self.roles is None else
-                        {k: (self.roles.server_rank(p["server"]), (p["length"],))
-                         for k, p in self._pairs.items()})
+                        {b["id"]: (self.roles.server_rank(b["server"]),
+                                   [(self._pairs[k]["length"],) for k in b["pairs"]])
+                         for b in book.bundles})
         self.book = book
 
     # ----- the check -----------------------------------------------------------------------------
@@ -130,9 +132,11 @@ class WireRules:
             return reason
         if self.book is not None:
             if msg.type == Msg.KV_VALUE:       # the common case, checked without building lists
-                server, shape = self._values.get(msg.key, (None, None))
-                a = msg.arrays[0]
-                if msg.sender == server and a.dtype == self._dtype and a.shape == shape:
+                server, shapes = self._values.get(msg.key, (None, ()))
+                dtype, arrays = self._dtype, msg.arrays
+                if (msg.sender == server and len(arrays) == len(shapes)
+                        and all(a.dtype == dtype and a.shape == shape
+                                for a, shape in zip(arrays, shapes))):
                     return None
             return self._check_shapes(msg, name)
         return None
@@ -168,7 +172,20 @@ class WireRules:
         return None
 
     def _check_shapes(self, msg, name):
-        if msg.type in (Msg.KV_VALUE, Msg.KV_GET_REPLY):
+        if msg.type == Msg.KV_VALUE:
+            if msg.key not in self._values:
+                why = ("is not the first pair of a message" if msg.key in self._pairs else
+                       "the book does not have")
+                return f"{name} for KV pair {msg.key}, which {why}"
+            server, shapes = self._values[msg.key]
+            if msg.sender != server:
+                return (f"{name} for KV pair {msg.key} from {self.namer(msg.sender)}, but the pair "
+                        f"lives on {self.namer(server)}")
+            if len(msg.arrays) != len(shapes):
+                return (f"{name} for KV pair {msg.key} carries {len(msg.arrays)} arrays, its "
+                        f"message holds {len(shapes)} pairs")
+            return self._arrays_are(msg, name, shapes, f"KV pair {msg.key}")
+        if msg.type == Msg.KV_GET_REPLY:
             pair = self._pairs.get(msg.key)
             if pair is None:
                 return f"{name} for KV pair {msg.key}, which the book does not have"

@@ -167,7 +167,7 @@ class DropPolicy(_Policy):
         st["update_s"] += time.perf_counter() - t0
         if n < self.workers:
             self._record_drop(pair, it, st, arrived)
-        s.answer(pair, it, st, pair.value, aux=n)
+        s.answer([pair], it, st, [pair.value], aux=n)
 
     def _record_drop(self, pair, it, st, arrived):
         s = self.server

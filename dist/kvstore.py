@@ -14,6 +14,8 @@ Why it is built this way (the paper's KV store, made exact):
   array in place. That is one copy of every pair per worker and iteration less (the KV store is
   CPU-bound under CURVE on few cores), and the server holds no P1 copies of its slice.
 - It answers every worker with the new values (push and pull of a pair are one round trip).
+- A layer's pairs on this server come in one message (a bundle, dist/placement.bundle_pairs) and
+  go back in one: all its pairs complete together, since they are only ever pushed together.
 - INIT sets values (and history, on resume) from worker 0; GET returns values and history for
   snapshots. What happens when a pair is complete is a pluggable handler: `update` (the default
   above) or `average` (reply with the mean gradient, for schemes that update on the workers).
@@ -102,6 +104,8 @@ class KVServer:
         params = {p["id"]: p for p in book.params}
         self.pairs = {rec["id"]: PairState(rec, params[rec["param"]], self.workers, self.dtype, rule)
                       for rec in book.pairs_on_server(self.index)}
+        self.bundles = {b["id"]: [self.pairs[k] for k in b["pairs"]]
+                        for b in book.bundles_on_server(self.index)}
         self.handler = HANDLERS[handler](self)
         self.policy = make_policy(self, book.options)
         self._scratch = None
@@ -207,6 +211,15 @@ class KVServer:
                                      f"does not place on {self.roles.name(self.transport.rank)}")
         return pair
 
+    def _bundle(self, msg):
+        """The pairs of the message msg names (its first pair's id), or None after dropping msg."""
+        pairs = self.bundles.get(msg.key)
+        if pairs is None:
+            where = ("is not the first pair of a message" if msg.key in self.pairs else
+                     f"the book does not place on {self.roles.name(self.transport.rank)}")
+            self.transport.drop(msg, f"{msg.type.name} for KV pair {msg.key}, which {where}")
+        return pairs
+
     def _bad_arrays(self, msg, pair, arrays):
         """Why arrays cannot be values of pair (dtype, shape), or None."""
         for i, a in enumerate(arrays):
@@ -216,31 +229,39 @@ class KVServer:
                         f"{self.dtype.name}[{pair.length}]")
         return None
 
-    def _bad_push(self, msg, pair):
-        """Why a push cannot be taken now, or None. A push of the pair's current iteration from a
-        worker that has not pushed it yet, with a wrong shape or dtype, is remembered: if that
-        worker sends nothing valid for the pair within half of --timeout, the ranks really
-        disagree and the server stops the job naming both."""
+    def _bad_push(self, msg, pairs):
+        """Why a push cannot be taken now, or None (it is taken or dropped whole). A push of the
+        pairs' current iteration from a worker that has not pushed them yet, with a wrong shape or
+        dtype, is remembered: if that worker sends nothing valid for the pair within half of
+        --timeout, the ranks really disagree and the server stops the job naming both."""
         r = msg.sender
+        first = pairs[0]
         if not 0 <= r < self.workers:
-            return f"KV_PUSH of KV pair {pair.id} from {self.roles.name(r)}, which is not a worker"
-        if pair.iteration is None:
-            return (f"{self.roles.name(r)} pushed KV pair {pair.id} before worker 0 initialised "
+            return f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)}, which is not a worker"
+        if len(msg.arrays) != len(pairs):
+            return (f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)} carries "
+                    f"{len(msg.arrays)} arrays, its message holds {len(pairs)} pairs in the book "
+                    f"(do all ranks run the same --fusion-bytes?)")
+        if first.iteration is None:
+            return (f"{self.roles.name(r)} pushed KV pair {first.id} before worker 0 initialised "
                     f"the servers")
-        if self.policy is None and msg.iteration != pair.iteration:
-            return (f"{self.roles.name(r)} pushed KV pair {pair.id} for iteration "
-                    f"{msg.iteration}, the pair is at iteration {pair.iteration}")
-        if self.policy is None and pair.have[r]:
-            return f"{self.roles.name(r)} pushed KV pair {pair.id} twice in iteration {msg.iteration}"
-        bad = self._bad_arrays(msg, pair, msg.arrays)
-        if bad is not None:
-            others = [w for w in range(self.workers) if pair.have[w]]
-            ref = (f"{self.roles.name(others[0])} pushed {self.dtype.name}[{pair.length}]" if others
-                   else f"the book (worker 0's net) says {self.dtype.name}[{pair.length}]")
-            other = self.roles.name(others[0]) if others else "worker 0's net"
-            self._suspects.setdefault((pair.id, r), (time.monotonic(), f"{bad}; {ref}",
-                                                     pair.iteration, other))
-        return bad
+        if self.policy is None and msg.iteration != first.iteration:
+            return (f"{self.roles.name(r)} pushed KV pair {first.id} for iteration "
+                    f"{msg.iteration}, the pair is at iteration {first.iteration}")
+        if self.policy is None and first.have[r]:
+            return f"{self.roles.name(r)} pushed KV pair {first.id} twice in iteration {msg.iteration}"
+        for pair, array in zip(pairs, msg.arrays):
+            bad = self._bad_arrays(msg, pair, [array])
+            if bad is not None:
+                others = [w for w in range(self.workers) if pair.have[w]]
+                ref = (f"{self.roles.name(others[0])} pushed {self.dtype.name}[{pair.length}]"
+                       if others else
+                       f"the book (worker 0's net) says {self.dtype.name}[{pair.length}]")
+                other = self.roles.name(others[0]) if others else "worker 0's net"
+                self._suspects.setdefault((pair.id, r), (time.monotonic(), f"{bad}; {ref}",
+                                                         pair.iteration, other))
+                return bad
+        return None
 
     def _check_disagreements(self):
         if not self._suspects:
@@ -292,44 +313,48 @@ class KVServer:
         self.transport.send(msg.sender, Msg.KV_INIT_ACK, iteration=msg.iteration, key=self.index)
 
     def on_push(self, msg):
-        pair = self._pair(msg)
-        if pair is None:
+        pairs = self._bundle(msg)
+        if pairs is None:
             return
-        bad = self._bad_push(msg, pair)
+        bad = self._bad_push(msg, pairs)
         if bad is not None:
             return self.transport.drop(msg, bad)
         r = msg.sender
-        if self.policy is not None:
-            return self.policy.on_push(pair, msg)
-        self._suspects.pop((pair.id, r), None)
-        pair.grads[r] = msg.arrays[0]
-        pair.have[r] = True
-        pair.count += 1
+        if self.policy is not None:          # relaxed consistency: one pair per message (book)
+            return self.policy.on_push(pairs[0], msg)
+        for pair, array in zip(pairs, msg.arrays):
+            self._suspects.pop((pair.id, r), None)
+            pair.grads[r] = array
+            pair.have[r] = True
+            pair.count += 1
         st = self._stats(msg.iteration)
         st["recv_payload"] += msg.payload_bytes
         st["recv_header"] += msg.header_bytes
-        if pair.count < self.workers:
+        if pairs[0].count < self.workers:     # a message's pairs are pushed, so complete, together
             return
         t0 = time.perf_counter()
-        it = pair.iteration
-        out = self.handler.complete(pair, it)
+        it = pairs[0].iteration
+        outs = [self.handler.complete(pair, it) for pair in pairs]
         st["update_s"] += time.perf_counter() - t0
-        self.answer(pair, it, st, out)
+        self.answer(pairs, it, st, outs)
 
-    def answer(self, pair, it, st, out, aux=0):
-        """Send every worker the pair's result of iteration it and open the pair's next iteration
-        (BSP here, and the straggler policy once its deadline has passed)."""
-        pair.receipts = []
+    def answer(self, pairs, it, st, outs, aux=0):
+        """Send every worker the results of iteration it of one message's pairs, in one message,
+        and open their next iteration (BSP here, and the straggler policy once its deadline has
+        passed). Each pair keeps the receipts: its value is not touched until they are sent."""
+        receipts = []
         for w in range(self.workers):
-            receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pair.id, aux=aux,
-                                          arrays=[out])
-            pair.receipts.append(receipt)
+            receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pairs[0].id, aux=aux,
+                                          arrays=outs)
+            receipts.append(receipt)
             st["sent_payload"] += receipt.payload_bytes
             st["sent_header"] += receipt.header_bytes
-        pair.count = 0
-        pair.have = [False] * self.workers
-        pair.iteration = it + 1
-        st["pairs_done"] += 1
+        for pair in pairs:
+            pair.receipts = receipts
+            pair.count = 0
+            pair.have = [False] * self.workers
+            pair.iteration = it + 1
+        st["pairs_done"] += len(pairs)
         if st["pairs_done"] == len(self.pairs):
             self._flush_stats(it)
 

@@ -35,6 +35,13 @@ def _bytes(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _fusion_bytes(text):
+    try:
+        return parse_bytes(text, allow_zero=True, what="the fusion size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _bandwidth(text):
     try:
         return parse_bandwidth(text) and text
@@ -82,6 +89,10 @@ def add_dist_options(parser):
                    "(forward, backward and sync of each layer), written by worker 0")
     g.add_argument("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
                    help="largest KV pair (default 2MB)")
+    g.add_argument("--fusion-bytes", type=_fusion_bytes, metavar="BYTES",
+                   help="a layer's KV pairs on one server go as one message while it stays "
+                   "within BYTES (default: --kv-pair-bytes, so a bias rides with its weight); 0: "
+                   "one message per pair")
     g.add_argument("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
                    "gradients (the paper) instead of averaging them (one process on P1 x batch)")
     g.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
@@ -132,8 +143,9 @@ class DistOptions:
 
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
-              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "sum_gradients": False, "bandwidth": None,
-              "timeout": 30.0, "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
+              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None,
+              "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
+              "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0}
 
@@ -146,6 +158,9 @@ class DistOptions:
         if self.servers is None:
             self.servers = 1
         self.kv_pair_bytes = parse_bytes(self.kv_pair_bytes)
+        if self.fusion_bytes is not None:
+            self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
+                                            what="the fusion size")
         check_consistency(self)
 
     @classmethod
@@ -176,7 +191,8 @@ class DistOptions:
     def shared(self):
         """The options every process of one job must agree on."""
         return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
-                "kv_pair_bytes": self.kv_pair_bytes, "sum_gradients": bool(self.sum_gradients),
+                "kv_pair_bytes": self.kv_pair_bytes, "fusion_bytes": self.fusion_bytes,
+                "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
                 "staleness": int(self.staleness or 0)}
 

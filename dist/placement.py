@@ -2,18 +2,28 @@
 
 Why: one huge FC matrix on one server makes that server the bottleneck of every iteration (the
 paper's motivation for its KV store). Each tensor is cut into pairs of at most `pair_bytes` (2 MB by
-default), of equal length within the tensor, and the pairs go to servers by greedy longest-
-processing-time: biggest pair first, each to the server holding the fewest bytes so far. With many
-pairs of bounded size the most loaded server holds at most one pair more than the least loaded.
+default), of equal length within the tensor, and the bundles of pairs (below) go to servers by
+greedy longest-processing-time: biggest first, each to the server holding the fewest bytes so far.
+With many units of bounded size the most loaded server holds at most one unit more than the least.
 Placement is deterministic (ties broken by pair id and by server index), so every process that
 computes it from the same book gets the same answer.
+
+Messages: consecutive pairs of one layer travel together, as the arrays of one message (a
+bundle), while the bundle stays within `fusion_bytes` (by default the pair size, 2 MB); a bundle
+is placed as one unit, so a small layer (weight and bias) costs one push and one reply instead of
+one per parameter, each to a server of its own. A 16-byte round trip costs about as much as 100 kB of payload on
+loopback, and each message costs Python and CURVE work on both sides, so for small layers the
+count of messages, not their bytes, is the price. Bundles never span layers (WFBP sends a layer as
+soon as its backward is done) and never exceed a pair, so big parameters keep their 2 MB
+messages, which the server sums while the next ones arrive.
 """
 import math
 
 DEFAULT_PAIR_BYTES = 2 * 1024 * 1024
+MAX_BUNDLE_ARRAYS = 64            # arrays one KV message may carry (dist/checks.py)
 
 
-def parse_bytes(text):
+def parse_bytes(text, allow_zero=False, what="the KV pair size"):
     """'2MB', '512KB', '2MiB', '1048576' -> bytes (k/m/g are powers of 1024, as memory sizes)."""
     if isinstance(text, int):
         return text
@@ -28,8 +38,9 @@ def parse_bytes(text):
         value = int(float(s) * mult)
     except ValueError:
         raise ValueError(f"cannot read the size '{text}': give bytes, or e.g. 2MB, 512KB") from None
-    if value <= 0:
-        raise ValueError(f"the KV pair size must be positive, got '{text}'")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'0 or more' if allow_zero else 'positive'}, got "
+                         f"'{text}'")
     return value
 
 
@@ -72,3 +83,21 @@ def server_loads(pair_sizes, where, servers):
     for size, s in zip(pair_sizes, where):
         loads[s] += size
     return loads
+
+
+def bundle_pairs(pairs, fusion_bytes, itemsize):
+    """[(pair id, length)] of ONE layer, in pair order -> [[pair id, ...], ...]: consecutive pairs
+    packed into bundles of at most fusion_bytes (and MAX_BUNDLE_ARRAYS pairs); a pair alone is a
+    bundle of one whatever its size; fusion_bytes 0: one pair each. The bundles are then placed
+    as units (place_pairs), so each is one message to one server."""
+    bundles = []
+    size = 0
+    for pid, length in pairs:
+        nbytes = length * itemsize
+        if (not bundles or not fusion_bytes or size + nbytes > fusion_bytes
+                or len(bundles[-1]) >= MAX_BUNDLE_ARRAYS):
+            bundles.append([])
+            size = 0
+        bundles[-1].append(pid)
+        size += nbytes
+    return bundles

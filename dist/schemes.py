@@ -62,12 +62,20 @@ class Scheme:
         return None
 
 
+def bundle_text(key, count):
+    """'KV pair 7', or 'KV pair 7 (+2 more in its message)', for waits and errors."""
+    if count == 1:
+        return f"KV pair {key}"
+    return f"KV pair {key} (+{count - 1} more in its message)"
+
+
 @register_scheme
 class PSScheme(Scheme):
-    """Push each KV pair of the layer's gradients to its server; pull the updated values back.
+    """Push the layer's gradients to the servers, one message per bundle of KV pairs (a layer's
+    pairs on one server, dist/placement.bundle_pairs); take the updated values back the same way.
 
     The gradient frames are views of the diff (CPU) or of pinned buffers (GPU), sent zero-copy;
-    the values arrive pair by pair and are copied straight into the parameter (or its pinned
+    the values arrive bundle by bundle and are copied straight into the parameter (or its pinned
     buffer, then one host-to-device copy per parameter)."""
 
     name = "ps"
@@ -76,13 +84,18 @@ class PSScheme(Scheme):
         super().__init__(syncer)
         w = self.worker
         self.params = []
+        where = {}                                  # pair id -> (param id, offset, length)
         for pid in syncer.pids:
             blob = w.net.learnable_params[pid]
             pairs = w.book.pairs_of_param(pid)
             if not pairs:
                 raise DistError(f"layer '{syncer.name}': parameter {pid} is synced by PS but the "
                                 f"book places none of it on a server")
-            self.params.append((pid, blob, pairs))
+            self.params.append((pid, blob))
+            for pair in pairs:
+                where[pair["id"]] = (pid, pair["offset"], pair["length"])
+        self.bundles = [(b["id"], w.server_rank(b["server"]), [where[k] for k in b["pairs"]])
+                        for b in w.book.bundles_of_layer(syncer.li)]
         self.receipts = []
 
     @staticmethod
@@ -91,35 +104,32 @@ class PSScheme(Scheme):
 
     def send(self, it, stats):
         w, stage = self.worker, self.syncer.stage
-        hosts = [stage.to_host(blob.diff, ("g", pid)) for pid, blob, _ in self.params]
+        flat = {pid: stage.to_host(blob.diff, ("g", pid)).reshape(-1) for pid, blob in self.params}
         stage.synchronize()
-        for (pid, blob, pairs), host in zip(self.params, hosts):
-            flat = host.reshape(-1)
-            for pair in pairs:
-                off, n = pair["offset"], pair["length"]
-                receipt = w.transport.send(w.server_rank(pair["server"]), Msg.KV_PUSH,
-                                           iteration=it, key=pair["id"], arrays=[flat[off:off + n]])
-                stats.sent(receipt)
-                self.receipts.append(receipt)
+        for key, server, parts in self.bundles:
+            arrays = [flat[pid][off:off + n] for pid, off, n in parts]
+            receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key, arrays=arrays)
+            stats.sent(receipt)
+            self.receipts.append(receipt)
 
     def receive(self, it, stats):
         w, stage = self.worker, self.syncer.stage
-        for pid, blob, pairs in self.params:
-            host = blob.data if not stage.on_gpu else stage.buffer(("v", pid), blob.data.shape,
-                                                                   blob.data.dtype)
-            flat = host.reshape(-1)
-            for pair in pairs:
-                server = w.server_rank(pair["server"])
-                msg = w.transport.receive(
-                    Msg.KV_VALUE, pair["id"], it, senders=[server],
-                    what=f"the new values of KV pair {pair['id']} (layer '{self.syncer.name}', "
-                         f"iteration {it})")[0]
-                off, n = pair["offset"], pair["length"]
-                flat[off:off + n] = msg.arrays[0]
-                stats.received(msg)
-                stats.reply_aux.append(msg.aux)
-            if stage.on_gpu:
-                stage.to_device(host, blob.data)
+        hosts = {pid: (blob.data if not stage.on_gpu else
+                       stage.buffer(("v", pid), blob.data.shape, blob.data.dtype))
+                 for pid, blob in self.params}
+        flat = {pid: host.reshape(-1) for pid, host in hosts.items()}
+        for key, server, parts in self.bundles:
+            msg = w.transport.receive(
+                Msg.KV_VALUE, key, it, senders=[server],
+                what=f"the new values of {bundle_text(key, len(parts))} (layer "
+                     f"'{self.syncer.name}', iteration {it})")[0]
+            for (pid, off, n), values in zip(parts, msg.arrays):
+                flat[pid][off:off + n] = values
+            stats.received(msg)
+            stats.reply_aux.append(msg.aux)
+        if stage.on_gpu:
+            for pid, blob in self.params:
+                stage.to_device(hosts[pid], blob.data)
         for receipt in self.receipts:
             receipt.wait()
         self.receipts = []

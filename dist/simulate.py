@@ -260,7 +260,7 @@ class _Iteration:
 
     def _sync_ps(self, w, rec):
         li = rec["index"]
-        pairs = [pair for pid in rec["params"] for pair in self.book.pairs_of_param(pid)]
+        pairs = self._messages(rec)
         # each worker starts with a different server, so the first pushes do not all land on one
         pairs.sort(key=lambda p: ((p["server"] - w) % self.P2, p["id"]))
         self.got[w][li] = 0
@@ -272,6 +272,15 @@ class _Iteration:
                 self.transfer(self.worker_node(w), self.server_node(pair["server"]), size,
                               lambda pair=pair, size=size: self._server_add(pair, size, rec))
         self.d2h[w].submit(_after(_seconds(nbytes, self.net.pcie)), push_all)
+
+    def _messages(self, rec):
+        """The layer's KV messages (bundles of pairs, as the KV store sends them) as pseudo-pairs:
+        id, server and the length of all their pairs."""
+        length = {p["id"]: p["length"] for pid in rec["params"]
+                  for p in self.book.pairs_of_param(pid)}
+        return [{"id": b["id"], "server": b["server"],
+                 "length": sum(length[k] for k in b["pairs"])}
+                for b in self.book.bundles_of_layer(rec["index"])]
 
     def _server_add(self, pair, size, rec):
         s = pair["server"]
@@ -294,8 +303,7 @@ class _Iteration:
     def _worker_pulled(self, w, rec):
         li = rec["index"]
         self.got[w][li] += 1
-        npairs = sum(len(self.book.pairs_of_param(pid)) for pid in rec["params"])
-        if self.got[w][li] == npairs:
+        if self.got[w][li] == len(self.book.bundles_of_layer(li)):
             self.h2d[w].submit(_after(_seconds(self._layer_bytes(rec), self.net.pcie)),
                                lambda: self._finish(w, li))
 

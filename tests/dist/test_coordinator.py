@@ -166,19 +166,31 @@ def test_server_sums_in_rank_order_then_handles(handler):
     param = solver_param(fc_net("x", 1), base_lr=0.5, momentum=0.0, weight_decay=0.0)
     t = FakeTransport(3)
     server = KVServer(t, book, Roles(3, 1), make_rule(param), handler=handler)
-    pair = book.pairs[0]
-    server.on_init(Msg_(Msg.KV_INIT, 0, 0, pair["id"], [numpy.ones(pair["length"])]))
-    grads = [numpy.full(pair["length"], g) for g in (1.0, 2.0, 6.0)]
+    bundle = book.bundles[0]                 # the layer's weight and bias: one message each way
+    pairs = [book.pairs[k] for k in bundle["pairs"]]
+    assert [p["param"] for p in pairs] == [0, 1]
+    for pair in pairs:
+        server.on_init(Msg_(Msg.KV_INIT, 0, 0, pair["id"], [numpy.ones(pair["length"])]))
+    grads = [[numpy.full(pair["length"], g * (k + 1)) for k, pair in enumerate(pairs)]
+             for g in (1.0, 2.0, 6.0)]
     for r in (2, 0, 1):                                      # arrival order does not matter
-        server.on_push(Msg_(Msg.KV_PUSH, r, 0, pair["id"], [grads[r]]))
+        server.on_push(Msg_(Msg.KV_PUSH, r, 0, bundle["id"], grads[r]))
+        if r != 1:
+            assert not [s for s in t.sent if s[1] == Msg.KV_VALUE]
     replies = [s for s in t.sent if s[1] == Msg.KV_VALUE]
     assert [s[0] for s in replies] == [0, 1, 2]
     mean = (1.0 + 2.0 + 6.0) / 3
-    expected = 1.0 - 0.5 * mean if handler == "update" else mean
     for s in replies:
-        numpy.testing.assert_allclose(s[4][0], expected)
-    server.on_push(Msg_(Msg.KV_PUSH, 0, 5, pair["id"], [grads[0]]))   # dropped, not fatal
+        assert s[3] == bundle["id"] and len(s[4]) == 2
+        for k, values in enumerate(s[4]):
+            expected = 1.0 - 0.5 * mean * (k + 1) if handler == "update" else mean * (k + 1)
+            numpy.testing.assert_allclose(values, expected)
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 5, bundle["id"], grads[0]))   # dropped, not fatal
     assert len(t.dropped) == 1 and "the pair is at iteration 1" in t.dropped[0]
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, bundle["id"], grads[0][:1]))   # half a message
+    assert len(t.dropped) == 2 and "carries 1 arrays, its message holds 2 pairs" in t.dropped[1]
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, pairs[1]["id"], grads[0][1:]))   # not a message key
+    assert len(t.dropped) == 3 and "is not the first pair of a message" in t.dropped[2]
     assert len(t.sent) == len(replies)
 
 

@@ -9,7 +9,8 @@ import pytest
 from dist.book import InformationBook, best_scheme, first_difference
 from dist.cost import adam_cost, ps_cost, sfb_cost
 from dist.errors import DistError
-from dist.placement import cut_pairs, parse_bytes, place_pairs, server_loads
+from dist.placement import (MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, parse_bytes, place_pairs,
+                            server_loads)
 from engine import prototxt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,8 +144,62 @@ def test_cut_pairs_covers_each_tensor_exactly():
         assert all(p[3] * 4 <= 64 for p in mine)
 
 
+def test_bundle_pairs_packs_consecutive_pairs_within_the_fusion_size():
+    pairs = [(0, 10), (1, 20), (2, 5), (3, 40), (4, 1)]            # (pair id, length)
+    assert bundle_pairs(pairs, 4 * 35, 4) == [[0, 1, 2], [3], [4]]   # 35 floats: 10+20+5 fit
+    assert bundle_pairs(pairs, 0, 4) == [[0], [1], [2], [3], [4]]    # 0: one message per pair
+    assert bundle_pairs(pairs, 4, 4) == [[0], [1], [2], [3], [4]]    # pairs over the size: alone
+    many = [(i, 1) for i in range(MAX_BUNDLE_ARRAYS + 3)]
+    assert [len(b) for b in bundle_pairs(many, 1 << 20, 4)] == [MAX_BUNDLE_ARRAYS, 3]
+
+
+def _check_bundles(book, fusion):
+    """Every PS pair in exactly one bundle of its own layer, on its own server, in pair order;
+    a bundle of several pairs within the fusion size."""
+    seen = []
+    for b in book.bundles:
+        pairs = [book.pairs[k] for k in b["pairs"]]
+        assert b["id"] == b["pairs"][0] and b["pairs"] == sorted(b["pairs"])
+        assert {p["server"] for p in pairs} == {b["server"]}
+        assert all(book.params[p["param"]]["layer"] == b["layer"] for p in pairs)
+        if len(pairs) > 1:
+            assert sum(p["length"] for p in pairs) * book.data["itemsize"] <= fusion
+        seen += b["pairs"]
+    assert sorted(seen) == [p["id"] for p in book.pairs]
+
+
+def test_book_bundles_a_small_layer_into_one_message_on_one_server():
+    desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 4096, 9216, 32, True),
+                         ("InnerProduct", 10, 64, 32, True)])
+    opts = {"sync": "ps", "kv_pair_bytes": 2 << 20}
+    book = InformationBook.build(desc, 4, 3, opts)
+    _check_bundles(book, 2 << 20)
+    # the conv (weight 147 kB + bias) and the classifier: one message each, although 3 servers
+    assert [len(book.bundles_of_layer(li)) for li in (0, 2)] == [1, 1]
+    assert [len(b["pairs"]) for li in (0, 2) for b in book.bundles_of_layer(li)] == [2, 2]
+    # fc (151 MB): 2 MB pairs, one per message, spread over every server
+    big = book.bundles_of_layer(1)
+    assert len(big) == sum(len(book.pairs_of_param(p)) for p in book.layer(1)["params"])
+    assert {b["server"] for b in big} == {0, 1, 2}
+    loads = book.server_bytes()
+    assert max(loads) - min(loads) <= 2 << 20               # within one pair of each other
+    # --fusion-bytes 0 and relaxed consistency: one message per pair
+    for extra in ({"fusion_bytes": 0}, {"staleness": 2}, {"straggler_timeout": 1.0}):
+        flat = InformationBook.build(desc, 4, 3, dict(opts, **extra))
+        assert [b["pairs"] for b in flat.bundles] == [[p["id"]] for p in flat.pairs], extra
+    # a larger fusion size packs the fc's bias with its last weight pair
+    wide = InformationBook.build(desc, 4, 3, dict(opts, fusion_bytes=8 << 20))
+    _check_bundles(wide, 8 << 20)
+    assert len(wide.bundles) < len(book.bundles)
+
+
 def test_parse_bytes():
     assert parse_bytes("2MB") == 2 << 20 and parse_bytes("512KB") == 512 << 10
     assert parse_bytes("1024") == 1024
     with pytest.raises(ValueError):
         parse_bytes("lots")
+    assert parse_bytes("0", allow_zero=True) == 0
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_bytes("0")
+    with pytest.raises(ValueError, match="the fusion size must be 0 or more"):
+        parse_bytes("-1", allow_zero=True, what="the fusion size")

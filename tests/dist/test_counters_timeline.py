@@ -38,8 +38,12 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync):
                           stats=stats, kv_pair_bytes=8192)
     book = solvers[0].book
     dims = {rec["name"]: (rec["M"], rec["N"]) for rec in book.layers}
-    pairs_of = {rec["name"]: sum(len(book.pairs_of_param(p)) for p in rec["params"])
-                for rec in book.layers}
+    pairs_of = {rec["name"]: len(book.bundles_of_layer(rec["index"])) for rec in book.layers}
+    arrays_of = {rec["name"]: sum(len(book.pairs_of_param(p)) for p in rec["params"])
+                 for rec in book.layers}
+    if sync == "ps":    # 8 kB pairs and messages: a small layer's bias rides with its weight
+        assert pairs_of["ip1"] == arrays_of["ip1"] >= 2       # full 8 kB pairs: one each
+        assert pairs_of["ip2"] == arrays_of["ip2"] - 1 and pairs_of["ip3"] == 1
     for rank in range(P1):
         records = read_jsonl(role_path(stats, "worker", rank))
         assert [r["iter"] for r in records] == list(range(iters))
@@ -52,7 +56,8 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync):
                     assert layer["sent_payload"] == layer["recv_payload"] == (M * N + M) * ITEM
                     n = pairs_of[name]
                     assert layer["messages_sent"] == layer["messages_received"] == n
-                    assert layer["sent_header"] == layer["recv_header"] == n * (FIXED_HEADER_BYTES + 6)
+                    assert layer["sent_header"] == layer["recv_header"] == \
+                        n * FIXED_HEADER_BYTES + 6 * arrays_of[name]
                 else:
                     per_peer = (K * (M + N) + M) * ITEM
                     assert layer["sent_payload"] == layer["recv_payload"] == (P1 - 1) * per_peer

@@ -10,6 +10,7 @@ exercised. Also: the replicas are bitwise identical to each other.
 Run: python -m pytest tests/dist/test_equivalence.py -q
 """
 import itertools
+import json
 
 import numpy
 import pytest
@@ -110,3 +111,28 @@ def test_iter_size_accumulates_then_syncs_once(data, tmp_path):
     assert {rec["scheme"] for rec in solvers[0].book.layers} == {"ps"}
     assert solvers[0].book.data["grad_scale"] == 1 / (P1 * 2)
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="iter_size 2")
+
+
+def test_fused_messages_change_nothing_but_the_message_count(data, references, tmp_path):
+    """A layer's pairs on a server travel as one message (--fusion-bytes, default the pair size):
+    with it and with one message per pair (--fusion-bytes 0), the same bits come out, and the
+    fused run sends fewer messages."""
+    weights, want = references("conv", 2)
+    build, K = NETS["conv"]
+    runs = {}
+    for fusion in (None, 0):
+        extra = {} if fusion is None else {"fusion_bytes": fusion}
+        stats = str(tmp_path / f"stats-{fusion}.jsonl")
+        solvers = run_threads(solver_param(build(data, K), max_iter=ITERS), 2, 2, weights=weights,
+                              sync="ps", stats=stats, **extra)
+        book = solvers[0].book
+        with open(stats.replace(".jsonl", ".worker-0.jsonl"), encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        sent = sum(layer["messages_sent"] for r in records for layer in r["layers"].values())
+        runs[fusion] = (params_of(solvers[0]), sent, len(book.bundles), len(book.pairs))
+    (fused, sent_fused, n_fused, pairs), (flat, sent_flat, n_flat, _) = runs[None], runs[0]
+    for a, b in zip(fused, flat):
+        assert numpy.array_equal(a, b), "fusion changed the arithmetic"
+    assert_params_close(fused, want, rtol=1e-5, label="fused")
+    assert n_flat == pairs and n_fused < pairs          # every conv/ip bias rides with its weight
+    assert sent_flat == ITERS * pairs and sent_fused == ITERS * n_fused

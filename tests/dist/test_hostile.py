@@ -49,6 +49,7 @@ class Fuzzer:
         self.book = book
         self.dtype = numpy.dtype(book.data["dtype"])
         self.pairs = book.pairs
+        self.bundles = book.bundles
         self.sfb = [rec for rec in book.layers if rec["scheme"] == "sfb"]
         self.kinds = {}
 
@@ -56,9 +57,8 @@ class Fuzzer:
     def template(self, target):
         rs = self.rs
         if target == "server":
-            pair = self.pairs[rs.randint(len(self.pairs))]
-            return (Msg.KV_PUSH, int(rs.randint(P1)), pair["id"],
-                    [numpy.zeros(pair["length"], self.dtype)])
+            bundle = self.bundles[rs.randint(len(self.bundles))]
+            return (Msg.KV_PUSH, int(rs.randint(P1)), bundle["id"], self.zeros(bundle))
         if self.sfb and rs.rand() < 0.5:
             rec = self.sfb[rs.randint(len(self.sfb))]
             sender = 1 - target          # the other worker
@@ -66,9 +66,12 @@ class Fuzzer:
                     [numpy.zeros((rec["K"], rec["M"]), self.dtype),
                      numpy.zeros((rec["K"], rec["N"]), self.dtype),
                      numpy.zeros(rec["M"], self.dtype)])
-        pair = self.pairs[rs.randint(len(self.pairs))]
-        return (Msg.KV_VALUE, P1 + pair["server"], pair["id"],
-                [numpy.zeros(pair["length"], self.dtype)])
+        bundle = self.bundles[rs.randint(len(self.bundles))]
+        return (Msg.KV_VALUE, P1 + bundle["server"], bundle["id"], self.zeros(bundle))
+
+    def zeros(self, bundle):
+        """The arrays of one KV message: one per pair of the bundle."""
+        return [numpy.zeros(self.pairs[k]["length"], self.dtype) for k in bundle["pairs"]]
 
     def frames(self, mtype, sender, iteration, key, arrays, flags=0):
         return [encode_header(mtype, sender, iteration, key, 0, arrays, flags)] + \
@@ -95,6 +98,10 @@ class Fuzzer:
             head = bytearray(f[0])
             for _ in range(rs.randint(1, 4)):      # not the type byte: "wrong type" does that
                 head[rs.randint(1, len(head))] ^= 1 << rs.randint(8)
+            if 0 <= struct.unpack_from("<q", head, 4)[0] < FAR:
+                # flips that turned the far iteration into a near one (2**62 -> 8) can make a
+                # valid message, which a member holding the keys may send: keep it far
+                struct.pack_into("<q", head, 4, far)
             out = [bytes(head)] + f[1:]
         elif kind == 3:
             name = "wrong iteration"
@@ -258,12 +265,14 @@ def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(cap
     t = ZmqTransport(2, namer=roles.name, timeout=0.4, roles=roles)
     try:
         server = KVServer(t, book, roles, make_rule(solver_param(fc_net("x", 1))))
-        pair = book.pairs_on_server(0)[0]
-        n = pair["length"]
-        server.on_init(Message(Msg.KV_INIT, 0, 0, pair["id"], 0, [numpy.zeros(n)], None, 30, 8))
-        server.on_push(Message(Msg.KV_PUSH, 0, 0, pair["id"], 0, [numpy.ones(n)], None, 30, 8))
-        server.on_push(Message(Msg.KV_PUSH, 1, 0, pair["id"], 0,
-                               [numpy.ones(n, numpy.float32)], None, 30, 8))
+        bundle = book.bundles_on_server(0)[0]
+        sizes = [book.pairs[k]["length"] for k in bundle["pairs"]]
+        for k, n in zip(bundle["pairs"], sizes):
+            server.on_init(Message(Msg.KV_INIT, 0, 0, k, 0, [numpy.zeros(n)], None, 30, 8))
+        server.on_push(Message(Msg.KV_PUSH, 0, 0, bundle["id"], 0,
+                               [numpy.ones(n) for n in sizes], None, 30, 8))
+        server.on_push(Message(Msg.KV_PUSH, 1, 0, bundle["id"], 0,
+                               [numpy.ones(n, numpy.float32) for n in sizes], None, 30, 8))
         assert t.counters()["dropped_messages"] == 1
         server._check_disagreements()                     # not yet: it may be a stray message
         time.sleep(0.3)

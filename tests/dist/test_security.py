@@ -203,7 +203,7 @@ def test_strangers_connect_to_every_port_and_nothing_is_accepted(data, tmp_path)
     assert coord["refused_connections"] >= 1
     assert coord["dropped_messages"] == coord_quiet["dropped_messages"] == 0
     server = sessions_[P1].transport.counters()["received_by_type"]
-    pushes = P1 * len(sessions_[0].book.pairs_on_server(0)) * param.max_iter
+    pushes = P1 * len(sessions_[0].book.bundles_on_server(0)) * param.max_iter
     assert server.get("KV_PUSH") == pushes
     for a, b in zip(got, want):
         numpy.testing.assert_array_equal(a, b)
