@@ -40,6 +40,14 @@ def test_bench_quick_writes_results(tmp_path):
         convs = [r for r in net["layers"] if r["type"] in ("Convolution", "InnerProduct")]
         assert convs and all(r["gflop_forward"] > 0 and r["peak_share"] > 0 for r in convs)
         assert all(r["forward_ms"]["median"] >= 0 for r in net["layers"])
+        torch_rows = [r for r in net["layers"] if "torch_forward_ms" in r]
+        if net["torch_layers_ms"] is not None:      # PyTorch's same layers, beside the engine's
+            # every layer with weights or windows has its PyTorch twin; the loss has none
+            assert {r["name"] for r in convs} <= {r["name"] for r in torch_rows}
+            assert all(r["torch_forward_ms"]["median"] > 0 for r in torch_rows)
+            assert not any(r["type"] == "SoftmaxWithLoss" for r in torch_rows)
+        else:
+            assert not torch_rows
     for part in ("single_node_overhead", "transport", "scaling"):
         assert results["distributed"][part]["status"] in ("measured", "not measured", "failed")
         if results["distributed"][part]["status"] != "measured":

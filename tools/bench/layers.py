@@ -1,7 +1,9 @@
 """b. Per-layer forward/backward times of the training nets and, for Convolution and InnerProduct,
 the GEMM FLOPs they do and the share of the machine's GEMM peak (measured in the same run) that
 their time represents: share = FLOPs / layer time / peak, so everything the layer does besides the
-GEMM (im2col, transposes, bias) counts against it.
+GEMM (im2col, transposes, bias) counts against it. Beside each layer, when torch is installed, the
+same layer in PyTorch on the same input and thread count (tools/bench/torch_ref.layer_times), so
+a gap in part a's throughput can be traced to the layers where it arises.
 """
 import time
 
@@ -51,7 +53,7 @@ def _metered(fn, totals):
 
 
 def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log=print,
-            call_peak_gflops=None):
+            call_peak_gflops=None, with_torch=False):
     """Per-layer times; with call_peak_gflops (the GEMM peak of the threads one GEMM call gets:
     one core while the engine splits the batch over cores) also the rate of the GEMM calls
     themselves, metered inside the layers (engine.gemm), and its share of that peak."""
@@ -122,6 +124,7 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                     call_fl += gemm[li][0]
                     call_s += gemm[li][1]
             rows.append(row)
+        torch_total = _torch_columns(bn, rows, threads, runs, iterations) if with_torch else None
         update = stats(upd)
         total_f = sum(r["forward_ms"]["median"] for r in rows)
         total_b = sum(r["backward_ms"]["median"] for r in rows)
@@ -135,11 +138,35 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                        "gemm_calls_gflops": call_fl / call_s / 1e9 if call_s else None,
                        "gemm_calls_share": call_fl / call_s / 1e9 / call_peak_gflops
                        if call_s else None,
-                       "gemm_call_peak_gflops": call_peak_gflops}
+                       "gemm_call_peak_gflops": call_peak_gflops,
+                       "torch_layers_ms": torch_total}
         log(f"  {bn.key}: forward {total_f:.1f} ms, backward {total_b:.1f} ms, update "
             f"{update['median']:.1f} ms; conv/IP layers at "
             f"{100 * (out[bn.key]['gemm_layers_peak_share'] or 0):.0f}% of the GEMM peak"
             + (f", their GEMM calls at {100 * out[bn.key]['gemm_calls_share']:.0f}% of the "
                f"per-call peak" if out[bn.key]["gemm_calls_share"] else ""))
+        if torch_total:
+            log(f"  {bn.key} in PyTorch, layer by layer: forward {torch_total['forward']:.1f} ms, "
+                f"backward {torch_total['backward']:.1f} ms")
         del solver, net
     return out
+
+
+def _torch_columns(bench_net, rows, threads, runs, iterations):
+    """Add PyTorch's time for each layer to its row (torch_forward_ms / torch_backward_ms);
+    returns the sums, or None without torch (the rows keep no PyTorch columns then)."""
+    from . import torch_ref
+    ok, _ = torch_ref.available()
+    if not ok:
+        return None
+    tnet = torch_ref.TorchNet(bench_net, threads)
+    tnet.set_batch(*nets.synthetic_batch(bench_net))
+    times = tnet.layer_times(runs, iterations)
+    total = {"forward": 0.0, "backward": 0.0}
+    for row in rows:
+        if row["name"] in times:
+            fw, bw = times[row["name"]]
+            row["torch_forward_ms"], row["torch_backward_ms"] = stats(fw), stats(bw)
+            total["forward"] += row["torch_forward_ms"]["median"]
+            total["backward"] += row["torch_backward_ms"]["median"]
+    return total

@@ -171,9 +171,10 @@ def markdown(results):
         lines += ["", "## b. Per-layer times (ms per iteration) and share of the GEMM peak", ""]
         for key, net in layers.items():
             lines += [f"### {net['net']}", "",
-                      "| layer | type | forward ms | backward ms | GFLOP fwd/bwd | GFLOP/s fwd/bwd"
-                      " | peak share | GEMM calls GFLOP/s (per-call peak share) |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| layer | type | forward ms | backward ms | PyTorch fwd / bwd ms | GFLOP "
+                      "fwd/bwd | GFLOP/s fwd/bwd | peak share | GEMM calls GFLOP/s (per-call peak "
+                      "share) |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for r in net["layers"]:
                 if r["forward_ms"]["median"] < 0.005 and r["backward_ms"]["median"] < 0.005:
                     continue
@@ -186,10 +187,13 @@ def markdown(results):
                 share = f"{100 * r['peak_share']:.0f}%" if r.get("peak_share") else ""
                 call = (f"{r['gemm_call_gflops']:.0f} ({100 * r['gemm_call_share']:.0f}%)"
                         if r.get("gemm_call_gflops") else "")
+                torch_ms = (f"{r['torch_forward_ms']['median']:.2f} / "
+                            f"{r['torch_backward_ms']['median']:.2f}" if "torch_forward_ms" in r
+                            else "")
                 lines.append(f"| {r['name']} | {r['type']} | {_mm(r['forward_ms'], '{:.2f}')} | "
-                             f"{_mm(r['backward_ms'], '{:.2f}')} | {gf} | {rate} | {share} | "
-                             f"{call} |")
-            lines.append(f"| (solver update) | | | {_mm(net['update_ms'], '{:.2f}')} | | | | |")
+                             f"{_mm(r['backward_ms'], '{:.2f}')} | {torch_ms} | {gf} | {rate} | "
+                             f"{share} | {call} |")
+            lines.append(f"| (solver update) | | | {_mm(net['update_ms'], '{:.2f}')} | | | | | |")
             share = net.get("gemm_layers_peak_share")
             lines += ["", f"Sum: forward {net['forward_ms']:.1f} ms, backward "
                           f"{net['backward_ms']:.1f} ms, update {net['update_ms']['median']:.1f} ms"
@@ -200,7 +204,11 @@ def markdown(results):
                              f"call = {100 * net['gemm_calls_share']:.0f}% of the "
                              f"{net['gemm_call_peak_gflops']:.0f} GFLOP/s one call can reach; "
                              f"the rest of the layers' time is im2col, layout copies and bias."
-                             if net.get("gemm_calls_share") else ""), ""]
+                             if net.get("gemm_calls_share") else "")
+                          + (f" PyTorch, layer by layer on the same inputs: forward "
+                             f"{net['torch_layers_ms']['forward']:.1f} ms, backward "
+                             f"{net['torch_layers_ms']['backward']:.1f} ms (its loss and update "
+                             f"not included)." if net.get("torch_layers_ms") else ""), ""]
     d = results.get("distributed") or {}
     lines += ["## c–e. Distributed path", ""]
     c = d.get("single_node_overhead") or {}

@@ -3,7 +3,8 @@ two sides cannot drift apart. A benchmark-only reference: nothing in the engine 
 
 Supported layer types are those of the bench nets (Input, Convolution, Pooling, ReLU, InnerProduct,
 Dropout, SoftmaxWithLoss); Caffe's CEIL rounding of pooling is torch's ceil_mode=True. Training step:
-zero_grad, forward, cross-entropy, backward, SGD (momentum, weight decay) step.
+zero_grad, forward, cross-entropy, backward, SGD (momentum, weight decay) step. `layer_times` times
+each layer's modules alone on their real input (part b sets them beside the engine's layers).
 """
 import time
 
@@ -27,9 +28,11 @@ class TorchNet:
             torch.set_num_threads(threads)
         torch.manual_seed(0)
         layers = []
+        self.named = []              # (engine layer name, index of its first module, count)
         shape = None
         for lp in bench_net.param.layer:
             t = lp.type
+            first = len(layers)
             if t == "Input":
                 if lp.top[0] == "data":
                     shape = tuple(lp.input_param.shape[0].dim)[1:]
@@ -72,6 +75,7 @@ class TorchNet:
                 continue
             else:
                 raise ValueError(f"torch reference: layer type {t} is not supported")
+            self.named.append((lp.name, first, len(layers) - first))
         self.model = nn.Sequential(*layers).to(device)
         self.model.train()
         sol = bench_net.solver
@@ -94,6 +98,52 @@ class TorchNet:
             self.opt.step()
         if self.device != "cpu":
             self.torch.cuda.synchronize()
+
+    def layer_times(self, runs, iterations):
+        """{engine layer name: ([forward ms per run], [backward ms per run])} on the CPU: each
+        layer's modules timed alone on the input they get in the net, backward with a gradient of
+        ones; the first layer's input (the data) needs no gradient, as in training. In-place
+        ReLUs run out of place here (an in-place op on a leaf cannot be differentiated)."""
+        import time as clock
+        torch = self.torch
+        modules = list(self.model)
+        inputs = []
+        x = self.x
+        with torch.no_grad():
+            for _, first, count in self.named:
+                inputs.append(x)
+                for m in modules[first:first + count]:
+                    x = m(x)
+        out = {}
+        for k, ((name, first, count), xin) in enumerate(zip(self.named, inputs)):
+            mods = modules[first:first + count]
+            inplace = [m for m in mods if getattr(m, "inplace", False)]
+            for m in inplace:
+                m.inplace = False
+            fw, bw = [], []
+            for run in range(runs + 1):          # run 0 warms up (allocations, first touches)
+                f = b = 0.0
+                for _ in range(iterations):
+                    xi = xin.detach().requires_grad_(k > 0)
+                    t0 = clock.perf_counter()
+                    y = xi
+                    for m in mods:
+                        y = m(y)
+                    t1 = clock.perf_counter()
+                    grad = torch.ones_like(y)
+                    t2 = clock.perf_counter()
+                    if y.requires_grad:
+                        y.backward(grad)
+                    f += t1 - t0
+                    b += clock.perf_counter() - t2
+                if run:
+                    fw.append(f / iterations * 1e3)
+                    bw.append(b / iterations * 1e3)
+            for m in inplace:
+                m.inplace = True
+            out[name] = (fw, bw)
+        self.model.zero_grad(set_to_none=False)
+        return out
 
     def timed(self, iterations):
         t = time.perf_counter()

@@ -110,7 +110,8 @@ def run(args):
         out("b. per-layer times")
         results["layers"] = layers.measure(bench_nets, threads, results["gemm_peak"]["peak"],
                                            call_peak_gflops=results["gemm_peak_call"]["peak"],
-                                           runs=runs, iterations=1 if args.quick else 4, log=out)
+                                           runs=runs, iterations=1 if args.quick else 4, log=out,
+                                           with_torch=not args.no_torch)
     dist_results = {}
     need_dist = [p for p in ("c", "d", "e") if p in parts]
     if need_dist:
