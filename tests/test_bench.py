@@ -83,3 +83,17 @@ def test_transport_target_compares_like_for_like():
     row = [r for r in report.targets({"distributed": {"transport": old}})
            if r[0] == report.TARGETS[4][0]][0]
     assert row[2] == "30% (0.60 vs 2.00 GB/s)" and row[3] is False
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_more_rounds():
+    from tools.bench.env import median_interval
+    assert median_interval([0.1, 0.2, 0.3]) is None              # too few rounds to say
+    assert median_interval([0.05] * 8) == [0.05, 0.05]
+    rs = __import__("numpy").random.default_rng(1)
+    few = list(0.08 + 0.12 * rs.standard_normal(12))
+    many = list(0.08 + 0.12 * rs.standard_normal(400))
+    lo, hi = median_interval(few)
+    assert min(few) <= lo <= sorted(few)[6] <= hi <= max(few)
+    assert median_interval(few) == [lo, hi]                      # fixed seed: reproducible
+    lo2, hi2 = median_interval(many)
+    assert lo2 < 0.08 < hi2 and hi2 - lo2 < (hi - lo) / 2

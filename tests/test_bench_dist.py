@@ -48,3 +48,6 @@ def test_single_node_overhead_alternates_plain_and_distributed(tmp_path):
     assert out["rounds"] == 4 and len(out["overhead_rounds"]["runs"]) == 4
     assert out["plain_engine_s"]["median"] > 0 and out["distributed_s"]["median"] > 0
     assert out["overhead"] == pytest.approx(out["overhead_rounds"]["median"])
+    low, high = out["overhead_interval95"]           # the bootstrap interval holds the median
+    assert out["overhead_rounds"]["min"] <= low <= out["overhead"] <= high \
+        <= out["overhead_rounds"]["max"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy
 
 from . import nets
-from .env import stats
+from .env import median_interval, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED_OPTIONS = ("workers", "servers", "sync", "no_overlap", "stats", "timeline", "bandwidth",
@@ -176,6 +176,7 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
             "iterations_per_block": block,
             "plain_engine_s": stats(plain), "distributed_s": stats(dist_),
             "overhead": float(numpy.median(ratios)), "overhead_rounds": stats(ratios),
+            "overhead_interval95": median_interval(ratios),
             "job_seconds": time.perf_counter() - t0,
             "note": f"The plain engine's solver.step vs the same solver file as worker 0 of "
                     f"`--workers 1 --servers 1 --sync ps` (KV server in its own process), in one "

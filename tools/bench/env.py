@@ -114,6 +114,20 @@ def stats(values):
     return {"median": float(numpy.median(v)), "min": v[0], "max": v[-1], "runs": v}
 
 
+def median_interval(values, level=0.95, resamples=4000, seed=0):
+    """[low, high]: the bootstrap (percentile) interval of the median of values, or None for
+    fewer than 4 values. It says how far this machine's noise could move a median of these
+    rounds, so a target can be read as met, missed, or not resolved."""
+    v = numpy.asarray([float(x) for x in values])
+    if v.size < 4:
+        return None
+    picks = numpy.random.default_rng(seed).integers(0, v.size, (resamples, v.size))
+    medians = numpy.median(v[picks], axis=1)
+    tail = (1.0 - level) / 2
+    low, high = numpy.quantile(medians, [tail, 1.0 - tail])
+    return [float(low), float(high)]
+
+
 def gemm_peak(size=2048, runs=7, dtype=numpy.float32):
     """GFLOP/s of a large square float32 numpy matmul (out= a preallocated array), several runs."""
     rs = numpy.random.default_rng(0)

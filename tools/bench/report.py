@@ -70,7 +70,7 @@ def targets(results):
     d = results.get("distributed") or {}
     c = d.get("single_node_overhead") or {}
     rows.append((TARGETS[3][0], TARGETS[3][1],
-                 f"{100 * c['overhead']:+.1f}%" if c.get("status") == "measured"
+                 f"{100 * c['overhead']:+.1f}%{_interval(c)}" if c.get("status") == "measured"
                  else _why(c), c["overhead"] <= 0.01 if c.get("status") == "measured" else None))
     t = d.get("transport") or {}
     rows.append((TARGETS[4][0], TARGETS[4][1],
@@ -95,6 +95,14 @@ def transport_text(t):
             f"{gb('raw_zmq_curve_frames_Bps'):.2f} GB/s); --insecure vs plain "
             f"{100 * t['ratio_insecure']:.0f}% ({gb('kv_push_pull_insecure_Bps'):.2f} vs "
             f"{gb('raw_zmq_frames_Bps'):.2f} GB/s)")
+
+
+def _interval(c):
+    """' (95% interval of the median +a…+b%)' for part c, or '' when it has none."""
+    iv = c.get("overhead_interval95")
+    if not iv:
+        return ""
+    return f" (95% interval of the median {100 * iv[0]:+.1f}…{100 * iv[1]:+.1f}%)"
 
 
 def _why(part):
@@ -216,7 +224,7 @@ def markdown(results):
         lines += [f"**c. Single-node overhead** ({c['net']}): plain engine "
                   f"{_mm(c['plain_engine_s'], '{:.1f}', 1e3)} ms/iter, 1 worker + 1 server "
                   f"{_mm(c['distributed_s'], '{:.1f}', 1e3)} ms/iter: overhead "
-                  f"{100 * c['overhead']:+.1f}%"
+                  f"{100 * c['overhead']:+.1f}%{_interval(c)}"
                   + (f" (per round {_mm(c['overhead_rounds'], '{:+.1f}', 100)}%)"
                      if c.get("overhead_rounds") else "") + f". {c['note']}.", ""]
     else:
