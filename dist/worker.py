@@ -275,6 +275,7 @@ class DistributedSolver:
         unwritten = set()
         for syncer in self.syncers.values():
             unwritten.update(syncer.prepare(it))
+        cleared = []
         for pid, blob in enumerate(self.net.learnable_params):
             if pid in unwritten:
                 if pid not in self._zero_diffs:
@@ -283,6 +284,8 @@ class DistributedSolver:
             else:
                 blob.diff[...] = 0
                 self._zero_diffs.discard(pid)       # the backward writes it
+                cleared.append(blob)
+        self.net.mark_diffs_fresh(cleared)
 
     def _forward_backward(self):
         s, net, tl = self.solver, self.net, self.timeline

@@ -158,6 +158,10 @@ class Net:
         self._loss_tops = [(li, ti, w) for li, layer in enumerate(self.layers)
                            for ti, w in enumerate(layer.loss_weights) if w]
         self._plan_backward()
+        users = collections.Counter(spec.name for specs in self.layer_param_specs for spec in specs)
+        self._sole_params = {id(blob) for blob, spec in zip(self.learnable_params,
+                                                             self.learnable_param_specs)
+                             if users[spec.name] == 1}
 
     def _load_inline_blobs(self, layer, lp):
         if not len(lp.blobs):
@@ -275,6 +279,8 @@ class Net:
         """The backward of layer l alone (no-op when it needs none)."""
         if self.layer_need_backward[l]:
             self.layers[l].backward(self.top_vecs[l], self.bottom_need_backward[l], self.bottom_vecs[l])
+            for blob in self.layers[l].blobs:      # whatever it wrote, its diffs are not zeros now
+                blob.diff_fresh = False
 
     def Backward(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
@@ -291,6 +297,15 @@ class Net:
     def ClearParamDiffs(self):
         for blob in self.learnable_params:
             blob.diff[...] = 0
+        self.mark_diffs_fresh()
+
+    def mark_diffs_fresh(self, blobs=None):
+        """After zeroing diffs (all learnable ones, or `blobs`): let the layer that alone owns a
+        parameter write its gradient over the diff (Blob.diff_fresh). A parameter shared by
+        several layers is never marked: the second writer must add to the first."""
+        for blob in self.learnable_params if blobs is None else blobs:
+            if id(blob) in self._sole_params:
+                blob.diff_fresh = True
 
     def Reshape(self):
         for li in range(len(self.layers)):

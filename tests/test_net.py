@@ -93,6 +93,57 @@ layer { name: "sil" type: "EuclideanLoss" bottom: "ip1b" bottom: "ip1" top: "l2"
     assert sum(b is net.params["ip1"][0] for b in net.learnable_params) == 1
 
 
+def _filled(net, seed=0):
+    rs = numpy.random.RandomState(seed)
+    net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
+    net.blobs["label"].data[...] = rs.randint(0, 3, net.blobs["label"].shape)
+    net.Forward()
+    return net
+
+
+def _ip_grad(net, name):
+    """G^T X of an InnerProduct from its top diff and bottom data, by numpy (the reference)."""
+    li = net.layer_names.index(name)
+    g, x = net.layers[li].sufficient_factors(net.bottom_vecs[li], net.top_vecs[li])
+    return g.T @ x
+
+
+def test_cleared_diffs_are_written_over_once_then_added_to():
+    """After ClearParamDiffs the one layer owning a weight writes its gradient over the zeros;
+    a second backward (iter_size 2) and a diff nobody cleared are added to, as Caffe does."""
+    net = _filled(small_net())
+    w = net.params["ip2"][0]
+    net.ClearParamDiffs()
+    assert w.diff_fresh
+    net.Backward()
+    assert not w.diff_fresh
+    once = w.diff.copy()
+    numpy.testing.assert_allclose(once, _ip_grad(net, "ip2"), rtol=1e-12)
+    net.Backward()                                     # the second pass of iter_size 2
+    numpy.testing.assert_allclose(w.diff, 2 * once, rtol=1e-12)
+    w.diff[...] = 1.0                                  # not cleared: the gradient adds to it
+    net.Backward()
+    numpy.testing.assert_allclose(w.diff, 1.0 + once, rtol=1e-12)
+
+
+def test_shared_weight_gets_every_sharers_gradient():
+    text = SMALL.replace('top: "ip1"\n        inner_product_param',
+                         'top: "ip1"\n        param { name: "w" } inner_product_param')
+    text += """
+layer { name: "ip1b" type: "InnerProduct" bottom: "data" top: "ip1b" param { name: "w" }
+        inner_product_param { num_output: 5 bias_term: false } }
+layer { name: "sil" type: "EuclideanLoss" bottom: "ip1b" bottom: "ip1" top: "l2" }
+"""
+    net = _filled(small_net(TRAIN, text))
+    shared = net.params["ip1"][0]
+    net.ClearParamDiffs()
+    assert not shared.diff_fresh                       # two writers: the second must add
+    assert net.params["ip2"][0].diff_fresh
+    net.Backward()
+    numpy.testing.assert_allclose(shared.diff, _ip_grad(net, "ip1") + _ip_grad(net, "ip1b"),
+                                  rtol=1e-10)
+
+
 def test_save_and_copy_from_roundtrip(tmp_path):
     a, b = small_net(), small_net()
     path = str(tmp_path / "w.caffemodel")

@@ -10,12 +10,15 @@ from engine.solvers import rules
 from tests.harness import make_layer, run_forward
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_inner_product_split_matches_one_call(transpose, monkeypatch):
+def test_inner_product_split_matches_one_call(transpose, bias, monkeypatch):
+    """Large weights (here: any, by the threshold) take other paths: columns split over threads,
+    and without transpose the forward as Yᵀ = W·Xᵀ. They give the plain path's numbers."""
     rs = numpy.random.RandomState(0)
     x = rs.standard_normal((5, 3, 4, 2))
     text = ('type: "InnerProduct" inner_product_param { num_output: 7 '
-            f'transpose: {str(transpose).lower()} '
+            f'transpose: {str(transpose).lower()} bias_term: {str(bias).lower()} '
             'weight_filler { type: "gaussian" std: 1 } bias_filler { type: "gaussian" std: 1 } }')
     results = []
     for threshold, workers in ((1 << 40, 1), (1, 2), (1, 3)):
