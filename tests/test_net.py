@@ -80,15 +80,17 @@ def test_backward_through_calls_each_layer_once_and_hooks_fire():
     assert seen == list(reversed(range(len(net.layers))))
 
 
-def test_param_sharing_by_name():
-    text = SMALL.replace('top: "ip1"\n        inner_product_param',
-                         'top: "ip1"\n        param { name: "w" } inner_product_param')
-    text += """
+# SMALL with a second InnerProduct sharing ip1's weight (by the name "w")
+SHARED = SMALL.replace('top: "ip1"\n        inner_product_param',
+                       'top: "ip1"\n        param { name: "w" } inner_product_param') + """
 layer { name: "ip1b" type: "InnerProduct" bottom: "data" top: "ip1b" param { name: "w" }
         inner_product_param { num_output: 5 bias_term: false } }
 layer { name: "sil" type: "EuclideanLoss" bottom: "ip1b" bottom: "ip1" top: "l2" }
 """
-    net = small_net(TRAIN, text)
+
+
+def test_param_sharing_by_name():
+    net = small_net(TRAIN, SHARED)
     assert net.params["ip1"][0] is net.params["ip1b"][0]
     assert sum(b is net.params["ip1"][0] for b in net.learnable_params) == 1
 
@@ -127,14 +129,7 @@ def test_cleared_diffs_are_written_over_once_then_added_to():
 
 
 def test_shared_weight_gets_every_sharers_gradient():
-    text = SMALL.replace('top: "ip1"\n        inner_product_param',
-                         'top: "ip1"\n        param { name: "w" } inner_product_param')
-    text += """
-layer { name: "ip1b" type: "InnerProduct" bottom: "data" top: "ip1b" param { name: "w" }
-        inner_product_param { num_output: 5 bias_term: false } }
-layer { name: "sil" type: "EuclideanLoss" bottom: "ip1b" bottom: "ip1" top: "l2" }
-"""
-    net = _filled(small_net(TRAIN, text))
+    net = _filled(small_net(TRAIN, SHARED))
     shared = net.params["ip1"][0]
     net.ClearParamDiffs()
     assert not shared.diff_fresh                       # two writers: the second must add
