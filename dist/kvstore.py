@@ -240,8 +240,7 @@ class KVServer:
             return f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)}, which is not a worker"
         if len(msg.arrays) != len(pairs):
             return (f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)} carries "
-                    f"{len(msg.arrays)} arrays, its message holds {len(pairs)} pairs in the book "
-                    f"(do all ranks run the same --fusion-bytes?)")
+                    f"{len(msg.arrays)} arrays, its message holds {len(pairs)} pairs in the book")
         if first.iteration is None:
             return (f"{self.roles.name(r)} pushed KV pair {first.id} before worker 0 initialised "
                     f"the servers")

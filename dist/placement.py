@@ -9,13 +9,13 @@ Placement is deterministic (ties broken by pair id and by server index), so ever
 computes it from the same book gets the same answer.
 
 Messages: consecutive pairs of one layer travel together, as the arrays of one message (a
-bundle), while the bundle stays within `fusion_bytes` (by default the pair size, 2 MB); a bundle
-is placed as one unit, so a small layer (weight and bias) costs one push and one reply instead of
-one per parameter, each to a server of its own. A 16-byte round trip costs about as much as 100 kB of payload on
-loopback, and each message costs Python and CURVE work on both sides, so for small layers the
-count of messages, not their bytes, is the price. Bundles never span layers (WFBP sends a layer as
-soon as its backward is done) and never exceed a pair, so big parameters keep their 2 MB
-messages, which the server sums while the next ones arrive.
+bundle), while the bundle stays within `fusion_bytes` (by default the pair size, 2 MB). A bundle is
+placed as one unit, so a small layer's weight and bias go to one server in one push and come back
+in one reply, instead of one message per parameter. A 16-byte round trip costs about as much as
+100 kB of payload on loopback, and each message costs Python and CURVE work on both sides, so for
+small layers the count of messages, not their bytes, is the price. Bundles never span layers (WFBP
+sends a layer as soon as its backward is done), and at the default size a big parameter keeps its
+2 MB messages, which the server sums while the next ones arrive.
 """
 import math
 
