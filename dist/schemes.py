@@ -71,8 +71,8 @@ def bundle_text(key, count):
 
 @register_scheme
 class PSScheme(Scheme):
-    """Push the layer's gradients to the servers, one message per bundle of KV pairs (a layer's
-    pairs on one server, dist/placement.bundle_pairs); take the updated values back the same way.
+    """Push the layer's gradients to the servers, one message per bundle of its KV pairs
+    (dist/placement.bundle_pairs); take the updated values back the same way.
 
     The gradient frames are views of the diff (CPU) or of pinned buffers (GPU), sent zero-copy;
     the values arrive bundle by bundle and are copied straight into the parameter (or its pinned
