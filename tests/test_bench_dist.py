@@ -48,6 +48,10 @@ def test_single_node_overhead_alternates_plain_and_distributed(tmp_path):
     assert out["rounds"] == 4 and len(out["overhead_rounds"]["runs"]) == 4
     assert out["plain_engine_s"]["median"] > 0 and out["distributed_s"]["median"] > 0
     assert out["overhead"] == pytest.approx(out["overhead_rounds"]["median"])
+    parts = out["where_it_goes"]                     # the overhead split into its parts
+    assert parts["worker_cpu_plain_ms"] > 0 and parts["worker_cpu_distributed_ms"] > 0
+    assert parts["barrier_wait_ms"] >= 0
+    assert parts["server_cpu_ms"] is None or parts["server_cpu_ms"] > 0
     low, high = out["overhead_interval95"]           # the bootstrap interval holds the median
     assert out["overhead_rounds"]["min"] <= low <= out["overhead"] <= high \
         <= out["overhead_rounds"]["max"]

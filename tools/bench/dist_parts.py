@@ -173,6 +173,7 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
     dist_ = [float(numpy.median(b)) for b in blocks["distributed"]]
     ratios = [d / p - 1.0 for p, d in zip(plain, dist_)]
     return {"status": "measured", "net": net.title, "rounds": len(ratios),
+            "where_it_goes": _overhead_parts(blocks),
             "iterations_per_block": block,
             "plain_engine_s": stats(plain), "distributed_s": stats(dist_),
             "overhead": float(numpy.median(ratios)), "overhead_rounds": stats(ratios),
@@ -186,6 +187,19 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
                     f"of the round's ratio of block medians. An A/A run of the same method (two "
                     f"plain solvers) gave -0.2% with an interquartile range of +-12% per round at "
                     f"load 6 on this machine: read it with the load average"}
+
+
+def _overhead_parts(blocks):
+    """Medians in ms per iteration: this process's CPU on each side, the server process's CPU
+    (None without /proc) and the distributed side's exposed barrier wait (the syncs still running
+    when backward ends: at least the last layer's round trip)."""
+    def median_ms(values):
+        values = [v for v in values if v is not None]
+        return round(float(numpy.median(values)) * 1e3, 2) if values else None
+    return {"worker_cpu_plain_ms": median_ms(blocks.get("cpu", {}).get("plain", [])),
+            "worker_cpu_distributed_ms": median_ms(blocks.get("cpu", {}).get("distributed", [])),
+            "server_cpu_ms": median_ms(blocks.get("server_cpu", [])),
+            "barrier_wait_ms": median_ms(blocks.get("barrier_s", []))}
 
 
 # ----- d. transport ---------------------------------------------------------------------------------

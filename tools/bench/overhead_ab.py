@@ -8,9 +8,13 @@ Why alternate inside one process: on a shared machine the load changes from seco
 two separate processes also differ in memory layout and start-up; blocks of a few iterations taken
 turn about see the same moment, the same process and the same caches, so what differs is the
 distributed path (the syncs' threads and messages, the server process, the barrier). Prints one
-JSON line: per-iteration seconds of each side, block by block.
+JSON line: per-iteration seconds of each side, block by block; the CPU seconds per iteration of
+this process for each block and of the server process for each distributed block (from /proc,
+null where there is none); and the distributed side's exposed barrier wait per iteration (its
+--stats records), so the overhead can be split into where it goes.
 """
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +29,16 @@ def _steps(solver, n):
     return times
 
 
+def _process_cpu(pid):
+    """CPU seconds (user + system) of process pid so far, or None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     solver_path, rounds, block, warmup = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
@@ -35,7 +49,8 @@ def main(argv=None):
     from engine.solvers.solver import log_to_stderr
     log_to_stderr(logging.WARNING)
     address = f"tcp://127.0.0.1:{free_port()}"
-    options = dict(workers=1, servers=1, coordinator=address, sync="ps")
+    stats = os.path.abspath("overhead-stats.jsonl")
+    options = dict(workers=1, servers=1, coordinator=address, sync="ps", stats=stats)
     server = subprocess.Popen(
         [sys.executable, "-c", "import json, sys, dist; dist.init(**json.loads(sys.argv[1]))",
          json.dumps(dict(options, rank=1))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -46,16 +61,36 @@ def main(argv=None):
         _steps(plain, warmup)
         _steps(distributed, warmup)
         blocks = {"plain": [], "distributed": []}
+        cpu = {"plain": [], "distributed": []}
+        server_cpu = []
+        first_measured = distributed.iter
         for r in range(rounds):
             order = ("plain", "distributed") if r % 2 == 0 else ("distributed", "plain")
             for side in order:
+                c0, s0 = time.process_time(), _process_cpu(server.pid)
                 blocks[side].append(_steps(plain if side == "plain" else distributed, block))
+                cpu[side].append((time.process_time() - c0) / block)
+                s1 = _process_cpu(server.pid)
+                if side == "distributed":
+                    server_cpu.append(None if s0 is None or s1 is None else (s1 - s0) / block)
         distributed.finish()
         server.wait(timeout=60)
     finally:
         if server.poll() is None:
             server.kill()
-    print(json.dumps(blocks))
+    print(json.dumps(dict(blocks, cpu=cpu, server_cpu=server_cpu,
+                          barrier_s=_barrier_waits(stats, first_measured))))
+
+
+def _barrier_waits(stats, first_iteration):
+    """Worker 0's exposed barrier wait per measured iteration (its --stats records)."""
+    from dist.timeline import role_path
+    try:
+        with open(role_path(stats, "worker", 0), encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []
+    return [r["barrier_wait_s"] for r in records if r.get("iter", -1) >= first_iteration]
 
 
 if __name__ == "__main__":

@@ -105,6 +105,20 @@ def _interval(c):
     return f" (95% interval of the median {100 * iv[0]:+.1f}…{100 * iv[1]:+.1f}%)"
 
 
+def _overhead_parts(parts):
+    """Part c's split of the overhead, as a sentence ('' when the part has none)."""
+    if not parts:
+        return ""
+
+    def ms(key):
+        v = parts.get(key)
+        return "n/a" if v is None else f"{v:.1f} ms"
+    return (f" Where it goes, per iteration (medians): this process's CPU {ms('worker_cpu_plain_ms')}"
+            f" plain vs {ms('worker_cpu_distributed_ms')} distributed, the server process "
+            f"{ms('server_cpu_ms')} of CPU, and {ms('barrier_wait_ms')} of exposed barrier wait "
+            f"(syncs still running when backward ends).")
+
+
 def _why(part):
     if not part:
         return "not measured"
@@ -226,7 +240,8 @@ def markdown(results):
                   f"{_mm(c['distributed_s'], '{:.1f}', 1e3)} ms/iter: overhead "
                   f"{100 * c['overhead']:+.1f}%{_interval(c)}"
                   + (f" (per round {_mm(c['overhead_rounds'], '{:+.1f}', 100)}%)"
-                     if c.get("overhead_rounds") else "") + f". {c['note']}.", ""]
+                     if c.get("overhead_rounds") else "") + f". {c['note']}."
+                  + _overhead_parts(c.get("where_it_goes")), ""]
     else:
         lines += [f"**c. Single-node overhead**: {_why(c)}", ""]
     t = d.get("transport") or {}
