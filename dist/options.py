@@ -28,18 +28,18 @@ def _positive_int(text):
     return value
 
 
-def _bytes(text):
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _size(**how):
+    """An argparse type for a size in bytes ('2MB'); `how` goes to parse_bytes."""
+    def parse(text):
+        try:
+            return parse_bytes(text, **how)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
-def _fusion_bytes(text):
-    try:
-        return parse_bytes(text, allow_zero=True, what="the fusion size")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_bytes = _size()
+_fusion_bytes = _size(allow_zero=True, what="the fusion size")
 
 
 def _bandwidth(text):

@@ -275,17 +275,16 @@ class DistributedSolver:
         unwritten = set()
         for syncer in self.syncers.values():
             unwritten.update(syncer.prepare(it))
-        cleared = []
+        to_clear = []
         for pid, blob in enumerate(self.net.learnable_params):
             if pid in unwritten:
-                if pid not in self._zero_diffs:
-                    blob.diff[...] = 0
-                    self._zero_diffs.add(pid)
+                if pid in self._zero_diffs:
+                    continue
+                self._zero_diffs.add(pid)
             else:
-                blob.diff[...] = 0
                 self._zero_diffs.discard(pid)       # the backward writes it
-                cleared.append(blob)
-        self.net.mark_diffs_fresh(cleared)
+            to_clear.append(blob)
+        self.net.clear_diffs(to_clear)
 
     def _forward_backward(self):
         s, net, tl = self.solver, self.net, self.timeline

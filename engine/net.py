@@ -295,15 +295,14 @@ class Net:
         return loss
 
     def ClearParamDiffs(self):
-        for blob in self.learnable_params:
-            blob.diff[...] = 0
-        self.mark_diffs_fresh()
+        self.clear_diffs()
 
-    def mark_diffs_fresh(self, blobs=None):
-        """After zeroing diffs (all learnable ones, or `blobs`): let the layer that alone owns a
-        parameter write its gradient over the diff (Blob.diff_fresh). A parameter shared by
-        several layers is never marked: the second writer must add to the first."""
+    def clear_diffs(self, blobs=None):
+        """Zero the diffs of `blobs` (default: every learnable parameter) and let the layer that
+        alone owns a parameter write its gradient over them (Blob.diff_fresh). A parameter shared
+        by several layers is never marked: the second writer must add to the first."""
         for blob in self.learnable_params if blobs is None else blobs:
+            blob.diff[...] = 0
             if id(blob) in self._sole_params:
                 blob.diff_fresh = True
 

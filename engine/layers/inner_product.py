@@ -7,7 +7,7 @@ rank-1 products: the layer's *sufficient factors*, which dist/sfb.py broadcasts 
 """
 from ..gemm import matmul
 from ..layer import Layer, register
-from .im2col import parallel
+from .im2col import BufferCache, parallel
 
 # Weights at least this large are multiplied by the cores at once (columns of the weight split
 # into one range per core, see im2col.parallel); smaller ones in one call.
@@ -39,8 +39,7 @@ class InnerProductLayer(Layer):
         self.add_param(shape, p.weight_filler)
         if self.bias_term:
             self.add_param((self.num_output,), p.bias_filler)
-        self._grad_buffer = None                                # weight-shaped scratch, made lazily
-        self._buffers = {}
+        self.buffers = BufferCache()                            # scratch kept across iterations
 
     def _axis(self, blob):
         try:
@@ -82,7 +81,7 @@ class InnerProductLayer(Layer):
             # Yᵀ = W·Xᵀ: with the big weight as the left operand OpenBLAS packs it in cache-sized
             # blocks and reads it once, where X·Wᵀ packs whole panels of it first and reads it
             # twice (fc6 of fc_heavy, one core: 39 vs 52 ms); the small Yᵀ is then transposed
-            yt = self._scratch("yt", (self.num_output, self.k))
+            yt = self.buffers.get("yt", (self.num_output, self.k), self.dtype, xp)
 
             def part(lo, hi):
                 matmul(xp, w[lo:hi], x.T, out=yt[lo:hi])
@@ -98,13 +97,6 @@ class InnerProductLayer(Layer):
 
         self._split(self.num_output, part)
 
-    def _scratch(self, name, shape):
-        """A buffer kept across iterations (reallocated when the shape changes)."""
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != tuple(shape):
-            buf = self._buffers[name] = self.xp.empty(shape, self.dtype)
-        return buf
-
     def backward(self, top, propagate_down, bottom):
         xp = self.xp
         g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
@@ -114,10 +106,7 @@ class InnerProductLayer(Layer):
         # the diff still holds the zeros of ClearParamDiffs: write the gradient over it (one
         # pass over the weight); else make it in a scratch copy and add that (three passes)
         over = w.diff_fresh
-        if grad_w and not over and (self._grad_buffer is None
-                                    or self._grad_buffer.shape != w.shape):
-            self._grad_buffer = xp.empty(w.shape, self.dtype)
-        buf = w.diff if over else self._grad_buffer
+        buf = w.diff if over or not grad_w else self.buffers.get("dw", w.shape, self.dtype, xp)
 
         def params(lo, hi):                                     # outputs lo..hi
             if grad_w:

@@ -174,7 +174,7 @@ def markdown(results):
                       f"{peak['peak']:.0f} GFLOP/s best run, {_mm(peak)} over "
                       f"{len(peak['runs'])} runs."]
     call_peak = results.get("gemm_peak_call")
-    if call_peak and call_peak is not peak and call_peak.get("threads") != m.get("threads"):
+    if call_peak and call_peak.get("threads") != m.get("threads"):
         lines += ["", f"Per-call GEMM peak ({call_peak['threads']} thread: the engine runs one GEMM "
                       f"per core while it splits the batch over cores): {call_peak['peak']:.0f} "
                       f"GFLOP/s best run, {_mm(call_peak)}."]

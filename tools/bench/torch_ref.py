@@ -104,7 +104,6 @@ class TorchNet:
         layer's modules timed alone on the input they get in the net, backward with a gradient of
         ones; the first layer's input (the data) needs no gradient, as in training. In-place
         ReLUs run out of place here (an in-place op on a leaf cannot be differentiated)."""
-        import time as clock
         torch = self.torch
         modules = list(self.model)
         inputs = []
@@ -125,17 +124,17 @@ class TorchNet:
                 f = b = 0.0
                 for _ in range(iterations):
                     xi = xin.detach().requires_grad_(k > 0)
-                    t0 = clock.perf_counter()
+                    t0 = time.perf_counter()
                     y = xi
                     for m in mods:
                         y = m(y)
-                    t1 = clock.perf_counter()
+                    t1 = time.perf_counter()
                     grad = torch.ones_like(y)
-                    t2 = clock.perf_counter()
+                    t2 = time.perf_counter()
                     if y.requires_grad:
                         y.backward(grad)
                     f += t1 - t0
-                    b += clock.perf_counter() - t2
+                    b += time.perf_counter() - t2
                 if run:
                     fw.append(f / iterations * 1e3)
                     bw.append(b / iterations * 1e3)
