@@ -40,12 +40,14 @@ class GemmMeter:
 METER = GemmMeter()
 
 
-def product_flops(a_shape, b_shape):
-    """2*M*K*N times the broadcast batch of a matmul of arrays with these shapes."""
+def product_flops(a_shape, b_shape, complex_values=False):
+    """2*M*K*N times the broadcast batch of a matmul of arrays with these shapes (real FLOPs:
+    four times that for complex operands, a complex multiply-add being four real ones)."""
     m, k = a_shape[-2], a_shape[-1]
     n = b_shape[-1]
     batch = numpy.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
-    return 2.0 * m * k * n * float(numpy.prod(batch, dtype=numpy.float64))
+    scale = 8.0 if complex_values else 2.0
+    return scale * m * k * n * float(numpy.prod(batch, dtype=numpy.float64))
 
 
 def matmul(xp, a, b, out=None):
@@ -59,5 +61,6 @@ def matmul(xp, a, b, out=None):
     result = xp.matmul(a, b, out=out)
     if sync:
         sync()
-    METER.add(product_flops(a.shape, b.shape), time.perf_counter() - t)
+    METER.add(product_flops(a.shape, b.shape, a.dtype.kind == "c" or b.dtype.kind == "c"),
+              time.perf_counter() - t)
     return result

@@ -1,10 +1,13 @@
 """engine.gemm: the meter counts every matmul the layers do. Checked against the textbook FLOP
-count of each Convolution / InnerProduct (tools/bench/layers.gemm_flops), layer by layer, so a
-product that bypasses the meter or is done twice shows up here."""
+count of each Convolution / InnerProduct (tools/bench/layers.gemm_flops), or the frequency route's
+own count (conv_fourier.pass_flops) for layers on it, layer by layer, so a product that bypasses
+the meter or is done twice shows up here."""
 import numpy
 import pytest
 
 from engine.gemm import METER, matmul, product_flops
+from engine.layers.conv_fourier import pass_flops
+from engine.layers.im2col import parallel
 from tools.bench import layers, nets
 
 
@@ -31,6 +34,19 @@ def test_meter_off_by_default_and_counts_when_on():
     assert numpy.all(out == 3)
 
 
+def expected_flops(net, li):
+    """The textbook count (a direct convolution's), or for a layer on the frequency route the
+    count of its transforms and channel products."""
+    layer = net.layers[li]
+    if getattr(getattr(layer, "core", None), "algorithm", None) != "fourier":
+        return layers.gemm_flops(net, li)
+    n, c, h, w = net.bottom_vecs[li][0].shape
+    return pass_flops(layer.geom, n, c, layer.num_output, h, w,
+                      weight_grad=layer.param_propagate_down[0],
+                      input_grad=net.bottom_need_backward[li][0],
+                      ranges=min(parallel().workers, n))
+
+
 @pytest.mark.parametrize("make", [nets.cifar10_quick, nets.vgg_block, nets.fc_heavy],
                          ids=["cifar10_quick", "vgg_block", "fc_heavy"])
 def test_metered_flops_match_each_layers_formula(make):
@@ -45,12 +61,12 @@ def test_metered_flops_match_each_layers_formula(make):
             METER.reset()
             net.ForwardLayer(li)
             fwd = METER.snapshot()["flops"]
-            want_fwd, _ = layers.gemm_flops(net, li)
+            want_fwd, _ = expected_flops(net, li)
             assert fwd == pytest.approx(want_fwd), net.layer_names[li]
         for li in range(len(net.layers) - 1, -1, -1):
             METER.reset()
             net.BackwardThrough(li)
-            _, want_bwd = layers.gemm_flops(net, li)
+            _, want_bwd = expected_flops(net, li)
             assert METER.snapshot()["flops"] == pytest.approx(want_bwd), net.layer_names[li]
     finally:
         METER.enabled = False

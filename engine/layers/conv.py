@@ -27,17 +27,35 @@ How the work is laid out (the column layout is in im2col.py, the threads in im2c
 Scratch buffers are cached per thread and reallocated only when a shape changes. On CuPy the
 whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 """
+import os
+
 import numpy
 
 from ..backend import get_array_module as _xp
 from ..gemm import matmul
 from ..layer import Layer, register
+from ..proto import caffe_pb2
+from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
 from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, nhwc_col2im, nhwc_window_view,
                      parallel)
 
 
+ALGORITHMS = ("auto", "im2col", "fourier")
+
+
+def conv_algorithm():
+    """The POSEIDON_CONV setting: 'auto' (default: per layer, the cheaper by conv_fourier's
+    cost rule), 'im2col', or 'fourier' (wherever the frequency route applies)."""
+    value = os.environ.get("POSEIDON_CONV", "auto").strip().lower() or "auto"
+    if value not in ALGORITHMS:
+        raise ValueError(f"POSEIDON_CONV={value!r}: use one of {', '.join(ALGORITHMS)}")
+    return value
+
+
 class _ConvCore:
     """Convolution arithmetic for one geometry and group count (input x: N x C x H x W)."""
+
+    algorithm = "im2col"
 
     # a chunk's columns stay under this many bytes (L2-sized); tests make it tiny to get chunks
     COLUMN_BLOCK_BYTES = COLUMN_BLOCK_BYTES
@@ -409,7 +427,8 @@ class ConvolutionLayer(Layer):
             conv_out, conv_in = self.channels, self.num_output
         else:
             conv_out, conv_in = self.num_output, self.channels
-        self.core = _ConvCore(self.geom, self.group)
+        self.core = self._im2col = _ConvCore(self.geom, self.group)
+        self._fourier = None
         self.bias_term = bool(cp.bias_term)
         self.add_param((conv_out, conv_in // self.group, kh, kw), cp.weight_filler)
         if self.bias_term:
@@ -438,6 +457,32 @@ class ConvolutionLayer(Layer):
                              f"{g.dh}x{g.dw}): use a larger input or a smaller kernel/more pad")
         for t in top:
             t.reshape(n, self.num_output, out_h, out_w)
+        self.core = self._pick_core(n, h, w)
+
+    def _pick_core(self, n, h, w):
+        """im2col or the frequency route (conv_fourier) for this input size: Caffe's own engine
+        (engine: CAFFE) and Deconvolution keep im2col; otherwise POSEIDON_CONV decides, by
+        default through the FLOP rule of conv_fourier.fourier_pays."""
+        cp = self.param.convolution_param
+        if self.reverse or cp.engine == caffe_pb2.ConvolutionParameter.CAFFE:
+            return self._im2col
+        try:
+            choice = conv_algorithm()
+        except ValueError as e:
+            raise self.error(str(e)) from None
+        if choice == "im2col":
+            return self._im2col
+        if choice == "fourier":
+            fits = fourier_applies(self.geom, self.group, h, w)
+        else:
+            ranges = min(parallel().workers, n) if self.xp is numpy else 1
+            fits = fourier_pays(self.geom, self.group, n, self.channels, self.num_output, h, w,
+                                ranges)
+        if not fits:
+            return self._im2col
+        if self._fourier is None:
+            self._fourier = FourierConvCore(self.geom)
+        return self._fourier
 
     def forward(self, bottom, top):
         weight = self.blobs[0].data

@@ -11,6 +11,7 @@ columns are (N, Ho, Wo, group, kh, kw, C/group): one row per output cell, viewed
 numbers of the padded image, so the whole im2col is one copy from a strided view
 (`nhwc_window_view`) with long contiguous runs; `nhwc_col2im` is its adjoint.
 """
+import threading
 from collections import namedtuple
 
 import numpy
@@ -108,6 +109,67 @@ class BufferCache:
 
     def clear(self):
         self._arrays.clear()
+
+
+class ScratchArena:
+    """Per-thread scratch memory that every layer shares: one flat buffer, handed out in frames.
+
+    Transient buffers (alive only during one layer's pass) come from here instead of a per-layer
+    BufferCache, so a deep net needs the largest layer's scratch, not the sum over its layers
+    (the frequency-domain convolution's spectra are several times its weights). `frame()` is a
+    context manager whose `take(shape, dtype)` carves uninitialised arrays one after another;
+    frames nest (a thread's own work inside a pass that holds buffers), and leaving a frame gives
+    its space back. When a frame needs more than the buffer holds, a larger one is made; arrays
+    already handed out keep the old one alive until they go.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, xp):
+        self.xp = xp
+        self._flat = xp.empty(0, numpy.uint8)
+        self._top = 0
+
+    def frame(self):
+        return _Frame(self)
+
+    def _take(self, shape, dtype):
+        dtype = numpy.dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+        start = -(-self._top // self.ALIGN) * self.ALIGN
+        end = start + nbytes
+        if end > self._flat.size:
+            self._flat = self.xp.empty(max(end, 2 * self._flat.size), numpy.uint8)
+        self._top = end
+        return self._flat[start:end].view(dtype).reshape(shape)
+
+
+class _Frame:
+    def __init__(self, arena):
+        self.arena = arena
+
+    def __enter__(self):
+        self._saved = self.arena._top
+        return self.arena._take
+
+    def __exit__(self, *exc):
+        self.arena._top = self._saved
+        return False
+
+
+_ARENAS = threading.local()
+
+
+def scratch(xp):
+    """This thread's ScratchArena for the array module xp."""
+    arenas = getattr(_ARENAS, "by_module", None)
+    if arenas is None:
+        arenas = _ARENAS.by_module = {}
+    arena = arenas.get(xp.__name__)
+    if arena is None:
+        arena = arenas[xp.__name__] = ScratchArena(xp)
+    return arena
 
 
 # ----- batch blocks on several cores ---------------------------------------------------------------

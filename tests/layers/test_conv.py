@@ -9,12 +9,18 @@ from engine.errors import LayerError
 from engine.layers.conv import _ConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
-@pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands"])
+@pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands", "fourier_1",
+                                      "fourier_2"])
 def chunking(request, monkeypatch):
-    """Run every test through the three ways a batch is cut (see _ConvCore._chunks): one chunk on
-    one thread, several whole samples per chunk on two threads, and bands of one output row."""
+    """Run every test through the three ways im2col cuts a batch (see _ConvCore._chunks): one
+    chunk on one thread, several whole samples per chunk on two threads, and bands of one output
+    row; then through the frequency route (conv_fourier) on one and two threads, wherever it
+    applies (the other layers stay on im2col)."""
     from engine.layers import im2col
-    monkeypatch.setattr(im2col.parallel(), "workers", 1 if request.param == "one_chunk" else 2)
+    fourier = request.param.startswith("fourier")
+    monkeypatch.setenv("POSEIDON_CONV", "fourier" if fourier else "im2col")
+    one = request.param in ("one_chunk", "fourier_1")
+    monkeypatch.setattr(im2col.parallel(), "workers", 1 if one else 2)
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
                         1 if request.param == "row_bands" else 1 << 30)
     return request.param
@@ -97,6 +103,8 @@ CONV_CONFIGS = [
     ("repeated_hw", (2, 3, 6, 5), 4,
      "kernel_size: 3 kernel_size: 2 pad: 1 pad: 0 stride: 2 stride: 1 dilation: 1 dilation: 2",
      dict(kh=3, kw=2, sh=2, sw=1, ph=1, pw=0, dh=1, dw=2)),
+    ("pad_k_minus_1", (2, 3, 4, 6), 3, "kernel_h: 3 kernel_w: 2 pad_h: 2 pad_w: 1",
+     dict(kh=3, kw=2, ph=2, pw=1)),
     ("no_bias", (2, 3, 5, 5), 4, "kernel_size: 3 pad: 1 bias_term: false",
      dict(kh=3, kw=3, ph=1, pw=1)),
     ("pointwise_group", (2, 4, 3, 4), 6, "kernel_size: 1 group: 2", dict(kh=1, kw=1, group=2)),

@@ -1,7 +1,10 @@
 """b. Per-layer forward/backward times of the training nets and, for Convolution and InnerProduct,
 the GEMM FLOPs they do and the share of the machine's GEMM peak (measured in the same run) that
 their time represents: share = FLOPs / layer time / peak, so everything the layer does besides the
-GEMM (im2col, transposes, bias) counts against it. Beside each layer, when torch is installed, the
+GEMM (im2col, transposes, bias) counts against it. A convolution's FLOPs are always those of a
+direct convolution, the usual way to count them; for a layer on the frequency route (conv_fourier),
+which does fewer, that share is an effective figure and may pass 100%, while the metered GEMM calls
+count the FLOPs actually done. Beside each layer, when torch is installed, the
 same layer in PyTorch on the same input and thread count (tools/bench/torch_ref.layer_times), so
 a gap in part a's throughput can be traced to the layers where it arises.
 """
@@ -104,6 +107,9 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
             ff, bf = gemm_flops(net, li)
             row = {"name": name, "type": layer.type, "forward_ms": stats(fwd[li]),
                    "backward_ms": stats(bwd[li])}
+            core = getattr(layer, "core", None)
+            if core is not None:   # im2col or fourier: see engine/layers/conv.py
+                row["algorithm"] = core.algorithm
             if ff:
                 tf = row["forward_ms"]["median"] / 1e3
                 tb = row["backward_ms"]["median"] / 1e3

@@ -212,7 +212,8 @@ def markdown(results):
                 torch_ms = (f"{r['torch_forward_ms']['median']:.2f} / "
                             f"{r['torch_backward_ms']['median']:.2f}" if "torch_forward_ms" in r
                             else "")
-                lines.append(f"| {r['name']} | {r['type']} | {_mm(r['forward_ms'], '{:.2f}')} | "
+                kind = r["type"] + (f" ({r['algorithm']})" if r.get("algorithm") else "")
+                lines.append(f"| {r['name']} | {kind} | {_mm(r['forward_ms'], '{:.2f}')} | "
                              f"{_mm(r['backward_ms'], '{:.2f}')} | {torch_ms} | {gf} | {rate} | "
                              f"{share} | {call} |")
             lines.append(f"| (solver update) | | | {_mm(net['update_ms'], '{:.2f}')} | | | | | |")
@@ -226,6 +227,11 @@ def markdown(results):
                              f"call = {100 * net['gemm_calls_share']:.0f}% of the "
                              f"{net['gemm_call_peak_gflops']:.0f} GFLOP/s one call can reach; "
                              f"the rest of the layers' time is im2col, layout copies and bias."
+                             + (" Layers marked (fourier) run in the frequency domain: their "
+                                "GFLOP and peak share count a direct convolution's FLOPs (an "
+                                "effective rate), their GEMM calls the FLOPs actually done."
+                                if any(r.get("algorithm") == "fourier" for r in net["layers"])
+                                else "")
                              if net.get("gemm_calls_share") else "")
                           + (f" PyTorch, layer by layer on the same inputs: forward "
                              f"{net['torch_layers_ms']['forward']:.1f} ms, backward "
