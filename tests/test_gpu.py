@@ -88,6 +88,24 @@ def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
             np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("extra", ["kernel_size: 5 pad: 2", "kernel_h: 3 kernel_w: 2 pad_h: 2"])
+def test_fourier_convolution_on_cupy_matches_numpy(extra, monkeypatch):
+    """The frequency route (POSEIDON_CONV=fourier; 'auto' keeps im2col on CuPy) against numpy."""
+    import cupy
+    monkeypatch.setenv("POSEIDON_CONV", "fourier")
+    text = (f'type: "Convolution" convolution_param {{ num_output: 5 {extra} '
+            f'weight_filler {{ type: "gaussian" std: 1 }} bias_filler {{ type: "gaussian" std: 1 }} }}')
+    rs = np.random.RandomState(3)
+    arrays = [rs.standard_normal((3, 4, 7, 6))]
+    tops, _, params, _ = _run(text, arrays, 1, np)
+    diffs = [rs.standard_normal(t.shape) for t in tops]
+    ref = _run(text, arrays, 1, np, params, diffs)
+    got = _run(text, arrays, 1, cupy, params, diffs)
+    for a, b in zip(ref, got):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-10)
+
+
 def test_gradient_check_on_cupy():
     import cupy
     rs = np.random.RandomState(1)

@@ -462,7 +462,9 @@ class ConvolutionLayer(Layer):
     def _pick_core(self, n, h, w):
         """im2col or the frequency route (conv_fourier) for this input size: Caffe's own engine
         (engine: CAFFE) and Deconvolution keep im2col; otherwise POSEIDON_CONV decides, by
-        default through the FLOP rule of conv_fourier.fourier_pays."""
+        default through the rule of conv_fourier.fourier_pays. That rule was fitted on CPU
+        timings, so on CuPy 'auto' keeps im2col (cuBLAS) and the route is taken only when asked
+        for (POSEIDON_CONV=fourier)."""
         cp = self.param.convolution_param
         if self.reverse or cp.engine == caffe_pb2.ConvolutionParameter.CAFFE:
             return self._im2col
@@ -474,10 +476,11 @@ class ConvolutionLayer(Layer):
             return self._im2col
         if choice == "fourier":
             fits = fourier_applies(self.geom, self.group, h, w)
+        elif self.xp is not numpy:
+            fits = False
         else:
-            ranges = min(parallel().workers, n) if self.xp is numpy else 1
             fits = fourier_pays(self.geom, self.group, n, self.channels, self.num_output, h, w,
-                                ranges)
+                                min(parallel().workers, n))
         if not fits:
             return self._im2col
         if self._fourier is None:
