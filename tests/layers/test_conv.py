@@ -348,7 +348,8 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
 
 
 def test_conv_threads_are_deterministic(monkeypatch):
-    """Same input twice on two threads with blocks: bitwise the same weight gradient."""
+    """Same input twice on two threads with blocks: bitwise the same weight gradient (im2col, or
+    the frequency route under the fourier_* modes of the fixture)."""
     from engine.layers import im2col
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1)
     monkeypatch.setattr(im2col.parallel(), "workers", 2)

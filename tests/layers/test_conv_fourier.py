@@ -87,21 +87,6 @@ def test_float32_fourier_is_as_close_to_float64_as_im2col(monkeypatch):
     assert numpy.abs(top32[0].data - top64[0].data).max() < 1e-5 * scale
 
 
-def test_fourier_threads_are_deterministic(monkeypatch):
-    monkeypatch.setenv("POSEIDON_CONV", "fourier")
-    monkeypatch.setattr(im2col.parallel(), "workers", 2)
-    x = numpy.random.RandomState(7).standard_normal((9, 3, 6, 6)).astype(numpy.float32)
-    grads = []
-    for _ in range(2):
-        layer = conv_layer("kernel_size: 3 pad: 1", 4, dtype=numpy.float32)
-        bottom, top = run_forward(layer, [x], dtype=numpy.float32)
-        top[0].diff[...] = 1
-        layer.backward(top, [True], bottom)
-        grads.append((layer.blobs[0].diff.copy(), bottom[0].diff.copy()))
-    assert numpy.array_equal(grads[0][0], grads[1][0])
-    assert numpy.array_equal(grads[0][1], grads[1][1])
-
-
 # ----- which layers go where ---------------------------------------------------------------------
 FIVE = Geometry(5, 5, 1, 1, 2, 2, 1, 1)
 
