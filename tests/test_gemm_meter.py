@@ -44,7 +44,7 @@ def expected_flops(net, li):
     return pass_flops(layer.geom, n, c, layer.num_output, h, w,
                       weight_grad=layer.param_propagate_down[0],
                       input_grad=net.bottom_need_backward[li][0],
-                      ranges=min(parallel().workers, n))
+                      ranges=min(parallel().workers, n), group=layer.group)
 
 
 @pytest.mark.parametrize("make", [nets.cifar10_quick, nets.vgg_block, nets.fc_heavy],

@@ -484,7 +484,7 @@ class ConvolutionLayer(Layer):
         if not fits:
             return self._im2col
         if self._fourier is None:
-            self._fourier = FourierConvCore(self.geom)
+            self._fourier = FourierConvCore(self.geom, self.group)
         return self._fourier
 
     def forward(self, bottom, top):

@@ -51,10 +51,10 @@ SPECTRUM_FLOPS_PER_BYTE = 18.0
 
 def fourier_applies(geom, group, h, w):
     """Whether the frequency route computes this convolution exactly (see the module's
-    derivation): stride 1, no dilation, one group, 0 <= pad <= kernel - 1 per axis, and the kernel
-    no larger than the transform."""
+    derivation): stride 1, no dilation, 0 <= pad <= kernel - 1 per axis, and the kernel no larger
+    than the transform (any group count: each group is its own channel product)."""
     g = geom
-    return (group == 1 and g.sh == 1 and g.sw == 1 and g.dh == 1 and g.dw == 1
+    return (group >= 1 and g.sh == 1 and g.sw == 1 and g.dh == 1 and g.dw == 1
             and 0 <= g.ph <= g.kh - 1 and 0 <= g.pw <= g.kw - 1
             and g.kh <= h + g.ph and g.kw <= w + g.pw)
 
@@ -70,16 +70,16 @@ def _inverse_flops(count, ph, pw, h, w):
     return 8.0 * h * ph * fw * count + 2.0 * count * h * 2 * fw * w
 
 
-def pass_flops(geom, n, c, o, h, w, weight_grad=True, input_grad=True, ranges=1):
+def pass_flops(geom, n, c, o, h, w, weight_grad=True, input_grad=True, ranges=1, group=1):
     """(forward, backward) FLOPs of the products FourierConvCore runs for an (n, c, h, w) input
-    and o outputs cut into `ranges` thread ranges: the transforms (the weight's included), the
-    per-frequency channel products and the inverses, exactly as the code calls them (tests hold
-    the GEMM meter to this)."""
+    and o outputs in `group` groups, cut into `ranges` thread ranges: the transforms (the
+    weight's included), the per-frequency channel products and the inverses, exactly as the code
+    calls them (tests hold the GEMM meter to this)."""
     g = geom
     out_h, out_w = g.conv_out(h, w)
     ph, pw = h + g.ph, w + g.pw
-    channel = 8.0 * ph * (pw // 2 + 1) * n * c * o
-    weight = _transform_flops(c * o, ph, pw, g.kh, g.kw)
+    channel = 8.0 * ph * (pw // 2 + 1) * n * c * o / group
+    weight = _transform_flops(c * o // group, ph, pw, g.kh, g.kw)
     forward = (_transform_flops(n * c, ph, pw, h, w) + weight + channel
                + _inverse_flops(n * o, ph, pw, out_h, out_w))
     backward = 0.0
@@ -88,19 +88,20 @@ def pass_flops(geom, n, c, o, h, w, weight_grad=True, input_grad=True, ranges=1)
     if input_grad:
         backward += weight + channel + _inverse_flops(n * c, ph, pw, h, w)
     if weight_grad:
-        backward += channel + ranges * _inverse_flops(o * c, ph, pw, g.kh, g.kw)
+        backward += channel + ranges * _inverse_flops(o * c // group, ph, pw, g.kh, g.kw)
     return forward, backward
 
 
-def fourier_flops(geom, n, c, o, h, w, ranges=1):
+def fourier_flops(geom, n, c, o, h, w, ranges=1, group=1):
     """(im2col FLOPs, Fourier FLOPs, bytes of weight spectrum the channel products read) of
-    forward + both gradients for an (n, c, h, w) input cut into `ranges` thread ranges."""
+    forward + both gradients for an (n, c, h, w) input in `group` groups, cut into `ranges`
+    thread ranges."""
     g = geom
     out_h, out_w = g.conv_out(h, w)
-    direct = 3 * 2.0 * n * out_h * out_w * c * o * g.kh * g.kw
+    direct = 3 * 2.0 * n * out_h * out_w * c * o * g.kh * g.kw / group
     freqs = (h + g.ph) * ((w + g.pw) // 2 + 1)
-    spectrum = 3.0 * ranges * freqs * c * o * 8
-    return direct, sum(pass_flops(geom, n, c, o, h, w, ranges=ranges)), spectrum
+    spectrum = 3.0 * ranges * freqs * c * o / group * 8
+    return direct, sum(pass_flops(geom, n, c, o, h, w, ranges=ranges, group=group)), spectrum
 
 
 def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
@@ -108,7 +109,7 @@ def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
     its weight-spectrum traffic come to at most FOURIER_WORK_SHARE of im2col's FLOPs."""
     if not fourier_applies(geom, group, h, w):
         return False
-    direct, fourier, spectrum = fourier_flops(geom, n, c, o, h, w, ranges)
+    direct, fourier, spectrum = fourier_flops(geom, n, c, o, h, w, ranges, group)
     return fourier + SPECTRUM_FLOPS_PER_BYTE * spectrum <= FOURIER_WORK_SHARE * direct
 
 
@@ -182,8 +183,9 @@ class FourierConvCore:
 
     algorithm = "fourier"
 
-    def __init__(self, geom):
+    def __init__(self, geom, group=1):
         self.geom = geom
+        self.group = group
         self._plans = {}
         self._worker_buffers = {}
         self._kept = {}   # key -> (input shape, {worker: (lo, hi)}) of the X^ forward kept
@@ -237,11 +239,17 @@ class FourierConvCore:
         return out
 
     def _weight_spectrum(self, weight, plan, take):
-        """W^ (F, C, O) of weight (O, C, kh, kw) placed at (k - pad) mod P."""
+        """W^ (F, C/g, O) of weight (O, C/g, kh, kw) placed at (k - pad) mod P."""
         o, c, kh, kw = weight.shape
         wt = take((c, o, kh, kw), weight.dtype)
         wt[...] = weight.transpose(1, 0, 2, 3)
         return self._to_freq(wt, plan.of_kernel, plan, take)
+
+    def _group_slices(self, c, o):
+        """(input channel slice, output channel slice) of each group."""
+        cg, og = c // self.group, o // self.group
+        return [(slice(k * cg, (k + 1) * cg), slice(k * og, (k + 1) * og))
+                for k in range(self.group)]
 
     # ----- forward / backward ----------------------------------------------------------------------
     def forward(self, x, weight, out, bias=None, key=0):
@@ -256,6 +264,7 @@ class FourierConvCore:
         with scratch(xp).frame() as take:
             wconj = self._weight_spectrum(weight, plan, take)
             xp.conjugate(wconj, out=wconj)
+            groups = self._group_slices(c, o)
 
             def work(worker, lo, hi):
                 spec = self._wbuf(worker).get(f"xspec{key}", (plan.freqs, hi - lo, c),
@@ -264,7 +273,8 @@ class FourierConvCore:
                     self._to_freq(x[lo:hi], plan.of_input, plan, mine, out=spec)
                     kept[worker] = (lo, hi)
                     yspec = mine((plan.freqs, hi - lo, o), plan.complex)
-                    matmul(xp, spec, wconj, out=yspec)
+                    for cs, os_ in groups:
+                        matmul(xp, spec[:, :, cs], wconj[:, :, os_], out=yspec[:, :, os_])
                     dst = out[lo:hi]
                     self._from_freq(yspec, plan.to_output, plan, mine, dst)
                 if bias is not None:
@@ -287,11 +297,13 @@ class FourierConvCore:
         spectral = weight_diff is not None or dx is not None
         c, h, w = (dx.shape if dx is not None else shape)[1:] if spectral else (0, 0, 0)
         plan = self._plan(h, w, dy.dtype, xp) if spectral else None
+        groups = self._group_slices(c, o)
+        cg = c // self.group
         with scratch(xp).frame() as take:
             wspec_t = None
             if dx is not None:
                 wspec = self._weight_spectrum(weight, plan, take)
-                wspec_t = take((plan.freqs, o, c), plan.complex)
+                wspec_t = take((plan.freqs, o, cg), plan.complex)
                 wspec_t[...] = wspec.transpose(0, 2, 1)
 
             def work(worker, lo, hi):
@@ -305,7 +317,8 @@ class FourierConvCore:
                     dspec = self._to_freq(dy[lo:hi], plan.of_output, plan, mine)
                     if dx is not None:
                         xgrad = mine((plan.freqs, hi - lo, c), plan.complex)
-                        matmul(xp, dspec, wspec_t, out=xgrad)
+                        for cs, os_ in groups:
+                            matmul(xp, dspec[:, :, os_], wspec_t[:, os_], out=xgrad[:, :, cs])
                         self._from_freq(xgrad, plan.to_input, plan, mine, dx[lo:hi])
                     if weight_diff is not None:
                         if kept.get(worker) != (lo, hi):
@@ -313,9 +326,11 @@ class FourierConvCore:
                                                "differently from forward (the thread count "
                                                "changed in between)")
                         xp.conjugate(dspec, out=dspec)
-                        partial = mine((plan.freqs, o, c), plan.complex)
+                        partial = mine((plan.freqs, o, cg), plan.complex)
                         xspec = buf.get(f"xspec{key}", (plan.freqs, hi - lo, c), plan.complex, xp)
-                        matmul(xp, dspec.transpose(0, 2, 1), xspec, out=partial)
+                        for cs, os_ in groups:
+                            matmul(xp, dspec[:, :, os_].transpose(0, 2, 1), xspec[:, :, cs],
+                                   out=partial[:, os_])
                         # back to (O, C, kh, kw) here, so what outlives the pass is weight-sized
                         self._from_freq(partial, plan.to_kernel, plan, mine,
                                         buf.get("dw", weight.shape, dy.dtype, xp))
