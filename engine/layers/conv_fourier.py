@@ -36,16 +36,20 @@ from ..backend import get_array_module as _xp
 from ..gemm import matmul
 from .im2col import BufferCache, parallel, scratch
 
-# The cost rule (fourier_pays), fitted on the 2-core EPYC over ten layer shapes (cifar10_quick's,
-# VGG's 3x3 at 14-32 px with 32-512 channels, batches 10-128; forward + backward, both routes):
+# The cost rule (fourier_pays), fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
+# AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
+# forward + both gradients, both routes; docs/benchmarks.md has the table):
 # - the frequency route's products are smaller (K = C, or a plane side) and it adds transposing
 #   copies, so it must need at most FOURIER_WORK_SHARE of im2col's FLOPs;
 # - each channel product streams the whole weight spectrum (F x C x O complex, 10-30x the weight)
 #   once per thread range for only samples-per-thread rows, so with many channels and few samples
 #   that read, not the arithmetic, sets the time: it is charged SPECTRUM_FLOPS_PER_BYTE FLOPs per
-#   byte. Measured: cifar10_quick conv2 2.7x and conv3 1.7x faster; VGG's 512-channel 3x3 at
-#   14x14 1.5x faster at batch 64 but 2.7x slower at batch 10, where the rule keeps im2col.
-FOURIER_WORK_SHARE = 0.5
+#   byte.
+# With these, every shape measured faster by 10% or more on one route is given that route, but two
+# kept on im2col: 64 -> 64 3x3 on 32x32 at batch 32 (0.67 of im2col's time), and cifar10_quick's
+# conv1 when its input gradient is asked for (0.58). As a net's first layer it never is, and then
+# im2col is 1.6x faster. The others were within 10% either way.
+FOURIER_WORK_SHARE = 0.65
 SPECTRUM_FLOPS_PER_BYTE = 18.0
 
 
