@@ -19,8 +19,9 @@ the zero tail [H, P) whichever way it wraps (this needs p <= k - 1, so that Ho <
     forward         Y^ = X^ . conj(W^)        y = inverse(Y^) at j in [0, Ho)
     input gradient  dX^ = dY^ . W^            dx = inverse(dX^) at i in [0, H)
     weight gradient dW^ = conj(dY^) . X^      dw[k] = inverse(dW^) at (k - p) mod P
-where "." is, per frequency, the matrix product over channels (or over samples, for dW).
-The weight gradient reuses X^ kept from forward; dY^ serves both gradients.
+where "." is, per frequency, the matrix product over channels (or over samples, for dW); with
+groups, one such product per group on its slice of the channels. The weight gradient reuses X^
+kept from forward; dY^ serves both gradients.
 
 Layout. A transform takes real (B, C, H, W) to complex (F, B, C), F = Ph * Fw, in two products:
 the last axis against a real (W, 2Fw) [cos | -sin] matrix, whose (re, im) pairs are read back as
@@ -167,7 +168,8 @@ class _Plan:
 
         def inverse(pos_h, pos_w):
             full, real = _inverse_matrices(self.ph, self.pw, pos_h, pos_w)
-            return put(real, full)[::-1]
+            real_w, full_h = put(real, full)
+            return full_h, real_w
 
         self.of_input = forward(range(h), range(w))
         self.of_output = forward(range(self.out_h), range(self.out_w))
