@@ -2,9 +2,11 @@
 
 The arithmetic lives in `_ConvCore`, which both layers share: Deconvolution is the transpose of
 Convolution, so its forward is the convolution's input gradient and its input gradient is the
-convolution's forward (exactly as Caffe's deconv_layer.cpp does it).
+convolution's forward (exactly as Caffe's deconv_layer.cpp does it). A Convolution layer may
+instead run in the frequency domain (`conv_fourier.FourierConvCore`, same interface): reshape
+picks the route per layer and input size (`_pick_core`, POSEIDON_CONV).
 
-How the work is laid out (the column layout is in im2col.py, the threads in im2col.parallel):
+How the im2col work is laid out (the column layout is in im2col.py, the threads in im2col.parallel):
 - the input is copied once into a zero-padded channels-last buffer (N, Hp, Wp, C); a window's row
   of kw pixels is then kw*C contiguous numbers, so im2col is one copy from a strided view whose
   inner runs are kw*C long (640 bytes for a 5x5 kernel on 32 channels) instead of Wo-cell image
