@@ -38,7 +38,7 @@ def expected_flops(net, li):
     """The textbook count (a direct convolution's), or for a layer on the frequency route the
     count of its transforms and channel products."""
     layer = net.layers[li]
-    if getattr(getattr(layer, "core", None), "algorithm", None) != "fourier":
+    if getattr(layer, "algorithm", None) != "fourier":
         return layers.gemm_flops(net, li)
     n, c, h, w = net.bottom_vecs[li][0].shape
     return pass_flops(layer.geom, n, c, layer.num_output, h, w,

@@ -38,8 +38,8 @@ from ..gemm import matmul
 from ..layer import Layer, register
 from ..proto import caffe_pb2
 from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
-from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, nhwc_col2im, nhwc_window_view,
-                     parallel)
+from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, nhwc_col2im,
+                     nhwc_window_view, parallel)
 
 
 ALGORITHMS = ("auto", "im2col", "fourier")
@@ -68,17 +68,11 @@ class _ConvCore:
         self.geom = geom
         self.group = group
         self.buffers = BufferCache()
-        self._worker_buffers = {}
+        self._wbuf = WorkerBuffers()
         self.sources = {}
         g = geom
         self.pointwise = (g.kh == 1 and g.kw == 1 and g.sh == 1 and g.sw == 1
                           and g.ph == 0 and g.pw == 0)
-
-    def _wbuf(self, worker):
-        buf = self._worker_buffers.get(worker)
-        if buf is None:
-            buf = self._worker_buffers[worker] = BufferCache()
-        return buf
 
     def _chunks(self, lo, hi, out_h, row_bytes, xp, whole_samples=False):
         """(first sample, samples, first row, end row) pieces of samples lo..hi whose columns
@@ -460,6 +454,11 @@ class ConvolutionLayer(Layer):
         for t in top:
             t.reshape(n, self.num_output, out_h, out_w)
         self.core = self._pick_core(n, h, w)
+
+    @property
+    def algorithm(self):
+        """'im2col' or 'fourier': the route this layer's last reshape picked."""
+        return self.core.algorithm
 
     def _pick_core(self, n, h, w):
         """im2col or the frequency route (conv_fourier) for this input size: Caffe's own engine

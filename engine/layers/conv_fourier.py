@@ -35,7 +35,7 @@ import numpy
 
 from ..backend import get_array_module as _xp
 from ..gemm import matmul
-from .im2col import BufferCache, parallel, scratch
+from .im2col import WorkerBuffers, parallel, scratch
 
 # The cost rule (fourier_pays), fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
 # AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
@@ -193,14 +193,8 @@ class FourierConvCore:
         self.geom = geom
         self.group = group
         self._plans = {}
-        self._worker_buffers = {}
+        self._wbuf = WorkerBuffers()
         self._kept = {}   # key -> (input shape, {worker: (lo, hi)}) of the X^ forward kept
-
-    def _wbuf(self, worker):
-        buf = self._worker_buffers.get(worker)
-        if buf is None:
-            buf = self._worker_buffers[worker] = BufferCache()
-        return buf
 
     def _plan(self, h, w, dtype, xp):
         key = (h, w, numpy.dtype(dtype).str, xp.__name__)
@@ -300,11 +294,14 @@ class FourierConvCore:
         if weight_diff is not None and (shape is None or shape[0] != n):
             raise RuntimeError("Fourier convolution: backward without a forward on this batch "
                                "(the weight gradient needs the input's spectrum)")
-        spectral = weight_diff is not None or dx is not None
-        c, h, w = (dx.shape if dx is not None else shape)[1:] if spectral else (0, 0, 0)
-        plan = self._plan(h, w, dy.dtype, xp) if spectral else None
+        cg = weight.shape[1]
+        c = cg * self.group
         groups = self._group_slices(c, o)
-        cg = c // self.group
+        spectral = weight_diff is not None or dx is not None
+        plan = None
+        if spectral:
+            h, w = (dx.shape if dx is not None else shape)[2:]
+            plan = self._plan(h, w, dy.dtype, xp)
         with scratch(xp).frame() as take:
             wspec_t = None
             if dx is not None:

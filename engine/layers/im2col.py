@@ -111,6 +111,27 @@ class BufferCache:
         self._arrays.clear()
 
 
+class WorkerBuffers:
+    """One BufferCache per worker thread, made on first use: `bufs(worker)`, with the worker
+    index that parallel().run passes, gives that thread's scratch and partials, which no other
+    thread touches."""
+
+    def __init__(self):
+        self._caches = {}
+
+    def __call__(self, worker):
+        buf = self._caches.get(worker)
+        if buf is None:
+            buf = self._caches[worker] = BufferCache()
+        return buf
+
+    def values(self):
+        return self._caches.values()
+
+    def clear(self):
+        self._caches.clear()
+
+
 class ScratchArena:
     """Per-thread scratch memory that every layer shares: one flat buffer, handed out in frames.
 

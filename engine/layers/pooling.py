@@ -27,7 +27,7 @@ import numpy
 
 from ..backend import get_array_module
 from ..layer import Layer, register
-from .im2col import NEG_FLT_MAX, BufferCache, Geometry, offset_slices, parallel
+from .im2col import NEG_FLT_MAX, BufferCache, Geometry, WorkerBuffers, offset_slices, parallel
 
 MAX, AVE, STOCHASTIC = 0, 1, 2
 CEIL, FLOOR = 0, 1
@@ -258,7 +258,7 @@ class PoolingLayer(Layer):
         self.round_mode = int(pp.round_mode)
         self.geom = Geometry(kh, kw, sh, sw, ph, pw, 1, 1)
         self.buffers = BufferCache()
-        self._worker_buffers = {}
+        self._wbuf = WorkerBuffers()   # scratch of one worker thread (one sample range each)
         self._plan = None
         self._plan_key = None
 
@@ -296,7 +296,7 @@ class PoolingLayer(Layer):
             self._plan = _Plan(h, w, out_h, out_w, g, x.dtype, self.xp)
             self._plan_key = key
             self.buffers.clear()   # padded buffers keep their border only for one geometry
-            self._worker_buffers.clear()
+            self._wbuf.clear()
 
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, bottom, top):
@@ -326,13 +326,6 @@ class PoolingLayer(Layer):
             return
         parallel().run(lambda worker, lo, hi: self._forward_grid(
             x[lo:hi], y[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
-
-    def _wbuf(self, worker):
-        """Scratch buffers of one worker thread (one sample range each, see im2col.parallel)."""
-        buf = self._worker_buffers.get(worker)
-        if buf is None:
-            buf = self._worker_buffers[worker] = BufferCache()
-        return buf
 
     def _forward_grid(self, x, y, plan, buffers, xp):
         n, c = x.shape[:2]

@@ -187,7 +187,7 @@ def test_layers_share_scratch_so_memory_does_not_grow_with_depth(monkeypatch):
         top[0].diff[...] = 1
         layer.backward(top, [True], bottom)
         sizes.append(module.scratch(numpy)._flat.size)
-        own = sum(a.nbytes for b in layer.core._worker_buffers.values()
+        own = sum(a.nbytes for b in layer.core._wbuf.values()
                   for a in b._arrays.values())
         spectrum = layer.core._plan(8, 8, numpy.float64, numpy).freqs * 16 * 16 * 16
         assert own < 2 * x.nbytes + spectrum   # X^ + partials, not several weight spectra

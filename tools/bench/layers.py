@@ -107,9 +107,8 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
             ff, bf = gemm_flops(net, li)
             row = {"name": name, "type": layer.type, "forward_ms": stats(fwd[li]),
                    "backward_ms": stats(bwd[li])}
-            core = getattr(layer, "core", None)
-            if core is not None:   # im2col or fourier: see engine/layers/conv.py
-                row["algorithm"] = core.algorithm
+            if getattr(layer, "algorithm", None):   # im2col or fourier: engine/layers/conv.py
+                row["algorithm"] = layer.algorithm
             if ff:
                 tf = row["forward_ms"]["median"] / 1e3
                 tb = row["backward_ms"]["median"] / 1e3

@@ -64,9 +64,8 @@ def run(args):
     for li, name in enumerate(net.layer_names):
         out(f"{name:>20s}\tforward: {fwd[li] / n * 1e3:.4f} ms.")
         out(f"{name:>20s}\tbackward: {bwd[li] / n * 1e3:.4f} ms.")
-    algorithms = [f"{name} {layer.core.algorithm}" for name, layer in
-                  zip(net.layer_names, net.layers) if hasattr(getattr(layer, "core", None),
-                                                              "algorithm")]
+    algorithms = [f"{name} {layer.algorithm}" for name, layer in zip(net.layer_names, net.layers)
+                  if getattr(layer, "algorithm", None)]
     if algorithms:   # which convolution route each layer took (POSEIDON_CONV, conv_fourier)
         out(f"Convolution algorithms: {', '.join(algorithms)}")
     out(f"Average Forward pass: {fwd_total / n * 1e3:.4f} ms.")
