@@ -13,25 +13,21 @@ state. Every worker computes the same numbers in the same order, so the replicas
 identical.
 
 Cost: the layer's own backward skips its local weight gradient (`prepare` sets the layer's
-`defer_weight_grad`: the rebuild covers it), and on the CPU the rebuild and the update go together
-block by block of weight rows (REBUILD_BLOCK_ELEMENTS), so each gradient block is updated while it is
-still in cache and no weight-sized gradient is ever written to memory or allocated per iteration.
+`defer_weight_grad`: the rebuild covers it), and the rebuild and the update go together block by
+block of weight rows (engine/solvers/factored.py, which the single-process solver uses too), so
+each gradient block is updated while it is still in cache and no weight-sized gradient is ever
+written to memory or allocated per iteration.
 """
 import numpy
 
+from engine.layers.im2col import WorkerBuffers
+from engine.solvers.factored import update_from_factors
 from engine.solvers.solver import all_finite
 
 from .cost import sfb_cost
 from .errors import DistError
 from .schemes import Scheme, register_scheme
 from .transport import Msg
-
-# Rows of the weight rebuilt and updated together: about this many elements (4 MiB of float32,
-# within the last-level cache), and at least MIN_BLOCK_ROWS rows (OpenBLAS is slow on GEMMs with
-# fewer rows). On a GPU the whole weight is one block.
-REBUILD_BLOCK_ELEMENTS = 1 << 20
-MIN_BLOCK_ROWS = 64
-
 
 @register_scheme
 class SFBScheme(Scheme):
@@ -58,7 +54,7 @@ class SFBScheme(Scheme):
         self.peers = [r for r in w.roles.worker_ranks() if r != w.rank]
         self.receipts = []
         self._own = None
-        self._block = None                      # the rebuilt gradient block, reused
+        self._buffers = WorkerBuffers()         # the rebuilt gradient blocks, reused
 
     @staticmethod
     def cost(rec, P1, P2):
@@ -133,27 +129,12 @@ class SFBScheme(Scheme):
         self._own = None
 
     def _rebuild_and_update(self, g_all, x_all, it):
-        """The weight's update from the stacked factors, block of rows by block of rows: each
-        gradient block is made by one GEMM into a reused buffer and updated at once."""
+        """The weight's update from the stacked factors, block of rows by block of rows."""
         w = self.worker
         p = w.book.params[self.weight]
-        value = w.net.learnable_params[self.weight].data
-        history = w.history[self.weight]
-        rows, row_len = value.shape[0], value.size // max(value.shape[0], 1)
-        if w.net.xp is numpy:
-            step = min(rows, max(MIN_BLOCK_ROWS, REBUILD_BLOCK_ELEMENTS // max(row_len, 1)))
-        else:
-            step = rows
-        if self._block is None or self._block.shape != (step, row_len):
-            self._block = w.net.xp.empty((step, row_len), value.dtype)
-        rate = w.rule.rate(it)
-        for lo in range(0, rows, step):
-            hi = min(lo + step, rows)
-            grad = self.layer.weight_grad_from_factors(g_all, x_all, out=self._block[:hi - lo],
-                                                       rows=(lo, hi))
-            w.rule.update(value[lo:hi], grad.reshape(value[lo:hi].shape),
-                          [h[lo:hi] for h in history], it, p["lr_mult"], p["decay_mult"],
-                          w.grad_scale, rate=rate)
+        update_from_factors(self.layer, w.rule, w.net.learnable_params[self.weight].data,
+                            w.history[self.weight], g_all, x_all, it, p["lr_mult"],
+                            p["decay_mult"], w.grad_scale, w.rule.rate(it), self._buffers)
 
     def _apply(self, pid, grad, it):
         w = self.worker

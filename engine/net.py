@@ -294,6 +294,10 @@ class Net:
         self.Backward()
         return loss
 
+    def sole_params(self):
+        """ids of the learnable parameters that one layer alone uses (not shared by name)."""
+        return self._sole_params
+
     def ClearParamDiffs(self):
         self.clear_diffs()
 

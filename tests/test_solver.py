@@ -226,17 +226,26 @@ base_lr: 0.1 lr_policy: "fixed" display: 0 max_iter: 1
                      "    Test net output #2: seq = 15"]
 
 
-def test_nan_gradient_stops_with_iteration_and_layer(tmp_path):
+@pytest.mark.parametrize("factored", [True, False])
+def test_nan_gradient_stops_with_iteration_and_layer(tmp_path, factored):
+    """A NaN in ip1's weight gradient: in its diff when the weight is updated from the diff, in
+    the top gradient (the factor G) when it is updated from factors (engine/solvers/factored.py)."""
     class Faulty(Solver):
         def forward_backward(self):
             loss = super().forward_backward()
             if self.iter == 3:
-                self.net.params["ip1"][0].diff[0, 1] = numpy.nan
+                if factored:
+                    self.net.blobs["ip1"].diff[0, 1] = numpy.nan
+                else:
+                    self.net.params["ip1"][0].diff[0, 1] = numpy.nan
             return loss
 
     text = (f'net_param {{ {net_text()} }} base_lr: 0.1 lr_policy: "fixed" max_iter: 10 '
             f'snapshot: 2 snapshot_prefix: "{tmp_path}/f"')
     solver = Faulty(text_format.Parse(text, caffe_pb2.SolverParameter()), xp=numpy)
+    assert [layer.name for _, _, layer in solver.factored.entries] == ["ip1", "ip2"]
+    if not factored:
+        solver.factored.entries = []
     with pytest.raises(PoseidonError, match=r"iteration 3: loss is .*layer 'ip1'.*param #0"):
         solver.solve()
     assert solver.iter == 3

@@ -207,21 +207,24 @@ def scratch(xp):
 # after each multi-threaded call, and one left spinning beside our threads halves their speed.
 # POSEIDON_THREADS=1 turns this off (one Python thread, BLAS threads untouched, batch-wide GEMMs);
 # so does a missing threadpoolctl. On CuPy everything runs as one range on the calling thread.
-def _column_block_bytes():
-    """Chunk size for the columns: twice the per-core L2 cache (from sysfs; 1 MiB when unknown).
-
-    Measured on the 2-core EPYC (1 MiB L2 per core): the conv GEMMs run at 85-97 GFLOP/s per core
-    on 512-1024-row chunks and at 55-70 on 2,500-8,000-row ones, and the cifar10_quick step was
-    fastest at 2 MiB (1-3 MiB within noise; 8 MiB, the old fixed value, 15-20% slower)."""
-    l2 = 1 << 20
+def l2_cache_bytes():
+    """The per-core L2 cache size from sysfs (1 MiB when it cannot be read)."""
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
             text = f.read().strip().upper()
         scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        l2 = int(text.rstrip("KM")) * scale
+        return int(text.rstrip("KM")) * scale
     except (OSError, ValueError):
-        pass
-    return max(1 << 19, min(2 * l2, 1 << 23))
+        return 1 << 20
+
+
+def _column_block_bytes():
+    """Chunk size for the columns: twice the per-core L2 cache.
+
+    Measured on the 2-core EPYC (1 MiB L2 per core): the conv GEMMs run at 85-97 GFLOP/s per core
+    on 512-1024-row chunks and at 55-70 on 2,500-8,000-row ones, and the cifar10_quick step was
+    fastest at 2 MiB (1-3 MiB within noise; 8 MiB, the old fixed value, 15-20% slower)."""
+    return max(1 << 19, min(2 * l2_cache_bytes(), 1 << 23))
 
 
 COLUMN_BLOCK_BYTES = _column_block_bytes()

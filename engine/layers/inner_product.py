@@ -19,9 +19,10 @@ class InnerProductLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     has_sufficient_factors = True
-    # Set (per iteration) by whoever rebuilds the weight gradient from sufficient_factors() instead
-    # (dist/sfb.py under SFB): backward then computes only the bias gradient and the bottom diff,
-    # and leaves the weight's diff alone, saving a K·M·N GEMM and a pass over the weight.
+    # Set (per iteration) by whoever makes the weight gradient from sufficient_factors() instead,
+    # block by block inside the update (engine/solvers/factored.py: the solver, and dist/sfb.py
+    # under SFB): backward then computes only the bias gradient and the bottom diff, and leaves
+    # the weight's diff alone, saving a K·M·N GEMM and two passes over the weight.
     defer_weight_grad = False
 
     def layer_setup(self, bottom, top):
@@ -142,13 +143,13 @@ class InnerProductLayer(Layer):
         x = bottom[0].data.reshape(self.k, self.n_in)
         return g, x
 
-    def weight_grad_from_factors(self, G, X, out=None, rows=None):
+    def weight_grad_from_factors(self, G, X, out=None, rows=None, split=True):
         """Weight gradient in this layer's weight layout from (stacked) factors G (K×M) and X (K×N):
         Gᵀ·X (M×N), or Xᵀ·G (N×M) with `transpose: true`. `rows=(lo, hi)` gives only those rows
         of it (a block of the weight's first axis, for an update made block by block while the
         block is in cache). Written into `out` (C-contiguous, the block's shape) when given, else
         into a new array; returns it. Large weights: the columns split over the cores, as in
-        forward and backward."""
+        forward and backward, unless `split` is False (a caller that runs one block per thread)."""
         lo, hi = (0, self.blobs[0].shape[0]) if rows is None else rows
         a, b = (X, G) if self.transpose else (G, X)             # block = a[:, lo:hi]ᵀ·b
         if out is None:
@@ -161,5 +162,8 @@ class InnerProductLayer(Layer):
         def part(c0, c1):                                       # output columns c0..c1
             matmul(self.xp, a, b[:, c0:c1], out=out[:, c0:c1])
 
-        self._split(out.shape[1], part)
+        if split:
+            self._split(out.shape[1], part)
+        else:
+            part(0, out.shape[1])
         return out

@@ -174,7 +174,7 @@ class UpdateRule:
         return lr_policy.current_step(self.param, it)
 
     def update(self, value, grad, state, it, lr_mult=1.0, decay_mult=1.0, grad_scale=1.0,
-               rate=None):
+               rate=None, split=True):
         """Apply one update to `value` and `state` in place. `grad` is the raw accumulated gradient
         and is used as scratch: its content afterwards is unspecified. `rate` (optional) is
         rate(it), for callers that already computed it.
@@ -182,7 +182,8 @@ class UpdateRule:
         Large numpy parameters are updated in blocks of BLOCK elements (the handful of passes of
         the rule then run in cache instead of main memory), the blocks split over the cores
         (engine.layers.im2col.parallel). The rule is elementwise, so every element gets the same
-        arithmetic in the same order as an update of the whole array."""
+        arithmetic in the same order as an update of the whole array. `split=False` keeps the
+        blocks on this thread (for a caller that gives each thread its own part)."""
         if rate is None:
             rate = self.rate(it)
         arrays = [value, grad] + list(state)
@@ -190,7 +191,6 @@ class UpdateRule:
                 or not all(a.flags.c_contiguous and a.size == value.size for a in arrays)):
             self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
             return
-        from ..layers.im2col import parallel
         flat = [a.reshape(-1) for a in arrays]
 
         def work(worker, lo, hi):
@@ -199,6 +199,10 @@ class UpdateRule:
                 v, g, *st = (x[a:b] for x in flat)
                 self._update(v, g, st, it, lr_mult, decay_mult, grad_scale, rate)
 
+        if not split:
+            work(0, 0, value.size)
+            return
+        from ..layers.im2col import parallel
         parallel().run(work, value.size, numpy, min_per_worker=BLOCK)
 
     def _update(self, value, grad, state, it, lr_mult, decay_mult, grad_scale, rate):

@@ -32,6 +32,7 @@ from ..layer import TEST, TRAIN
 from ..io import manifest
 from ..proto import caffe_pb2
 from . import rules
+from .factored import FactoredWeights, update_from_factors
 
 log = logging.getLogger("poseidon")
 
@@ -135,6 +136,8 @@ class Solver:
         self.iter = 0
         self.history = [self.rule.init_state(p.data.shape, backend.get_array_module(p.data),
                                              p.data.dtype) for p in self.net.learnable_params]
+        self.factored = FactoredWeights(self.net)
+        self._deferred = {}                 # this iteration's weights updated from factors
         self.smoothed_loss = 0.0
         self._losses = []
         self.requested_early_exit = False
@@ -351,8 +354,32 @@ class Solver:
 
     # ----- seams ------------------------------------------------------------------------------------
     def clear_param_diffs(self):
-        """Zero every parameter gradient before the iteration's backward (Caffe's ClearParamDiffs)."""
-        self.net.ClearParamDiffs()
+        """Zero every parameter gradient before the iteration's backward (Caffe's ClearParamDiffs),
+        but for the weights updated from sufficient factors this iteration (engine/solvers/
+        factored.py): their layers skip the weight gradient, and nothing reads those diffs."""
+        self._defer(self.factored.active(self.param))
+        if not self._deferred:
+            self.net.ClearParamDiffs()
+            return
+        self.net.clear_diffs([b for pid, b in enumerate(self.net.learnable_params)
+                              if pid not in self._deferred])
+
+    def _defer(self, entries):
+        """Make `entries` [(param id, layer index, layer)] this iteration's factored weights (and
+        no other layer skip its weight gradient)."""
+        for _, _, layer in self.factored.entries:
+            layer.defer_weight_grad = False
+        self._deferred = {pid: (li, layer) for pid, li, layer in entries}
+        for li, layer in self._deferred.values():
+            layer.defer_weight_grad = True
+
+    def _param_grad_finite(self, pid):
+        """Whether parameter pid's gradient of this iteration is finite: its diff, or for a
+        factored weight its factors (G and X, from which the gradient will be made)."""
+        if pid in self._deferred:
+            li, layer = self._deferred[pid]
+            return all(all_finite(a) for a in self.factored.factors(li, layer))
+        return all_finite(self.net.learnable_params[pid].diff)
 
     def forward_backward(self):
         """iter_size forward and backward passes of the train net (gradients accumulate); the mean loss."""
@@ -367,13 +394,17 @@ class Solver:
         """Stop with a PoseidonError when the loss or a parameter gradient is not finite, naming the
         iteration and the first layer (in backward order) whose gradient is not finite."""
         params = self.net.learnable_params
-        if math.isfinite(loss) and math.isfinite(rules.global_norm_sq([b.diff for b in params])):
+        diffs = [b.diff for pid, b in enumerate(params) if pid not in self._deferred]
+        if (math.isfinite(loss) and math.isfinite(rules.global_norm_sq(diffs))
+                and all(self._param_grad_finite(pid) for pid in self._deferred)):
             return
+        pid_of = {id(b): pid for pid, b in enumerate(params)}
         culprit = None
         for li in reversed(range(len(self.net.layers))):
             layer = self.net.layers[li]
             for bi, blob in enumerate(layer.blobs):
-                if not all_finite(blob.diff):
+                pid = pid_of.get(id(blob))
+                if not (self._param_grad_finite(pid) if pid is not None else all_finite(blob.diff)):
                     culprit = (layer, bi)
                     break
             if culprit:
@@ -387,6 +418,7 @@ class Solver:
             layer, bi = culprit
             detail = (f"the first non-finite parameter gradient (in backward order) is in layer "
                       f"'{layer.name}' (type {layer.type}), param #{bi}")
+        self._defer([])                     # no update follows: backward is whole again
         raise PoseidonError(f"iteration {self.iter}: loss is {loss:g}; {detail}; lower base_lr or "
                             f"set clip_gradients (no snapshot was written)")
 
@@ -419,10 +451,18 @@ class Solver:
         if p.display and self.iter % p.display == 0:
             log.info(f"Iteration {self.iter}, lr = {_g(rate)}")
         scale = self.gradient_scale()
-        for blob, spec, state in zip(self.net.learnable_params, self.net.learnable_param_specs,
-                                     self.history):
-            self.rule.update(blob.data, blob.diff, state, self.iter, spec.lr_mult, spec.decay_mult,
-                             scale, rate=rate)
+        for pid, (blob, spec, state) in enumerate(zip(
+                self.net.learnable_params, self.net.learnable_param_specs, self.history)):
+            if pid in self._deferred:
+                li, layer = self._deferred[pid]
+                G, X = self.factored.factors(li, layer)
+                update_from_factors(layer, self.rule, blob.data, state, G, X, self.iter,
+                                    spec.lr_mult, spec.decay_mult, scale, rate,
+                                    self.factored.buffers)
+            else:
+                self.rule.update(blob.data, blob.diff, state, self.iter, spec.lr_mult,
+                                 spec.decay_mult, scale, rate=rate)
+        self._defer([])
 
     # ----- display and testing -----------------------------------------------------------------------
     def _update_smoothed_loss(self, loss, start_iter):
