@@ -15,13 +15,14 @@ On a GPU the whole weight is one block.
 """
 import numpy
 
-from ..layers.im2col import WorkerBuffers, l2_cache_bytes, parallel
+from ..layers.im2col import COLUMN_BLOCK_BYTES, WorkerBuffers, parallel
 
-# A block of the gradient fills about half a core's L2 cache (the factors' slices and the rule's
-# scratch take the rest); measured on the 2-core EPYC (2 MiB L2), fc_heavy's training step:
-# 1-2 MiB blocks 109-114 ms, 0.5 MiB 126-136 ms, the unfused path 124-131 ms. At least
+# A block of the gradient is twice a core's L2 cache, as the convolutions' column chunks
+# (engine/layers/im2col.COLUMN_BLOCK_BYTES). Measured on the 2-core EPYC (2 MiB L2), fc6's update
+# from factors, K = 32: 1 MiB blocks 59 ms on one thread and 44 on two, 2 MiB 54 and 41, 4 MiB 52
+# and 40; fc_heavy's training step against the diff path: 110-119 ms against 124-143. At least
 # MIN_BLOCK_ROWS rows, since OpenBLAS is slow on GEMMs with very few rows.
-BLOCK_BYTES = max(1 << 18, l2_cache_bytes() // 2)
+BLOCK_BYTES = COLUMN_BLOCK_BYTES
 MIN_BLOCK_ROWS = 16
 
 
