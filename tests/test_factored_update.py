@@ -127,6 +127,21 @@ def test_backward_outside_the_solver_makes_weight_gradients():
         assert solver.net.params[name][0].diff.any()
 
 
+def test_a_failed_step_leaves_backward_whole():
+    """An error between clearing and the update (here the data layer's) must not leave the
+    layers skipping their weight gradient."""
+    solver = make_solver()
+    data = solver.net.layer_dict["data"]
+
+    def broken(bottom, top):
+        raise RuntimeError("disk gone")
+
+    data.forward = broken
+    with pytest.raises(RuntimeError, match="disk gone"):
+        solver.step(1)
+    assert all(layer.defer_weight_grad is False for _, _, layer in solver.factored.entries)
+
+
 @pytest.mark.parametrize("extra", ["iter_size: 2", "clip_gradients: 0.5"])
 def test_whole_gradient_settings_use_the_diff(extra):
     """iter_size adds several passes' gradients, clip_gradients needs the norm of all of them

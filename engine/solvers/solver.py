@@ -316,6 +316,8 @@ class Solver:
                     self.requested_early_exit = True
                     break
         finally:
+            if self._deferred:                  # left by an early exit or an error mid-step
+                self._defer([])
             if bar is not None:
                 bar.close()
 
