@@ -26,10 +26,10 @@ RULES = {
 }
 
 
-def net_text(share=False, freeze=False):
+def net_text(share=False, freeze=False, side=False):
     """ToyData (tests/test_solver.py) -> ip1 (transpose: true) -> ReLU -> ip2 -> ip3 -> loss.
     `share`: ip3 reads ip1 too and uses ip2's weight, their outputs summed; `freeze`: ip2's
-    weight has lr_mult 0."""
+    weight has lr_mult 0; `side`: an InnerProduct on ip1 whose output reaches no loss."""
     ip2_param = ('param { name: "w2" lr_mult: %g } param { lr_mult: 2 decay_mult: 0 }'
                  % (0 if freeze else 1))
     if share:
@@ -57,6 +57,8 @@ layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
 layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" {ip2_param}
   inner_product_param {{ num_output: 6 weight_filler {{ type: "xavier" }} }} }}
 {tail}
+{'layer { name: "side" type: "InnerProduct" bottom: "ip1" top: "side" '
+ 'inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }' if side else ""}
 """
 
 
@@ -154,9 +156,12 @@ def test_whole_gradient_settings_use_the_diff(extra):
         numpy.testing.assert_array_equal(a, b)
 
 
-def test_shared_and_frozen_weights_are_not_factored():
+def test_shared_frozen_and_backward_free_weights_are_not_factored():
     assert names(make_solver(share=True)) == ["ip1", "ip4"]     # w2 is used by ip2 and ip3
     assert names(make_solver(freeze=True)) == ["ip1", "ip3"]    # ip2's weight is not learned
+    solver = make_solver(side=True)                               # no loss below 'side'
+    assert not solver.net.layer_need_backward[solver.net.layer_names.index("side")]
+    assert names(solver) == ["ip1", "ip2", "ip3"]
 
 
 def test_shared_weights_train_as_before():

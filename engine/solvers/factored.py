@@ -61,11 +61,12 @@ def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult
 class FactoredWeights:
     """Which weights of a net the single-process solver updates from factors, and their buffers.
 
-    A weight qualifies when its layer can give sufficient factors, the layer alone uses it (a
-    shared weight adds several layers' gradients) and it is learned (lr_mult != 0). Per
-    iteration the solver asks `active()`: none while iter_size > 1 (the factors of one pass are
-    not the iteration's gradient) or clip_gradients is set (its norm needs every gradient before
-    any update), and none on a GPU, where there is no cache to keep the blocks in."""
+    A weight qualifies when its layer can give sufficient factors and runs backward, the layer
+    alone uses it (a shared weight adds several layers' gradients) and it is learned
+    (lr_mult != 0). Per iteration the solver asks `active()`: none while iter_size > 1 (the
+    factors of one pass are not the iteration's gradient) or clip_gradients is set (its norm
+    needs every gradient before any update), and none on a GPU, where there is no cache to keep
+    the blocks in."""
 
     def __init__(self, net):
         self.net = net
@@ -77,7 +78,8 @@ class FactoredWeights:
                 continue
             weight = layer.blobs[0]
             pid = index.get(id(weight))
-            if pid is not None and id(weight) in sole and layer.param_propagate_down[0]:
+            if (pid is not None and id(weight) in sole and layer.param_propagate_down[0]
+                    and net.layer_need_backward[li]):
                 self.entries.append((pid, li, layer))
         self.buffers = WorkerBuffers()
 
