@@ -10,6 +10,7 @@ import numpy
 import pytest
 from google.protobuf import text_format
 
+from engine.errors import PoseidonError
 from engine.layers import im2col
 from engine.proto import caffe_pb2
 from engine.solvers import Solver, factored
@@ -140,6 +141,28 @@ def test_a_failed_step_leaves_backward_whole():
 
     data.forward = broken
     with pytest.raises(RuntimeError, match="disk gone"):
+        solver.step(1)
+    assert all(layer.defer_weight_grad is False for _, _, layer in solver.factored.entries)
+
+
+@pytest.mark.parametrize("passes", [0, 2])
+def test_backward_passes_by_hand_must_be_one(passes):
+    """A subclass that runs backward twice (or not at all) between clearing and the update would
+    get one pass's (or a stale) weight gradient from the factors: it is told instead."""
+    class ByHand(Solver):
+        def forward_backward(self):
+            loss = 0.0
+            for _ in range(passes):
+                loss += self.net.Forward()
+                self.net.Backward()
+            return loss / max(passes, 1)
+
+    text = (f'net_param {{ {net_text()} }} base_lr: 0.05 lr_policy: "fixed" display: 0 '
+            f'max_iter: 10 snapshot_after_train: false')
+    solver = ByHand(text_format.Merge(text, caffe_pb2.SolverParameter()), dtype=numpy.float64,
+                    xp=numpy)
+    with pytest.raises(PoseidonError, match=rf"layer 'ip1' ran backward {passes} times since "
+                                            r"clear_param_diffs\(\).*set iter_size"):
         solver.step(1)
     assert all(layer.defer_weight_grad is False for _, _, layer in solver.factored.entries)
 

@@ -24,6 +24,7 @@ class InnerProductLayer(Layer):
     # under SFB): backward then computes only the bias gradient and the bottom diff, and leaves
     # the weight's diff alone, saving a K·M·N GEMM and two passes over the weight.
     defer_weight_grad = False
+    deferred_passes = 0     # backward passes made while deferred (the solver checks it is one)
 
     def layer_setup(self, bottom, top):
         p = self.param.inner_product_param
@@ -103,6 +104,8 @@ class InnerProductLayer(Layer):
         g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
         w = self.blobs[0]
         grad_w = self.param_propagate_down[0] and not self.defer_weight_grad
+        if self.defer_weight_grad:
+            self.deferred_passes += 1
         grad_b = self.bias_term and self.param_propagate_down[1]
         # the diff still holds the zeros of ClearParamDiffs: write the gradient over it (one
         # pass over the weight); else make it in a scratch copy and add that (three passes)

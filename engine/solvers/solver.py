@@ -7,7 +7,8 @@ One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
   ClearParamDiffs -> test all nets when iter % test_interval == 0 (at iter 0 only if
   test_initialization) -> forward_backward() (iter_size passes, mean loss) -> check_finite(loss)
   -> smoothed loss and the display lines -> apply_update() (clip -> 1/iter_size -> regularize ->
-  rule, for every learnable parameter) -> iter += 1 -> snapshot when iter % snapshot == 0.
+  rule, for every learnable parameter; InnerProduct weights from their factors, block by block:
+  engine/solvers/factored.py) -> iter += 1 -> snapshot when iter % snapshot == 0.
 `clear_param_diffs`, `forward_backward`, `check_finite`, `apply_update`, `grad_norm_sq`, `test` and
 `snapshot` are the seams a distributed trainer overrides; the loop itself stays here.
 
@@ -371,6 +372,7 @@ class Solver:
         no other layer skip its weight gradient)."""
         for _, _, layer in self.factored.entries:
             layer.defer_weight_grad = False
+            layer.deferred_passes = 0
         self._deferred = {pid: (li, layer) for pid, li, layer in entries}
         for li, layer in self._deferred.values():
             layer.defer_weight_grad = True
@@ -457,6 +459,15 @@ class Solver:
                 self.net.learnable_params, self.net.learnable_param_specs, self.history)):
             if pid in self._deferred:
                 li, layer = self._deferred[pid]
+                if layer.deferred_passes != 1:
+                    passes = layer.deferred_passes
+                    self._defer([])
+                    raise PoseidonError(
+                        f"iteration {self.iter}: layer '{layer.name}' ran backward {passes} "
+                        f"times since clear_param_diffs(), but its weight is updated from the "
+                        f"factors of one pass (engine/solvers/factored.py): to add several "
+                        f"passes' gradients set iter_size in the solver, or call "
+                        f"clear_param_diffs() before each pass")
                 G, X = self.factored.factors(li, layer)
                 update_from_factors(layer, self.rule, blob.data, state, G, X, self.iter,
                                     spec.lr_mult, spec.decay_mult, scale, rate,
