@@ -97,3 +97,14 @@ def test_median_interval_brackets_the_median_and_narrows_with_more_rounds():
     assert median_interval(few) == [lo, hi]                      # fixed seed: reproducible
     lo2, hi2 = median_interval(many)
     assert lo2 < 0.08 < hi2 and hi2 - lo2 < (hi - lo) / 2
+
+
+def test_factored_ab_names_the_weights_and_times_both_paths(capsys):
+    """tools/bench/factored_ab.py (the A/B behind the factored update's figures) runs end to end."""
+    from tools.bench import factored_ab
+    factored_ab.main(["cifar10_quick", "1", "1"])
+    out = capsys.readouterr().out
+    assert "weights from factors: ip1, ip2; 1 rounds of 1 steps" in out
+    for side in ("from factors", "diff path"):
+        assert f"  {side}" in out and "median" in out
+    assert "parameters after the run:" in out
