@@ -10,13 +10,17 @@ turn about see the same moment, the same process and the same caches, so what di
 distributed path (the syncs' threads and messages, the server process, the barrier). Prints one
 JSON line: per-iteration seconds of each side, block by block; the CPU seconds per iteration of
 this process for each block and of the server process for each distributed block (from /proc,
-null where there is none); and the distributed side's exposed barrier wait per iteration (its
---stats records), so the overhead can be split into where it goes.
+null where there is none); the same per thread, summed over the blocks of each side (this
+process's threads by their Python names, the server's by their OS names); and the distributed
+side's exposed barrier wait per iteration (its --stats records), so the overhead can be split
+into where it goes.
 """
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -29,12 +33,50 @@ def _steps(solver, n):
     return times
 
 
+def _cpu_fields(path):
+    """utime + stime of a /proc stat file, in seconds (raises OSError/ValueError/IndexError)."""
+    with open(path, encoding="ascii", errors="replace") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_label(name):
+    """A thread's name without its index in a pool ('sync_1' -> 'sync', 'ZMQbg/IO/0' ->
+    'ZMQbg/IO'), so a pool's threads add up under one label; 'recv-0' (the receive thread of
+    rank 0) and 'recv--1' (the coordinator's) stay apart."""
+    return re.sub(r"[_/]\d+$", "", name) or name
+
+
+def thread_cpu(pid, names=None):
+    """{label: CPU seconds so far} of the threads of process pid, from /proc ({} where it cannot
+    say). Labels are the Python thread names given in `names` ({native id: name}) and otherwise
+    the OS's thread names (ZeroMQ names its own threads, Python's show as 'python')."""
+    out = {}
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            cpu = _cpu_fields(f"{base}/{tid}/stat")
+            with open(f"{base}/{tid}/comm", encoding="ascii", errors="replace") as f:
+                name = (names or {}).get(int(tid)) or f.read().strip()
+        except (OSError, ValueError, IndexError, AttributeError):
+            continue
+        label = _thread_label(name)
+        out[label] = out.get(label, 0.0) + cpu
+    return out
+
+
+def _own_thread_names():
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
 def _process_cpu(pid):
     """CPU seconds (user + system) of process pid so far, or None where /proc cannot say."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_fields(f"/proc/{pid}/stat")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
 
@@ -63,23 +105,37 @@ def main(argv=None):
         blocks = {"plain": [], "distributed": []}
         cpu = {"plain": [], "distributed": []}
         server_cpu = []
+        threads = {"plain": {}, "distributed": {}, "server": {}}   # label -> CPU seconds
         first_measured = distributed.iter
+        me = os.getpid()
         for r in range(rounds):
             order = ("plain", "distributed") if r % 2 == 0 else ("distributed", "plain")
             for side in order:
+                t0 = thread_cpu(me, _own_thread_names())
                 c0, s0 = time.process_time(), _process_cpu(server.pid)
+                w0 = thread_cpu(server.pid) if side == "distributed" else {}
                 blocks[side].append(_steps(plain if side == "plain" else distributed, block))
                 cpu[side].append((time.process_time() - c0) / block)
                 s1 = _process_cpu(server.pid)
+                _add_deltas(threads[side], t0, thread_cpu(me, _own_thread_names()))
                 if side == "distributed":
                     server_cpu.append(None if s0 is None or s1 is None else (s1 - s0) / block)
+                    _add_deltas(threads["server"], w0, thread_cpu(server.pid))
         distributed.finish()
         server.wait(timeout=60)
     finally:
         if server.poll() is None:
             server.kill()
-    print(json.dumps(dict(blocks, cpu=cpu, server_cpu=server_cpu,
+    measured = rounds * block
+    per_iteration = {side: {label: seconds / measured for label, seconds in sorted(t.items())}
+                     for side, t in threads.items()}
+    print(json.dumps(dict(blocks, cpu=cpu, server_cpu=server_cpu, threads=per_iteration,
                           barrier_s=_barrier_waits(stats, first_measured))))
+
+
+def _add_deltas(total, before, after):
+    for label, seconds in after.items():
+        total[label] = total.get(label, 0.0) + seconds - before.get(label, 0.0)
 
 
 def _barrier_waits(stats, first_iteration):

@@ -113,10 +113,24 @@ def _overhead_parts(parts):
     def ms(key):
         v = parts.get(key)
         return "n/a" if v is None else f"{v:.1f} ms"
-    return (f" Where it goes, per iteration (medians): this process's CPU {ms('worker_cpu_plain_ms')}"
+    text = (f" Where it goes, per iteration (medians): this process's CPU {ms('worker_cpu_plain_ms')}"
             f" plain vs {ms('worker_cpu_distributed_ms')} distributed, the server process "
             f"{ms('server_cpu_ms')} of CPU, and {ms('barrier_wait_ms')} of exposed barrier wait "
             f"(syncs still running when backward ends).")
+    threads = parts.get("threads_cpu_ms") or {}
+    dist_side, plain_side = threads.get("distributed") or {}, threads.get("plain") or {}
+    if dist_side:
+        def side(label):
+            d = f"{dist_side[label]:.2f}"
+            return f"{label} {d} / {plain_side[label]:.2f}" if label in plain_side else \
+                f"{label} {d}"
+        shown = [side(k) for k in sorted(dist_side, key=lambda k: -dist_side[k])
+                 if dist_side[k] >= 0.05]
+        server = [f"{k} {v:.2f}" for k, v in sorted((threads.get("server") or {}).items(),
+                                                     key=lambda kv: -kv[1]) if v >= 0.05]
+        text += (f" CPU per thread, ms per iteration (distributed / plain): {', '.join(shown)}"
+                 + (f"; server: {', '.join(server)}" if server else "") + ".")
+    return text
 
 
 def _why(part):
