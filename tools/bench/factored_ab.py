@@ -10,7 +10,6 @@ whether the parameters came out bitwise equal.
 import logging
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy
@@ -19,15 +18,7 @@ from engine.solvers import get_solver
 from engine.solvers.solver import log_to_stderr
 
 from . import nets
-
-
-def _steps(solver, n):
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        solver.step(1)
-        times.append(time.perf_counter() - t)
-    return times
+from .overhead_ab import timed_steps
 
 
 def main(argv=None):
@@ -43,11 +34,11 @@ def main(argv=None):
     factored = [layer.name for _, _, layer in solvers["from factors"].factored.entries]
     times = {key: [] for key in solvers}
     for key, solver in solvers.items():
-        _steps(solver, 2)                                   # warm-up: buffers, caches
+        timed_steps(solver, 2)                             # warm-up: buffers, caches
     for r in range(rounds):
         order = list(solvers) if r % 2 == 0 else list(solvers)[::-1]
         for key in order:
-            times[key] += _steps(solvers[key], steps)
+            times[key] += timed_steps(solvers[key], steps)
     print(f"{net.title}: weights from factors: {', '.join(factored) or 'none'}; "
           f"{rounds} rounds of {steps} steps")
     for key, t in times.items():

@@ -24,7 +24,8 @@ import threading
 import time
 
 
-def _steps(solver, n):
+def timed_steps(solver, n):
+    """Seconds of each of n single steps of solver."""
     times = []
     for _ in range(n):
         t = time.perf_counter()
@@ -100,8 +101,8 @@ def main(argv=None):
         session = dist.init(rank=0, **options)
         distributed = dist.DistributedSolver(get_solver(solver_path, **session.solver_kwargs()))
         plain = get_solver(solver_path)
-        _steps(plain, warmup)
-        _steps(distributed, warmup)
+        timed_steps(plain, warmup)
+        timed_steps(distributed, warmup)
         blocks = {"plain": [], "distributed": []}
         cpu = {"plain": [], "distributed": []}
         server_cpu = []
@@ -114,7 +115,7 @@ def main(argv=None):
                 t0 = thread_cpu(me, _own_thread_names())
                 c0, s0 = time.process_time(), _process_cpu(server.pid)
                 w0 = thread_cpu(server.pid) if side == "distributed" else {}
-                blocks[side].append(_steps(plain if side == "plain" else distributed, block))
+                blocks[side].append(timed_steps(plain if side == "plain" else distributed, block))
                 cpu[side].append((time.process_time() - c0) / block)
                 s1 = _process_cpu(server.pid)
                 _add_deltas(threads[side], t0, thread_cpu(me, _own_thread_names()))
