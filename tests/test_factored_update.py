@@ -1,4 +1,5 @@
-"""InnerProduct weights updated from sufficient factors, block by block (engine/solvers/factored.py).
+"""InnerProduct weights updated from sufficient factors, block by block
+(engine/solvers/factored.py).
 
 The reference is the solver's other path, which writes each weight gradient into the diff and
 updates from it (itself checked against Caffe's formulas in test_solver_rules.py and against
@@ -52,7 +53,8 @@ name: "factored"
 layer {{ name: "data" type: "Python" top: "data" top: "label"
   python_param {{ module: "tests.test_solver" layer: "ToyData" param_str: "8 0.5" }} }}
 layer {{ name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
-  inner_product_param {{ num_output: 24 transpose: true weight_filler {{ type: "gaussian" std: 0.3 }}
+  inner_product_param {{ num_output: 24 transpose: true
+                         weight_filler {{ type: "gaussian" std: 0.3 }}
                          bias_filler {{ type: "constant" value: 0.1 }} }} }}
 layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
 layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" {ip2_param}

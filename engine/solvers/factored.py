@@ -1,9 +1,10 @@
 """Weight updates made from sufficient factors, block by block, with the gradient never in memory.
 
-Why: an InnerProduct layer's weight gradient on K samples is Gᵀ·X (engine/layers/inner_product.py).
-Written out as a weight-sized array and read back by the update, it costs two more passes over the
-weight in main memory, for fc6 of AlexNet (151 MB) about as long as the GEMM that makes it. Made
-instead in blocks of rows that fit a core's L2 cache, each block is updated while it is still there.
+Why: an InnerProduct layer's weight gradient on K samples is Gᵀ·X
+(engine/layers/inner_product.py). Written out as a weight-sized array and read back by the
+update, it costs two more passes over the weight in main memory, for fc6 of AlexNet (151 MB)
+about as long as the GEMM that makes it. Made instead in blocks of rows that fit a core's L2
+cache, each block is updated while it is still there.
 Each thread takes one range of rows and runs its own GEMMs and its own part of the rule, so no block
 waits on another thread. Every element gets the same dot product and the same elementwise rule as
 in the whole-array path, so the parameters come out the same.
