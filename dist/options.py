@@ -123,6 +123,10 @@ def add_dist_options(parser):
                    "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
     g.add_argument("--insecure", action="store_true", help="no CURVE authentication or "
                    "encryption (experiments on a trusted network only)")
+    g.add_argument("--comm-priority", choices=("normal", "idle"), default="normal",
+                   help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
+                   "(Linux), taking only cores the training leaves free; for jobs whose "
+                   "processes share one machine's cores (default normal)")
     return parser
 
 
@@ -147,7 +151,8 @@ class DistOptions:
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
-              "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0}
+              "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0,
+              "comm_priority": "normal"}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -162,6 +167,8 @@ class DistOptions:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
         check_consistency(self)
+        from .priority import check
+        check(self.comm_priority)
 
     @classmethod
     def from_args(cls, args):

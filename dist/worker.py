@@ -70,11 +70,15 @@ def _current_device(xp):
     return cupy.cuda.runtime.getDevice()
 
 
-def _use_device(device):
-    """Pool threads start on CUDA device 0; make them use the worker's device."""
+def _start_sync_thread(device, idle):
+    """Pool threads start on CUDA device 0: make them use the worker's device; and lower them
+    under --comm-priority idle (dist/priority.py)."""
     if device is not None:
         import cupy
         cupy.cuda.Device(device).use()
+    if idle:
+        from .priority import idle_this_thread
+        idle_this_thread()
 
 
 def _g(x):
@@ -134,8 +138,15 @@ class DistributedSolver:
         self._zero_diffs = set()                # parameters whose diff is known to hold zeros
         self.syncers = {li: Syncer(self, li) for li in self.book.synced_layers()}
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
-                                       thread_name_prefix="sync", initializer=_use_device,
-                                       initargs=(_current_device(self.net.xp),))
+                                       thread_name_prefix="sync",
+                                       initializer=_start_sync_thread,
+                                       initargs=(_current_device(self.net.xp),
+                                                 opts.comm_priority == "idle"))
+        # --comm-priority idle: the threads the session has started so far, and once more after
+        # the first iteration for those made on first use (pyzmq's zero-copy collector and its
+        # context's I/O thread)
+        self._lower_comm = 2 if opts.comm_priority == "idle" else 0
+        self._lower_comm_threads()
         self.streams = StreamPool(len(self.syncers))
         self.timeline = Timeline(self.rank, enabled=bool(opts.timeline))
         self._stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
@@ -382,6 +393,12 @@ class DistributedSolver:
         for f in self._pending:
             f.cancel()
 
+    def _lower_comm_threads(self):
+        if self._lower_comm:
+            from .priority import compute_threads, idle_threads
+            idle_threads(keep=compute_threads())
+            self._lower_comm -= 1
+
     def _apply_update(self):
         """The BSP barrier: every layer's sync of this iteration must be done."""
         s = self.solver
@@ -402,6 +419,7 @@ class DistributedSolver:
             raise error
         stats = [f.result() for f in self._pending]
         self._pending = []
+        self._lower_comm_threads()
         barrier_s = time.time() - t0
         for st in stats:
             self.timeline.event(f"sync {st.name}", f"sync {st.scheme}", st.start, st.end,

@@ -65,3 +65,16 @@ def test_single_node_overhead_alternates_plain_and_distributed(tmp_path):
     low, high = out["overhead_interval95"]           # the bootstrap interval holds the median
     assert out["overhead_rounds"]["min"] <= low <= out["overhead"] <= high \
         <= out["overhead_rounds"]["max"]
+
+
+@pytest.mark.skipif(not dist_parts.comm_priority_supported(), reason="SCHED_IDLE is Linux-only")
+def test_single_node_overhead_passes_options_to_both_processes(tmp_path):
+    """Part c's second figure: the same A/B with --comm-priority idle (a bad option would fail
+    the child; the per-thread split shows the sync threads ran)."""
+    out = dist_parts.single_node_overhead(tmp_path, quick=True, threads=1,
+                                          options={"comm_priority": "idle"})
+    assert out["status"] == "measured", out.get("reason")
+    assert "sync" in out["where_it_goes"]["threads_cpu_ms"]["distributed"]
+    bad = dist_parts.single_node_overhead(tmp_path / "bad", quick=True, threads=1,
+                                          options={"comm_priority": "low"})
+    assert bad["status"] == "failed" and "--comm-priority takes normal or idle" in bad["reason"]

@@ -140,7 +140,14 @@ def _union(spans):
 
 
 # ----- c. single-node overhead ---------------------------------------------------------------------
-def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, warmup=3):
+def comm_priority_supported():
+    """Whether part c can also run with --comm-priority idle here (Linux)."""
+    from dist.priority import supported
+    return supported()
+
+
+def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, warmup=3,
+                         options=None):
     """The plain engine and 1 worker + 1 server (`--sync ps`) on the same solver file, in one
     child process taking turns in blocks of `block` iterations (tools/bench/overhead_ab.py), the
     order swapped every round; 8 rounds per run. Per round the ratio of the two blocks' medians;
@@ -160,7 +167,8 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "tools.bench.overhead_ab", str(solver_path),
-                               str(rounds), str(block), str(warmup)], cwd=str(folder), env=env,
+                               str(rounds), str(block), str(warmup), json.dumps(options or {})],
+                              cwd=str(folder), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
                               text=True)
     except subprocess.TimeoutExpired:

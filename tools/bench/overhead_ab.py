@@ -2,7 +2,9 @@
 process as worker 0 of `--workers 1 --servers 1 --sync ps`, the KV server a process of its own)
 train the same solver file side by side, in alternating blocks of iterations.
 
-    python -m tools.bench.overhead_ab SOLVER_FILE ROUNDS BLOCK WARMUP
+    python -m tools.bench.overhead_ab SOLVER_FILE ROUNDS BLOCK WARMUP [OPTIONS_JSON]
+
+(OPTIONS_JSON: more distributed options for both processes, e.g. '{"comm_priority": "idle"}'.)
 
 Why alternate inside one process: on a shared machine the load changes from second to second, and
 two separate processes also differ in memory layout and start-up; blocks of a few iterations taken
@@ -85,6 +87,7 @@ def _process_cpu(pid):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     solver_path, rounds, block, warmup = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    extra = json.loads(argv[4]) if len(argv) > 4 else {}
     import logging
     import dist
     from dist.transport import free_port
@@ -93,7 +96,7 @@ def main(argv=None):
     log_to_stderr(logging.WARNING)
     address = f"tcp://127.0.0.1:{free_port()}"
     stats = os.path.abspath("overhead-stats.jsonl")
-    options = dict(workers=1, servers=1, coordinator=address, sync="ps", stats=stats)
+    options = dict(workers=1, servers=1, coordinator=address, sync="ps", stats=stats, **extra)
     server = subprocess.Popen(
         [sys.executable, "-c", "import json, sys, dist; dist.init(**json.loads(sys.argv[1]))",
          json.dumps(dict(options, rank=1))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

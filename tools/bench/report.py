@@ -69,8 +69,12 @@ def targets(results):
         rows.append((TARGETS[2][0], TARGETS[2][1], "not measured", None))
     d = results.get("distributed") or {}
     c = d.get("single_node_overhead") or {}
+    idle = d.get("single_node_overhead_comm_idle") or {}
+    idle_text = (f"; with `--comm-priority idle` {100 * idle['overhead']:+.1f}%{_interval(idle)}"
+                 if idle.get("status") == "measured" else "")
     rows.append((TARGETS[3][0], TARGETS[3][1],
-                 f"{100 * c['overhead']:+.1f}%{_interval(c)}" if c.get("status") == "measured"
+                 f"{100 * c['overhead']:+.1f}%{_interval(c)}{idle_text}"
+                 if c.get("status") == "measured"
                  else _why(c), c["overhead"] <= 0.01 if c.get("status") == "measured" else None))
     t = d.get("transport") or {}
     rows.append((TARGETS[4][0], TARGETS[4][1],
@@ -262,6 +266,12 @@ def markdown(results):
                   + (f" (per round {_mm(c['overhead_rounds'], '{:+.1f}', 100)}%)"
                      if c.get("overhead_rounds") else "") + f". {c['note']}."
                   + _overhead_parts(c.get("where_it_goes")), ""]
+        idle = d.get("single_node_overhead_comm_idle") or {}
+        if idle.get("status") == "measured":
+            lines += [f"The same with `--comm-priority idle` (the sync path's threads and the "
+                      f"server at SCHED_IDLE, dist/priority.py): overhead "
+                      f"{100 * idle['overhead']:+.1f}%{_interval(idle)}."
+                      + _overhead_parts(idle.get("where_it_goes")), ""]
     else:
         lines += [f"**c. Single-node overhead**: {_why(c)}", ""]
     t = d.get("transport") or {}
