@@ -30,13 +30,38 @@ def check(choice):
     if choice not in CHOICES:
         raise DistError(f"--comm-priority takes {' or '.join(CHOICES)}, got '{choice}'")
     if choice == "idle" and not supported():
-        raise DistError("--comm-priority idle needs Linux (SCHED_IDLE and /proc/self/task); "
-                        "leave it at normal here")
+        raise DistError("--comm-priority idle needs Linux (SCHED_IDLE and /proc/self/task) "
+                        "and a process allowed to lower its threads' priority; leave it at "
+                        "normal here")
+
+
+_SUPPORTED = None
 
 
 def supported():
-    return (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-            and os.path.isdir("/proc/self/task"))
+    """Linux with SCHED_IDLE, /proc/self/task, and a thread allowed to lower itself (a strict
+    seccomp profile may refuse it): probed once, on a short-lived thread."""
+    global _SUPPORTED
+    if _SUPPORTED is None:
+        _SUPPORTED = (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
+                      and os.path.isdir("/proc/self/task") and _probe())
+    return _SUPPORTED
+
+
+def _probe():
+    result = []
+
+    def lower():
+        try:
+            idle_this_thread()
+            result.append(os.sched_getscheduler(0) == os.SCHED_IDLE)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=lower, name="comm-priority-probe", daemon=True)
+    t.start()
+    t.join()
+    return bool(result and result[0])
 
 
 def idle_this_thread():
