@@ -182,7 +182,7 @@ class InformationBook:
     # ----- building -------------------------------------------------------------------------------
     @classmethod
     def build(cls, description, workers, servers, options, addresses=None, hosts=None,
-              solver_text=""):
+              solver_text="", local=None):
         """The book for a job: schemes by Algorithm 1, then the PS parameters cut into KV pairs and
         placed on the servers. Raises DistError when --servers 0 cannot work for this net."""
         sync = options.get("sync", "hybrid")
@@ -234,7 +234,8 @@ class InformationBook:
                 "itemsize": itemsize, "iter_size": iter_size, "grad_scale": scale,
                 "layers": layers, "params": params, "pairs": pairs, "bundles": bundles,
                 "addresses": {str(k): v for k, v in (addresses or {}).items()},
-                "hosts": {str(k): v for k, v in (hosts or {}).items()}, "solver": solver_text}
+                "hosts": {str(k): v for k, v in (hosts or {}).items()},
+                "local": {str(k): v for k, v in (local or {}).items()}, "solver": solver_text}
         return cls(data)
 
     # ----- Algorithm 1 and queries -----------------------------------------------------------------
@@ -271,6 +272,10 @@ class InformationBook:
 
     def address(self, rank):
         return self.data["addresses"][str(rank)]
+
+    def local(self, rank):
+        """The rank's Unix-socket inbox (dist/localipc.py), or None."""
+        return self.data.get("local", {}).get(str(rank))
 
     def digest(self):
         return digest({k: self.data[k] for k in ("layers", "params", "pairs", "bundles", "options",

@@ -127,6 +127,7 @@ class Coordinator:
             workers0["description"], roles.workers, roles.servers, workers0["options"],
             addresses={r: info["address"] for r, info in self.registered.items()},
             hosts={r: info["host"] for r, info in self.registered.items()},
+            local={r: info.get("local") for r, info in self.registered.items()},
             solver_text=workers0.get("solver", ""))
         for rank in range(roles.size):
             self.transport.send(rank, Msg.BOOK, obj=self.book.data)
@@ -325,7 +326,7 @@ class CoordinatorClient:
         """Send this rank's info; wait for the book (every rank must register first)."""
         t = self.transport
         t.send(COORDINATOR, Msg.REGISTER, obj=dict(info, rank=t.rank, address=t.address,
-                                                  host=socket.gethostname()))
+                                                  local=t.local_info, host=socket.gethostname()))
         t.beat_to_coordinator(True)
         try:
             msg = t.receive(Msg.BOOK, 0, 0, timeout=self.start_timeout,

@@ -127,6 +127,10 @@ def add_dist_options(parser):
                    help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
                    "(Linux), taking only cores the training leaves free; for jobs whose "
                    "processes share one machine's cores (default normal)")
+    g.add_argument("--ipc", choices=("auto", "off"), default="auto",
+                   help="auto: processes of the job on one host talk over Unix sockets in "
+                   "private folders, without CURVE (only this user can reach them); off: TCP "
+                   "between every pair, as between hosts (default auto)")
     return parser
 
 
@@ -152,7 +156,7 @@ class DistOptions:
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0,
-              "comm_priority": "normal"}
+              "comm_priority": "normal", "ipc": "auto"}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -169,6 +173,9 @@ class DistOptions:
         check_consistency(self)
         from .priority import check
         check(self.comm_priority)
+        if self.ipc not in ("auto", "off"):
+            from .errors import DistError
+            raise DistError(f"ipc={self.ipc!r}: use 'auto' or 'off'")
 
     @classmethod
     def from_args(cls, args):

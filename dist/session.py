@@ -81,7 +81,7 @@ class Session:
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
-                                      roles=self.roles)
+                                      roles=self.roles, local_ipc=options.ipc == "auto")
         self.transport.mailbox.owner = self.name               # for the stall inspector
         self.transport.mailbox.stall_warning = options.stall_warning
         self.transport.bind(address)      # this address only (127.0.0.1 for a local job)
@@ -122,7 +122,12 @@ class Session:
         peers = (range(self.roles.size) if self.is_worker else self.roles.worker_ranks())
         for r in peers:
             if r != self.rank:
-                self.transport.connect(r, self.book.address(r))
+                self.transport.connect(r, self.book.address(r), self.book.local(r))
+        local = sorted(self.roles.short(r) for r, how in self.transport.routes.items()
+                       if how == "ipc")
+        if local:
+            self.log(f"{self.name}: {', '.join(local)} on this host: Unix sockets, no CURVE "
+                     f"(--ipc off for TCP)")
         return self.book
 
     def server_rank(self, server_index):

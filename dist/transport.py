@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 import numpy
 import zmq
 
-from . import security
+from . import localipc, security
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 
@@ -417,7 +417,8 @@ class ZmqTransport(Transport):
     coordinator; a receive thread; counters of payload and header bytes sent and received."""
 
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
-                 heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None):
+                 heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None,
+                 local_ipc=False):
         from .checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
@@ -429,8 +430,11 @@ class ZmqTransport(Transport):
         self._inbox = self.ctx.socket(zmq.ROUTER if router else zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.setsockopt(zmq.RCVHWM, 0)
-        if keys is not None:
-            security.secure_server(self._inbox, keys)
+        self._local_wanted = bool(local_ipc) and not router and localipc.supported()
+        self.local = None                            # localipc.LocalInbox once bound
+        self.local_info = None                       # what peers need to reach and verify it
+        self._secured = False
+        self.routes = {}                             # rank -> 'ipc' or 'tcp'
         self.rules = WireRules(rank, roles, self._namer)
         self._taken = {}                             # (type, key) -> last iteration taken
         self._last_drop = {}                         # sender -> why its last message was dropped
@@ -459,7 +463,26 @@ class ZmqTransport(Transport):
 
     # ----- set-up ---------------------------------------------------------------------------------
     def bind(self, host="127.0.0.1", port=None):
-        """Bind the inbox on host (a free port unless given); returns the tcp:// address peers use."""
+        """Bind the inbox on host (a free port unless given); returns the tcp:// address peers use.
+
+        With local_ipc the inbox is first bound on a Unix socket in a private directory
+        (dist/localipc.py) with ZeroMQ's NULL mechanism, and only then made a CURVE server for
+        TCP: ZeroMQ copies a socket's security options into each endpoint when it is bound, so
+        the one inbox takes CURVE over TCP and NULL on the Unix socket only."""
+        if self._local_wanted and self.local is None:
+            try:
+                self.local = localipc.LocalInbox()
+                self._inbox.bind(self.local.endpoint)
+                self.local_info = self.local.describe()
+            except (OSError, zmq.ZMQError) as e:
+                logging.getLogger("poseidon").warning(
+                    f"{self.name}: no Unix-socket inbox ({e}); peers on this host use TCP")
+                if self.local is not None:
+                    self.local.close()
+                self.local = self.local_info = None
+        if self.keys is not None and not self._secured:
+            security.secure_server(self._inbox, self.keys)
+            self._secured = True
         bind_host = "*" if host in ("0.0.0.0", "*") else host
         if port:
             self._inbox.bind(f"tcp://{bind_host}:{port}")
@@ -476,21 +499,25 @@ class ZmqTransport(Transport):
         self.address = f"tcp://{host}:{port}"
         return self.address
 
-    def connect(self, rank, address):
-        """An outgoing socket to `rank` (a PUSH to its inbox, or a DEALER to the coordinator)."""
+    def connect(self, rank, address, local=None):
+        """An outgoing socket to `rank` (a PUSH to its inbox, or a DEALER to the coordinator):
+        to the Unix socket `local` describes when localipc.reachable admits it (same host, this
+        user; no CURVE), else to the TCP address (CURVE unless the job is insecure)."""
         with self._out_lock:
             if rank in self._out:
                 return
+            ipc = localipc.reachable(local) if local is not None else None
             sock = self.ctx.socket(zmq.DEALER if rank == COORDINATOR else zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
             sock.setsockopt(zmq.SNDHWM, 0)
             if rank == COORDINATOR:
                 sock.setsockopt(zmq.IDENTITY, struct.pack("<i", self.rank))
-            if self.keys is not None:
+            if self.keys is not None and ipc is None:
                 security.secure_client(sock, self.keys)
-            sock.connect(address)
+            sock.connect(ipc or address)
             self._out[rank] = (sock, threading.Lock())
+            self.routes[rank] = "ipc" if ipc else "tcp"
 
     def connected(self, rank):
         return rank in self._out
@@ -771,7 +798,8 @@ class ZmqTransport(Transport):
                     "dropped_messages": self.dropped_messages,
                     "received_by_type": dict(self.recv_types),
                     "refused_connections": self.gatekeeper.refused if self.gatekeeper else 0,
-                    "admitted_connections": self.gatekeeper.admitted if self.gatekeeper else 0}
+                    "admitted_connections": self.gatekeeper.admitted if self.gatekeeper else 0,
+                    "routes": {self._namer(r): how for r, how in sorted(self.routes.items())}}
 
     def close(self, linger=1.0):
         """Stop the receive thread and close the sockets; `linger` seconds to flush what is queued."""
@@ -787,6 +815,8 @@ class ZmqTransport(Transport):
         if self.gatekeeper is not None:
             self.gatekeeper.stop()
         self.ctx.term()
+        if self.local is not None:
+            self.local.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -78,6 +78,13 @@ def test_transport_target_compares_like_for_like():
            if r[0] == report.TARGETS[4][0]][0]
     assert "75% with CURVE on both (0.60 vs 0.80 GB/s)" in row[2]
     assert "--insecure vs plain 75% (1.50 vs 2.00 GB/s)" in row[2] and row[3] is True
+    assert "Unix sockets" not in row[2]             # written before the Unix-socket sides
+    t.update(kv_push_pull_ipc_Bps=s(2.4e9), raw_zmq_ipc_frames_Bps=s(3.0e9), ratio_ipc=0.8,
+             ratio_ipc_rounds=s(0.8))
+    row = [r for r in report.targets({"distributed": {"transport": t}})
+           if r[0] == report.TARGETS[4][0]][0]
+    assert row[2].endswith("; Unix sockets (one host) 80% (2.40 vs 3.00 GB/s)")
+    assert row[3] is True                           # the target stays the TCP CURVE ratio
     old = {k: t[k] for k in ("status", "kv_push_pull_Bps", "raw_zmq_frames_Bps")}
     old["ratio"] = 0.3
     row = [r for r in report.targets({"distributed": {"transport": old}})

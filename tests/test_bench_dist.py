@@ -78,3 +78,23 @@ def test_single_node_overhead_passes_options_to_both_processes(tmp_path):
     bad = dist_parts.single_node_overhead(tmp_path / "bad", quick=True, threads=1,
                                           options={"comm_priority": "low"})
     assert bad["status"] == "failed" and "--comm-priority takes normal or idle" in bad["reason"]
+
+
+def test_transport_measures_tcp_and_unix_socket_sides(tmp_path):
+    """Part d end to end (--quick: a 4 MiB parameter, one round): the KV jobs over TCP with CURVE,
+    with --insecure, and over Unix sockets, each beside raw ZeroMQ of the same route; the raw
+    Unix-socket side cleans up its folder."""
+    import glob
+    import tempfile
+    before = set(glob.glob(f"{tempfile.gettempdir()}/poseidon-raw-*"))
+    out = dist_parts.transport(tmp_path, quick=True, runs=1)
+    assert out["status"] == "measured", out.get("reason")
+    for key in ("kv_push_pull_Bps", "raw_zmq_curve_frames_Bps", "kv_push_pull_insecure_Bps",
+                "raw_zmq_frames_Bps", "kv_push_pull_ipc_Bps", "raw_zmq_ipc_frames_Bps"):
+        assert out[key]["median"] > 0, key
+    assert out["ratio_ipc"] == out["kv_push_pull_ipc_Bps"]["median"] / \
+        out["raw_zmq_ipc_frames_Bps"]["median"]
+    assert set(glob.glob(f"{tempfile.gettempdir()}/poseidon-raw-*")) == before
+    for side in ("kv", "kv_insecure", "kv_ipc"):     # each KV side took the route it names
+        log = (tmp_path / "transport" / f"{side}-0" / "output.log").read_text()
+        assert ("on this host: Unix sockets" in log) == (side == "kv_ipc"), (side, log[-2000:])

@@ -80,9 +80,12 @@ def alive(pid):
 
 
 # ----- multi-host form -----------------------------------------------------------------------------
-def test_multi_host_form_with_explicit_ranks(data, tmp_path):
+@pytest.mark.parametrize("ipc", ["auto", "off"])
+def test_multi_host_form_with_explicit_ranks(data, tmp_path, ipc):
     """Three separate processes, each with --coordinator and its own rank (rank 1 from mpirun's
-    OMPI_COMM_WORLD_RANK), train to the same parameters as one process on the combined batch."""
+    OMPI_COMM_WORLD_RANK), train to the same parameters as one process on the combined batch,
+    over Unix sockets between them (--ipc auto: they share this host) and over TCP with CURVE
+    (--ipc off)."""
     P1, P2, K, iters = 2, 1, 8, 8
     ref = get_solver(solver_param(fc_net(data, P1 * K), max_iter=iters), dtype=numpy.float64)
     weights = str(tmp_path / "init.caffemodel")
@@ -95,7 +98,7 @@ def test_multi_host_form_with_explicit_ranks(data, tmp_path):
     solver = write_solver(tmp_path / "job", fc_net(data, K), iters)
     address = f"tcp://127.0.0.1:{free_port()}"
     common = ["--solver", solver, "--workers", P1, "--servers", P2, "--coordinator", address,
-              "--dtype", "float64", "--weights", weights, "--timeout", 30]
+              "--dtype", "float64", "--weights", weights, "--timeout", 30, "--ipc", ipc]
     procs = []
     for rank in range(P1 + P2):
         e = env()
@@ -109,6 +112,12 @@ def test_multi_host_form_with_explicit_ranks(data, tmp_path):
     outs = [p.communicate(timeout=120)[0].decode() for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+        local = re.search(r": ([^:]*) on this host: Unix sockets", out)
+        if ipc == "off":
+            assert local is None, out
+        else:     # every rank reaches each peer it talks to over a Unix socket
+            peers = {0: "server 0, worker 1", 1: "server 0, worker 0", 2: "worker 0, worker 1"}
+            assert local is not None and local.group(1) == peers[rank], out
     snap = tmp_path / "job" / "snap" / f"run_iter_{iters}.caffemodel"
     assert snap.exists(), outs[0]
     proto = caffemodel.read_net_proto(str(snap))

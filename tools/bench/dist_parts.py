@@ -3,7 +3,8 @@
 
   c. single_node_overhead: 1 worker + 1 server through the distributed path vs the plain engine;
   d. transport: KV-store push + pull of a 64 MB parameter set vs raw ZeroMQ on the same loopback,
-     with CURVE on both sides (the default) and without (`--insecure`, plain ZeroMQ);
+     with CURVE on both sides (the default between hosts) and without (`--insecure`, plain
+     ZeroMQ), both over TCP (`--ipc off`); and over Unix sockets (the default on one host);
   e. scaling: 2 and 4 workers on fc_heavy and cifar10_quick under `--bandwidth` (default 1Gbit),
      for `--no-overlap --sync ps`, `--sync ps` (WFBP) and `--sync hybrid` (WFBP + HybComm).
 
@@ -13,6 +14,7 @@ fed from Input layers that nobody fills (zeros): compute and message sizes do no
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +28,7 @@ from .env import median_interval, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED_OPTIONS = ("workers", "servers", "sync", "no_overlap", "stats", "timeline", "bandwidth",
-                  "kv_pair_bytes")
+                  "kv_pair_bytes", "ipc")
 
 
 def status():
@@ -220,9 +222,9 @@ def _echo(sock, rounds):
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
-def raw_zmq(total_bytes, frame_bytes, runs, curve=False):
-    """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback to an
-    echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy); bytes/s
+def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
+    """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback (or,
+    with `ipc`, a Unix socket in a private directory, as dist/localipc.py binds) to an echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy); bytes/s
     counts both directions, as a push + pull does.
 
     Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
@@ -235,7 +237,8 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False):
     import zmq
     from dist import security
     from dist.transport import free_port
-    address = f"tcp://127.0.0.1:{free_port()}"
+    folder = tempfile.mkdtemp(prefix="poseidon-raw-") if ipc else None
+    address = f"ipc://{folder}/echo" if ipc else f"tcp://127.0.0.1:{free_port()}"
     n = max(1, total_bytes // frame_bytes)
     payload = [numpy.ones(frame_bytes // 4, numpy.float32) for _ in range(n)]
     keys = security.make_keys() if curve else None
@@ -269,6 +272,8 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False):
             gatekeeper.stop()
         client_ctx.term()
         echo_ctx.term()
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
     return stats(rates)
 
 
@@ -282,19 +287,24 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: 
 """
 
 
-# The four sides of part d, rotated every round: (name, KV job flags or None for raw, CURVE on).
-TRANSPORT_SIDES = (("kv", ["--sync", "ps"], True),
-                   ("raw_curve", None, True),
-                   ("kv_insecure", ["--sync", "ps", "--insecure"], False),
-                   ("raw", None, False))
+# The sides of part d, rotated every round: (name, KV job flags or None for raw, security), the
+# security being "curve" or "plain" over TCP, or "ipc" (Unix sockets, what one host uses).
+TRANSPORT_SIDES = (("kv", ["--sync", "ps", "--ipc", "off"], "curve"),
+                   ("raw_curve", None, "curve"),
+                   ("kv_insecure", ["--sync", "ps", "--insecure", "--ipc", "off"], "plain"),
+                   ("raw", None, "plain"),
+                   ("kv_ipc", ["--sync", "ps"], "ipc"),
+                   ("raw_ipc", None, "ipc"))
 
 
 def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
-    """Like for like, twice: the KV job as it runs by default (CURVE) against raw ZeroMQ with
-    CURVE, and the KV job with --insecure against plain raw ZeroMQ. Rounds of the four sides, the
-    order rotated every round; per round the KV rate is the median over the job's iterations
-    after the warm-up, a raw rate the median of its round trips, and the round's ratios KV / raw
-    of the same security. The figures are medians over rounds; the target is the CURVE ratio."""
+    """Like for like, three times: over TCP (`--ipc off`, as between hosts) the KV job with CURVE
+    (the default there) against raw ZeroMQ with CURVE, and the KV job with --insecure against
+    plain raw ZeroMQ; and the KV job as it runs on one host (Unix sockets) against raw ZeroMQ on
+    a Unix socket. Rounds of the six sides, the order rotated every round; per round the KV rate
+    is the median over the job's iterations after the warm-up, a raw rate the median of its
+    round trips, and the round's ratios KV / raw of the same security. The figures are medians
+    over rounds; the target is the CURVE ratio (the issue's loopback comparison)."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
@@ -316,11 +326,12 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     one_rounds, payload = [], None
     for r in range(rounds):
         k = r % len(TRANSPORT_SIDES)
-        for name, flags, curve in TRANSPORT_SIDES[k:] + TRANSPORT_SIDES[:k]:
+        for name, flags, security in TRANSPORT_SIDES[k:] + TRANSPORT_SIDES[:k]:
             if flags is None:
                 got[name].append(raw_zmq(total, DEFAULT_PAIR_BYTES, runs=measured,
-                                         curve=curve)["median"])
-                if not curve:
+                                         curve=security == "curve",
+                                         ipc=security == "ipc")["median"])
+                if security == "plain":
                     one_rounds.append(raw_zmq(total, total, runs=2 if quick else 3)["median"])
                 continue
             records, _, seconds, error = run_job(solver_path, 1, 1, folder / f"{name}-{r}",
@@ -339,6 +350,7 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
             got[name].append(float(numpy.median(rates)))
     ratios = [kv / raw for kv, raw in zip(got["kv"], got["raw_curve"])]
     ratios_plain = [kv / raw for kv, raw in zip(got["kv_insecure"], got["raw"])]
+    ratios_ipc = [kv / raw for kv, raw in zip(got["kv_ipc"], got["raw_ipc"])]
     return {"status": "measured", "parameter_bytes": total, "kv_pair_bytes": DEFAULT_PAIR_BYTES,
             "rounds": rounds,
             "kv_push_pull_Bps": stats(got["kv"]),
@@ -349,17 +361,23 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
             "ratio": float(numpy.median(ratios)), "ratio_rounds": stats(ratios),
             "ratio_insecure": float(numpy.median(ratios_plain)),
             "ratio_insecure_rounds": stats(ratios_plain),
-            "compared": "ratio: KV with CURVE (the default) / raw ZeroMQ with CURVE; "
-                        "ratio_insecure: KV with --insecure / plain raw ZeroMQ",
+            "kv_push_pull_ipc_Bps": stats(got["kv_ipc"]),
+            "raw_zmq_ipc_frames_Bps": stats(got["raw_ipc"]),
+            "ratio_ipc": float(numpy.median(ratios_ipc)), "ratio_ipc_rounds": stats(ratios_ipc),
+            "compared": "ratio: KV with CURVE over TCP (the default between hosts) / raw ZeroMQ "
+                        "with CURVE; ratio_insecure: KV with --insecure over TCP / plain raw "
+                        "ZeroMQ; ratio_ipc: KV over Unix sockets (the default on one host) / "
+                        "raw ZeroMQ on a Unix socket",
             "payload_per_sync": payload,
-            "note": "KV: 1 worker + 1 server, --sync ps, once as by default (CURVE) and once "
-                    "with --insecure; (sent + received payload) / the layer's sync time (push, "
-                    "server sum + update, pull), median over the job's iterations. Raw: a PAIR "
-                    "socket round trip of the same bytes as frames of the KV pair size to an "
-                    "echo thread, each end with its own one-I/O-thread context, once with "
-                    "CURVE set up as the job's sockets are (keys, ZAP handler) and once plain. "
-                    "Rounds of the four, the order rotated; a ratio = median over rounds of the "
-                    "round's KV / raw of the same security"}
+            "note": "KV: 1 worker + 1 server, --sync ps, over TCP (--ipc off) once with CURVE "
+                    "(the default between hosts) and once with --insecure, and once as on one "
+                    "host (Unix sockets, no CURVE); (sent + received payload) / the layer's sync "
+                    "time (push, server sum + update, pull), median over the job's iterations. "
+                    "Raw: a PAIR socket round trip of the same bytes as frames of the KV pair "
+                    "size to an echo thread, each end with its own one-I/O-thread context, over "
+                    "TCP with CURVE set up as the job's sockets are (keys, ZAP handler), over "
+                    "plain TCP, and over a Unix socket. Rounds of the six, the order rotated; a "
+                    "ratio = median over rounds of the round's KV / raw of the same security"}
 
 
 # ----- e. scaling under a bandwidth cap ---------------------------------------------------------------
@@ -403,7 +421,9 @@ def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), itera
             for r in range(rounds):
                 order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
                 for mode, flags in order:
-                    extra = flags + ["--bandwidth", bandwidth] if bandwidth else flags
+                    # --ipc off: the processes stand for hosts, so they talk as hosts do
+                    extra = flags + ["--ipc", "off"]
+                    extra += ["--bandwidth", bandwidth] if bandwidth else []
                     records, timeline, seconds, error = run_job(
                         solver_path, p1, p1, folder / f"{mode.replace(' ', '_')}-{r}",
                         extra=extra, timeout=420, threads=1)
@@ -414,7 +434,8 @@ def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), itera
     rounds = ", ".join(f"{k} {n}" for k, n in all_rounds.items())
     return {"status": "measured", "rows": results, "rounds": all_rounds,
             "hybrid_over_no_overlap": ratios,
-            "note": f"P1 workers and P2 = P1 servers on this machine, each process capped at "
+            "note": f"P1 workers and P2 = P1 servers on this machine, talking over TCP as "
+                    f"separate hosts would (--ipc off), each process capped at "
                     f"{bandwidth} of sends (--bandwidth) and given 1 thread (BLAS and the "
                     f"engine's own: POSEIDON_THREADS=1); rounds of one job per mode ({rounds}), "
                     f"the mode order rotated each round; iteration time = median over rounds of "

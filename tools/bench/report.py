@@ -95,10 +95,14 @@ def transport_text(t):
     if not t.get("raw_zmq_curve_frames_Bps"):
         return (f"{100 * t['ratio']:.0f}% ({gb('kv_push_pull_Bps'):.2f} vs "
                 f"{gb('raw_zmq_frames_Bps'):.2f} GB/s)")
-    return (f"{100 * t['ratio']:.0f}% with CURVE on both ({gb('kv_push_pull_Bps'):.2f} vs "
+    text = (f"{100 * t['ratio']:.0f}% with CURVE on both ({gb('kv_push_pull_Bps'):.2f} vs "
             f"{gb('raw_zmq_curve_frames_Bps'):.2f} GB/s); --insecure vs plain "
             f"{100 * t['ratio_insecure']:.0f}% ({gb('kv_push_pull_insecure_Bps'):.2f} vs "
             f"{gb('raw_zmq_frames_Bps'):.2f} GB/s)")
+    if t.get("kv_push_pull_ipc_Bps"):
+        text += (f"; Unix sockets (one host) {100 * t['ratio_ipc']:.0f}% "
+                 f"({gb('kv_push_pull_ipc_Bps'):.2f} vs {gb('raw_zmq_ipc_frames_Bps'):.2f} GB/s)")
+    return text
 
 
 def _interval(c):
@@ -279,16 +283,22 @@ def markdown(results):
         pair_mib = t["kv_pair_bytes"] / 2 ** 20
         lines += [f"**d. Transport** ({t['parameter_bytes'] / 2 ** 20:.0f} MiB parameter, "
                   f"{t['rounds']} rounds; GB/s, both directions counted):", "",
-                  f"| security | KV push+pull | raw ZeroMQ, {pair_mib:.0f} MiB frames | KV / raw |",
+                  f"| route and security | KV push+pull | raw ZeroMQ, {pair_mib:.0f} MiB frames "
+                  f"| KV / raw |",
                   "|---|---|---|---|",
-                  f"| CURVE (the default; the target) | "
+                  f"| TCP, CURVE (the default between hosts; the target) | "
                   f"{_mm(t['kv_push_pull_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['raw_zmq_curve_frames_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['ratio_rounds'], '{:.0f}', 100)}% |",
-                  f"| none (`--insecure`, plain ZeroMQ) | "
+                  f"| TCP, none (`--insecure`, plain ZeroMQ) | "
                   f"{_mm(t['kv_push_pull_insecure_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['raw_zmq_frames_Bps'], '{:.2f}', 1e-9)} | "
-                  f"{_mm(t['ratio_insecure_rounds'], '{:.0f}', 100)}% |", "",
+                  f"{_mm(t['ratio_insecure_rounds'], '{:.0f}', 100)}% |"] + ([
+                  f"| Unix sockets (the default on one host) | "
+                  f"{_mm(t['kv_push_pull_ipc_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['raw_zmq_ipc_frames_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['ratio_ipc_rounds'], '{:.0f}', 100)}% |"]
+                  if t.get("kv_push_pull_ipc_Bps") else []) + ["",
                   f"Plain raw ZeroMQ as one frame: "
                   f"{_mm(t['raw_zmq_one_frame_Bps'], '{:.2f}', 1e-9)} GB/s. {t['note']}.", ""]
     elif t.get("status") == "measured":

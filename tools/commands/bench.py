@@ -140,8 +140,9 @@ def run(args):
                 dist_results["transport"] = dist_parts.transport(work, runs=runs)
             t = dist_results["transport"]
             out(f"  {_status(t, 'ratio', '{:.0%}')}" + (
-                f" (CURVE both; --insecure vs plain {t['ratio_insecure']:.0%})"
-                if t.get("ratio_insecure") is not None else ""))
+                f" (TCP, CURVE both; --insecure vs plain {t['ratio_insecure']:.0%}; Unix "
+                f"sockets {t['ratio_ipc']:.0%})"
+                if t.get("ratio_ipc") is not None else ""))
         if "e" in parts:
             out(f"e. scaling under a {args.bandwidth} cap")
             dist_results["scaling"] = dist_parts.scaling(
