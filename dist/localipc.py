@@ -18,13 +18,18 @@ directory of this user that nobody else may enter. A peer in another container o
 fails one of these and talks over TCP with CURVE, as a peer on another host does. Nothing is ever
 decided from the host name alone.
 """
+import atexit
 import os
 import shutil
 import stat
 import tempfile
+import threading
 
 SOCKET_NAME = "inbox"
 MAX_PATH = 100            # sun_path holds 108 bytes on Linux; stay clear of it
+
+_live = set()             # the inboxes of this process not yet removed (remove_all)
+_live_lock = threading.Lock()
 
 
 def boot_id():
@@ -53,6 +58,8 @@ class LocalInbox:
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="poseidon-", dir=_base_dir())   # mode 0700
+        with _live_lock:
+            _live.add(self)
         os.chmod(self.dir, 0o700)
         self.path = os.path.join(self.dir, SOCKET_NAME)
         if len(self.path.encode()) > MAX_PATH:
@@ -69,7 +76,22 @@ class LocalInbox:
         return {"path": self.path, "boot": boot_id(), "dev": st.st_dev, "ino": st.st_ino}
 
     def close(self):
+        """Remove the folder and socket file (connections already made keep working)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        with _live_lock:
+            _live.discard(self)
+
+
+def remove_all():
+    """Remove every inbox folder of this process: at exit, and before an os._exit (which runs
+    no atexit hooks) when a process is stopped."""
+    with _live_lock:
+        inboxes = list(_live)
+    for inbox in inboxes:
+        inbox.close()
+
+
+atexit.register(remove_all)
 
 
 def reachable(info):

@@ -118,6 +118,13 @@ def _signal_requests(job):
     return install
 
 
+def _exit(status):
+    """os._exit, after removing this process's Unix-socket folders (os._exit runs no atexit)."""
+    from .localipc import remove_all
+    remove_all()
+    os._exit(status)
+
+
 def _watchdog(session):
     """After an abort, leave even if the main thread is stuck in a long computation."""
     def arm(error):
@@ -125,7 +132,7 @@ def _watchdog(session):
             sys.stderr.write(f"{session.name}: still running {ABORT_GRACE_S:g} s after the job "
                              f"was stopped ({error}); exiting\n")
             sys.stderr.flush()
-            os._exit(1)
+            _exit(1)
         timer = threading.Timer(ABORT_GRACE_S, fire)
         timer.daemon = True
         timer.start()
@@ -141,7 +148,7 @@ def _die_with_parent(parent_pid):
     except Exception:
         pass
     if parent_pid and os.getppid() != parent_pid:     # the launcher died before prctl
-        os._exit(1)
+        _exit(1)
 
 
 def _on_sigterm(name, abort_file):
@@ -156,7 +163,7 @@ def _on_sigterm(name, abort_file):
         sys.stdout.flush()
         sys.stderr.write(f"{name}: stopping: {reason or 'stopped by signal ' + signal.Signals(signum).name}\n")
         sys.stderr.flush()
-        os._exit(128 + signum)
+        _exit(128 + signum)
     return handler
 
 
@@ -226,7 +233,7 @@ def main(argv=None):
     status = run_main(job, args.rank, args.parent_pid, args.abort_file, keys)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)        # do not wait on daemon threads (prefetch, zmq) that may linger
+    _exit(status)        # do not wait on daemon threads (prefetch, zmq) that may linger
 
 
 if __name__ == "__main__":

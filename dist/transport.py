@@ -803,6 +803,8 @@ class ZmqTransport(Transport):
 
     def close(self, linger=1.0):
         """Stop the receive thread and close the sockets; `linger` seconds to flush what is queued."""
+        if self.local is not None:          # first: nothing below may keep the folder behind
+            self.local.close()
         self._closing.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
@@ -815,8 +817,6 @@ class ZmqTransport(Transport):
         if self.gatekeeper is not None:
             self.gatekeeper.stop()
         self.ctx.term()
-        if self.local is not None:
-            self.local.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -177,3 +177,25 @@ def test_the_inbox_keeps_curve_on_tcp_and_null_only_on_the_unix_socket():
             s.close(0)
         ctx.term()
         t.close(0)
+
+
+@pytest.mark.parametrize("how", ["os._exit through dist.process", "interpreter exit"])
+def test_a_process_that_exits_without_closing_leaves_no_folder(how):
+    """The launcher's children end with os._exit (no atexit hooks) and a stopped one exits from
+    its signal handler: both remove the folder first. A Python API user who never closes relies
+    on atexit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    end = ("from dist.process import _exit; _exit(3)" if how.startswith("os._exit")
+           else "raise SystemExit(3)")
+    code = ("from dist.transport import ZmqTransport\n"
+            "t = ZmqTransport(0, local_ipc=True)\n"
+            "t.bind('127.0.0.1')\n"
+            "print(t.local.dir, flush=True)\n" + end)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, timeout=60)
+    folder = r.stdout.decode().strip().splitlines()[0]
+    assert r.returncode == 3, r.stdout.decode()
+    assert "poseidon-" in folder and not os.path.exists(folder)
