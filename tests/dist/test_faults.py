@@ -79,6 +79,14 @@ def reference(net_text, tmp_path_factory):
     return final_blobs(root / "job" / "snap")
 
 
+def attempts(out):
+    """The launcher's lines and every process's stop or error line, over all attempts: why each
+    attempt ended, when a chain ends other than planned."""
+    keep = [line for line in out.splitlines() if line.startswith("poseidon:")
+            or re.search(r"\] (failpoint |\S+ \d+: (stopping|error))", line)]
+    return "\n".join(keep) + "\n----- the last lines:\n"
+
+
 def launched_pids(out):
     return [int(p) for line in re.findall(r"^poseidon: worker 0 pid .*$", out, re.M)
             for p in re.findall(r"pid (\d+)", line)]
@@ -127,7 +135,7 @@ def test_kill_chain_resumes_bitwise(victim, net_text, reference, tmp_path):
     code, out = train(solver, tmp_path, "--resume", "auto", "--max-restarts", len(points),
                       failpoints=points, once=once, timeout=240)
     wall = time.monotonic() - t0
-    assert code == 0, out[-4000:]
+    assert code == 0, attempts(out) + out[-3000:]
     assert "poseidon: all processes finished" in out
     assert "Traceback" not in out, out[-4000:]
 

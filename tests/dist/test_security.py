@@ -317,6 +317,22 @@ def _listening(pid):
     return found
 
 
+def _unix_inboxes(pid):
+    """Paths of the Unix-socket inboxes (dist/localipc.py) process pid listens on (/proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return [r[7] for r in rows if len(r) >= 8 and r[6] in inodes and r[5] == "01"
+            and r[7].endswith("/inbox") and "/poseidon-" in r[7]]
+
+
 def test_a_local_job_listens_on_loopback_only(data, tmp_path):
     (tmp_path / "net.prototxt").write_text(fc_net(data, 4))
     (tmp_path / "solver.prototxt").write_text(
@@ -342,10 +358,13 @@ def test_a_local_job_listens_on_loopback_only(data, tmp_path):
                 assert b"secret" not in f.read()
         listening = {}
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (len(listening) < 3 or not listening[pids[0]]
-                                               or len(listening[pids[0]]) < 2):
+        want = {pid: 2 if pid == pids[0] else 1 for pid in pids}   # worker 0: + coordinator
+        while time.monotonic() < deadline and any(len(listening.get(pid, ())) < n
+                                                  for pid, n in want.items()):
             listening = {pid: _listening(pid) for pid in pids}
             time.sleep(0.2)
+        unix = {pid: [(path, stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode))
+                      for path in _unix_inboxes(pid)] for pid in pids}
     finally:
         launcher.terminate()
         launcher.communicate(timeout=60)
@@ -354,5 +373,8 @@ def test_a_local_job_listens_on_loopback_only(data, tmp_path):
         assert len(listening[pid]) == 1, listening
     every = [a for socks in listening.values() for a in socks]
     assert all(ip == "127.0.0.1" for ip, _ in every), every
+    for pid, inboxes in unix.items():    # and each one Unix-socket inbox in a private folder
+        assert len(inboxes) == 1 and inboxes[0][1] == 0o700, unix
+        assert not os.path.exists(os.path.dirname(inboxes[0][0]))   # removed when it stopped
     print(f"\nlocal job (2 workers, 1 server): listening sockets {sorted(every)}: all on "
           f"127.0.0.1; no key on any command line")
