@@ -38,6 +38,10 @@ from .transport import free_port, split_address
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTLE_S = 0.5          # after a failure: time the others get to stop by themselves
+# ... when the failed process exited with an error status rather than by a signal: it told the
+# coordinator first, whose ABORT carries the real cause to the others; on a loaded machine that
+# can take longer than SETTLE_S, and a SIGTERM from here would replace the cause with "exited"
+SETTLE_AFTER_ERROR_S = 2.0
 GRACE_S = 5.0           # after SIGTERM: time before SIGKILL
 
 
@@ -297,7 +301,8 @@ class LocalJob:
                 rank = min(failed, key=lambda r: (codes[r] > 0, r))
                 reason = self._describe_exit(rank, codes[rank])
                 self._say(f"poseidon: {reason}; stopping the other processes")
-                deadline = time.monotonic() + SETTLE_S
+                deadline = time.monotonic() + (SETTLE_S if codes[rank] < 0 else
+                                               SETTLE_AFTER_ERROR_S)
                 while time.monotonic() < deadline and any(
                         p.poll() is None for p in self.children.values()):
                     time.sleep(0.05)
