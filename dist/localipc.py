@@ -1,9 +1,10 @@
 """Unix-socket inboxes for processes of one job that share a host (`--ipc auto`, the default).
 
 Why: on one host, CURVE protects nothing the file system cannot, and it costs a full encryption
-and decryption of every byte. fc_heavy with 1 worker and 1 server on one machine spent 728 ms an
-iteration with CURVE over loopback TCP against 394 ms without it (133 ms plain); cifar10_quick's
-sync path lost about 2.4 ms of CPU an iteration to it (docs/benchmarks.md). So each process also
+and decryption of every byte. fc_heavy with 1 worker and 1 server on one machine took 675-684 ms
+an iteration with CURVE over loopback TCP and 278-303 ms over Unix sockets (125-142 ms without
+the distributed path); cifar10_quick's single-node overhead fell by about 4 points
+(docs/benchmarks.md). So each process also
 binds its inbox on a Unix socket, `inbox` in a directory of its own made with mode 0700, and a
 peer on the same host connects there with ZeroMQ's NULL mechanism instead of CURVE over TCP.
 
@@ -97,12 +98,12 @@ atexit.register(remove_all)
 def reachable(info):
     """The ipc:// endpoint of a peer's advertised inbox when this process may take it, else None
     (see the module docstring for the checks)."""
-    if not isinstance(info, dict) or not supported():
+    if not isinstance(info, dict) or not hasattr(os, "geteuid"):
         return None
-    path, boot = info.get("path"), info.get("boot")
+    path, mine = info.get("path"), boot_id()
     if not isinstance(path, str) or not os.path.isabs(path) or len(path.encode()) > MAX_PATH:
         return None
-    if boot != boot_id():
+    if mine is None or info.get("boot") != mine:
         return None
     uid = os.geteuid()
     try:

@@ -8,7 +8,10 @@ import argparse
 import os
 
 from .placement import DEFAULT_PAIR_BYTES, parse_bytes
+from .priority import CHOICES as COMM_PRIORITIES
 from .transport import parse_bandwidth
+
+IPC_CHOICES = ("auto", "off")
 
 
 def _nonneg_int(text):
@@ -123,11 +126,11 @@ def add_dist_options(parser):
                    "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
     g.add_argument("--insecure", action="store_true", help="no CURVE authentication or "
                    "encryption (experiments on a trusted network only)")
-    g.add_argument("--comm-priority", choices=("normal", "idle"), default="normal",
+    g.add_argument("--comm-priority", choices=COMM_PRIORITIES, default="normal",
                    help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
                    "(Linux), taking only cores the training leaves free; for jobs whose "
                    "processes share one machine's cores (default normal)")
-    g.add_argument("--ipc", choices=("auto", "off"), default="auto",
+    g.add_argument("--ipc", choices=IPC_CHOICES, default="auto",
                    help="auto: processes of the job on one host talk over Unix sockets in "
                    "private folders, without CURVE (only this user can reach them); off: TCP "
                    "between every pair, as between hosts (default auto)")
@@ -173,9 +176,9 @@ class DistOptions:
         check_consistency(self)
         from .priority import check
         check(self.comm_priority)
-        if self.ipc not in ("auto", "off"):
+        if self.ipc not in IPC_CHOICES:
             from .errors import DistError
-            raise DistError(f"ipc={self.ipc!r}: use 'auto' or 'off'")
+            raise DistError(f"ipc={self.ipc!r}: use {' or '.join(map(repr, IPC_CHOICES))}")
 
     @classmethod
     def from_args(cls, args):

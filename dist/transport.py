@@ -433,7 +433,6 @@ class ZmqTransport(Transport):
         self._local_wanted = bool(local_ipc) and not router and localipc.supported()
         self.local = None                            # localipc.LocalInbox once bound
         self.local_info = None                       # what peers need to reach and verify it
-        self._secured = False
         self.routes = {}                             # rank -> 'ipc' or 'tcp'
         self.rules = WireRules(rank, roles, self._namer)
         self._taken = {}                             # (type, key) -> last iteration taken
@@ -480,9 +479,8 @@ class ZmqTransport(Transport):
                 if self.local is not None:
                     self.local.close()
                 self.local = self.local_info = None
-        if self.keys is not None and not self._secured:
+        if self.keys is not None:
             security.secure_server(self._inbox, self.keys)
-            self._secured = True
         bind_host = "*" if host in ("0.0.0.0", "*") else host
         if port:
             self._inbox.bind(f"tcp://{bind_host}:{port}")
