@@ -11,6 +11,14 @@ import time
 
 import numpy
 
+# A GEMM that writes its output rows CACHE_LINE * 2**j bytes apart puts the rows of each of its
+# micro-tiles into the same few cache sets, and they evict each other. InnerProduct weights have
+# such rows (fc_heavy's 9216 and 4096 floats: 36 and 16 KiB). Measured on the 2-core EPYC, one
+# thread, Gᵀ·X with K = 32 into 112-row blocks of fc6's gradient: 54 GFLOP/s with rows 36,864
+# bytes apart, 83 with them 36,928 (an odd number of cache lines) apart; the update from factors
+# that makes those blocks went from 64 to 49 ms (docs/benchmarks.md, "Output rows 4 KiB apart").
+CACHE_LINE = 64
+
 
 class GemmMeter:
     """Per-thread FLOP and second totals of the metered matmuls (thread-safe, additive)."""
@@ -48,6 +56,19 @@ def product_flops(a_shape, b_shape, complex_values=False):
     batch = numpy.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
     scale = 8.0 if complex_values else 2.0
     return scale * m * k * n * float(numpy.prod(batch, dtype=numpy.float64))
+
+
+def padded_row_length(row_len, itemsize):
+    """The row length (in elements, >= row_len) of a scratch matrix whose rows lie an odd number
+    of cache lines apart, so that a GEMM writing it spreads its rows over the cache sets (see
+    CACHE_LINE). Row lengths that do not fill whole cache lines are left as they are."""
+    row_bytes = row_len * itemsize
+    if row_bytes % CACHE_LINE or CACHE_LINE % itemsize:
+        return row_len
+    lines = row_bytes // CACHE_LINE
+    if lines % 2 == 0:
+        lines += 1
+    return lines * CACHE_LINE // itemsize
 
 
 def matmul(xp, a, b, out=None):

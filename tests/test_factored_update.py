@@ -91,8 +91,8 @@ def threads(request, monkeypatch):
     is 6 blocks; ip2's 6 x 24 is 3), so the block and thread boundaries are all crossed."""
     pool = im2col.parallel()
     monkeypatch.setattr(pool, "workers", min(request.param, max(pool.workers, 1)))
-    monkeypatch.setattr(factored, "MIN_BLOCK_ROWS", 1)
-    monkeypatch.setattr(factored, "BLOCK_BYTES", 2 * 24 * 8)
+    monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 24 * 8)
     return pool.workers
 
 

@@ -5,7 +5,7 @@ the meter or is done twice shows up here."""
 import numpy
 import pytest
 
-from engine.gemm import METER, matmul, product_flops
+from engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
 from engine.layers.conv_fourier import pass_flops
 from engine.layers.im2col import parallel
 from tools.bench import layers, nets
@@ -15,6 +15,27 @@ def test_product_flops_broadcasts_batch():
     assert product_flops((4, 5), (5, 6)) == 2 * 4 * 5 * 6
     assert product_flops((3, 4, 5), (5, 6)) == 3 * 2 * 4 * 5 * 6
     assert product_flops((2, 1, 4, 5), (3, 5, 6)) == 6 * 2 * 4 * 5 * 6
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64, numpy.complex64])
+def test_padded_row_length_gives_an_odd_number_of_cache_lines(dtype):
+    """Rows that fill whole cache lines come out an odd number of lines long (fc_heavy's 9216
+    and 4096 floats grow by one line); other lengths are kept; never shorter."""
+    size = numpy.dtype(dtype).itemsize
+    for n in list(range(1, 300)) + [4096, 9216, 9216 * 3]:
+        m = padded_row_length(n, size)
+        assert m >= n and m - n <= CACHE_LINE // size
+        if (n * size) % CACHE_LINE:
+            assert m == n
+        else:
+            assert (m * size) % CACHE_LINE == 0 and (m * size // CACHE_LINE) % 2 == 1
+    assert padded_row_length(9216, 4) == 9216 + 16 and padded_row_length(48, 4) == 48
+
+
+def test_scratch_rows_are_padded_on_the_cpu():
+    from engine.layers.im2col import BufferCache
+    rows = BufferCache().get_rows("g", 5, 4096, numpy.float32, numpy)
+    assert rows.shape == (5, 4096) and rows.strides == ((4096 + 16) * 4, 4)
 
 
 def test_meter_off_by_default_and_counts_when_on():

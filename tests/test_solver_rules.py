@@ -166,6 +166,37 @@ def test_rule_float32_in_place_and_sliceable(kind):
         numpy.testing.assert_array_equal(numpy.concatenate(parts), w)
 
 
+@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_update_with_a_padded_gradient_equals_the_contiguous_one(kind, threads, monkeypatch):
+    """A parameter of BLOCKED_MIN elements or more is updated in blocks; a gradient whose rows are
+    padded apart (engine/solvers/factored.py's scratch) is cut into blocks of rows instead of flat
+    ones. Both give the parameters and state of the whole-array update, bitwise."""
+    from engine.layers import im2col
+    from engine.solvers import rules
+    monkeypatch.setattr(rules, "BLOCKED_MIN", 64)
+    monkeypatch.setattr(rules, "BLOCK", 24)                 # 3 rows of 8 a block
+    monkeypatch.setattr(im2col.parallel(), "workers", threads)
+    rule = make_rule(solver_param(to_text(dict(CASES[kind], weight_decay=0.01), kind)))
+    rs = numpy.random.RandomState(2)
+    w = rs.standard_normal((20, 8))
+    runs = {how: (w.copy(), rule.init_state(w.shape, numpy, numpy.float64))
+            for how in ("whole", "flat blocks", "row blocks")}
+    for it in range(3):
+        g = rs.standard_normal(w.shape)
+        padded = numpy.empty((20, 9))[:, :8]
+        padded[...] = g
+        assert not padded.flags.c_contiguous
+        rule._update(runs["whole"][0], g.copy(), runs["whole"][1], it, 1.0, 1.0, 0.5,
+                     rule.rate(it))
+        rule.update(runs["flat blocks"][0], g.copy(), runs["flat blocks"][1], it, 1.0, 1.0, 0.5)
+        rule.update(runs["row blocks"][0], padded, runs["row blocks"][1], it, 1.0, 1.0, 0.5)
+    for how in ("flat blocks", "row blocks"):
+        numpy.testing.assert_array_equal(runs[how][0], runs["whole"][0])
+        for a, b in zip(runs[how][1], runs["whole"][1]):
+            numpy.testing.assert_array_equal(a, b)
+
+
 def test_lr_mult_zero_freezes():
     rule = make_rule(solver_param('base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 weight_decay: 0.1'))
     w = numpy.ones(4)

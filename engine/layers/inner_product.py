@@ -5,9 +5,11 @@ bias `blobs[1]` is (num_output,). With K samples (the product of the axes before
 G is K×M (M = num_output) and the input X is K×N (N = N_in); the weight gradient is Gᵀ·X, a sum of K
 rank-1 products: the layer's *sufficient factors*, which dist/sfb.py broadcasts instead of the gradient.
 """
+import numpy
+
 from ..gemm import matmul
 from ..layer import Layer, register
-from .im2col import BufferCache, parallel
+from .im2col import BufferCache, WorkerBuffers, block_rows, parallel
 
 # Weights at least this large are multiplied by the cores at once (columns of the weight split
 # into one range per core, see im2col.parallel); smaller ones in one call.
@@ -42,6 +44,7 @@ class InnerProductLayer(Layer):
         if self.bias_term:
             self.add_param((self.num_output,), p.bias_filler)
         self.buffers = BufferCache()                            # scratch kept across iterations
+        self.thread_buffers = WorkerBuffers()                   # the same, one per core
 
     def _axis(self, blob):
         try:
@@ -64,12 +67,14 @@ class InnerProductLayer(Layer):
         top[0].reshape(tuple(b.shape[:axis]) + (self.num_output,))
 
     # ----- the GEMMs ----------------------------------------------------------------------------
-    def _split(self, n, fn):
-        """fn(lo, hi) over ranges of [0, n) on the cores when the weight is large, else once."""
+    def _split(self, n, fn, with_worker=False):
+        """fn(lo, hi) over ranges of [0, n) on the cores when the weight is large, else once;
+        with_worker: fn(worker, lo, hi), for scratch of its own (self.thread_buffers)."""
+        call = fn if with_worker else (lambda worker, lo, hi: fn(lo, hi))
         if self.blobs[0].count < PARALLEL_MIN_WEIGHTS:
-            fn(0, n)
+            call(0, 0, n)
             return
-        parallel().run(lambda worker, lo, hi: fn(lo, hi), n, self.xp, min_per_worker=64)
+        parallel().run(call, n, self.xp, min_per_worker=64)
 
     def forward(self, bottom, top):
         xp = self.xp
@@ -107,13 +112,30 @@ class InnerProductLayer(Layer):
         if self.defer_weight_grad:
             self.deferred_passes += 1
         grad_b = self.bias_term and self.param_propagate_down[1]
-        # the diff still holds the zeros of ClearParamDiffs: write the gradient over it (one
-        # pass over the weight); else make it in a scratch copy and add that (three passes)
+        # the diff still holds the zeros of ClearParamDiffs: write the gradient over it; else
+        # make it in scratch and add that
         over = w.diff_fresh
-        buf = w.diff if over or not grad_w else self.buffers.get("dw", w.shape, self.dtype, xp)
+        # a large weight on the CPU: Gᵀ·X block by block of rows into cache-sized scratch whose
+        # rows are an odd number of cache lines apart, each block then copied (or added) into the
+        # diff while in cache: fc_heavy's rows (16 and 36 KiB) written straight into the diff
+        # slow the GEMM by a third (engine/gemm.py)
+        blocked = (not self.transpose and xp is numpy
+                   and w.count >= PARALLEL_MIN_WEIGHTS)
+        buf = (w.diff if over or not grad_w or blocked
+               else self.buffers.get("dw", w.shape, self.dtype, xp))
 
-        def params(lo, hi):                                     # outputs lo..hi
-            if grad_w:
+        def params(worker, lo, hi):                             # outputs lo..hi
+            if grad_w and blocked:                              # M×N = Gᵀ·X, by blocks
+                step = block_rows(hi - lo, self.n_in, w.diff.itemsize)
+                part = self.thread_buffers(worker).get_rows("dw", step, self.n_in, self.dtype, xp)
+                for a in range(lo, hi, step):
+                    b = min(a + step, hi)
+                    matmul(xp, g[:, a:b].T, x, out=part[:b - a])
+                    if over:
+                        numpy.copyto(w.diff[a:b], part[:b - a])
+                    else:
+                        w.diff[a:b] += part[:b - a]
+            elif grad_w:
                 if self.transpose:                              # N×M = Xᵀ·G
                     matmul(xp, x.T, g[:, lo:hi], out=buf[:, lo:hi])
                     if not over:
@@ -126,7 +148,7 @@ class InnerProductLayer(Layer):
                 self.blobs[1].diff[lo:hi] += g[:, lo:hi].sum(axis=0)
 
         if grad_w or grad_b:
-            self._split(self.num_output, params)
+            self._split(self.num_output, params, with_worker=True)
         if propagate_down[0]:
             dx = bottom[0].diff.reshape(self.k, self.n_in)
             wd = w.data.T if self.transpose else w.data         # M×N
@@ -150,7 +172,7 @@ class InnerProductLayer(Layer):
         """Weight gradient in this layer's weight layout from (stacked) factors G (K×M) and X (K×N):
         Gᵀ·X (M×N), or Xᵀ·G (N×M) with `transpose: true`. `rows=(lo, hi)` gives only those rows
         of it (a block of the weight's first axis, for an update made block by block while the
-        block is in cache). Written into `out` (C-contiguous, the block's shape) when given, else
+        block is in cache). Written into `out` (the block's shape, rows contiguous) when given, else
         into a new array; returns it. Large weights: the columns split over the cores, as in
         forward and backward, unless `split` is False (a caller that runs one block per thread)."""
         lo, hi = (0, self.blobs[0].shape[0]) if rows is None else rows

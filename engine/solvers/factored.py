@@ -16,21 +16,7 @@ On a GPU the whole weight is one block.
 """
 import numpy
 
-from ..layers.im2col import COLUMN_BLOCK_BYTES, WorkerBuffers, parallel
-
-# A block of the gradient is twice a core's L2 cache, as the convolutions' column chunks
-# (engine/layers/im2col.COLUMN_BLOCK_BYTES). Measured on the 2-core EPYC (2 MiB L2), fc6's update
-# from factors, K = 32: 1 MiB blocks 59 ms on one thread and 44 on two, 2 MiB 54 and 41, 4 MiB 52
-# and 40; fc_heavy's training step against the diff path: 110-119 ms against 124-143. At least
-# MIN_BLOCK_ROWS rows, since OpenBLAS is slow on GEMMs with very few rows.
-BLOCK_BYTES = COLUMN_BLOCK_BYTES
-MIN_BLOCK_ROWS = 16
-
-
-def block_rows(rows, row_len, itemsize):
-    """Rows of the weight made and updated together."""
-    return min(rows, max(MIN_BLOCK_ROWS, BLOCK_BYTES // max(row_len * itemsize, 1)))
-
+from ..layers.im2col import WorkerBuffers, block_rows, parallel
 
 def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult, grad_scale,
                         rate, buffers):
@@ -49,7 +35,8 @@ def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult
     step = block_rows(rows, row_len, value.itemsize)
 
     def work(worker, lo, hi):
-        buf = buffers(worker).get(f"grad{step}x{row_len}", (step, row_len), value.dtype, xp)
+        # rows an odd number of cache lines apart: the GEMM writes it 1.5x as fast (engine/gemm.py)
+        buf = buffers(worker).get_rows(f"grad{step}x{row_len}", step, row_len, value.dtype, xp)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             grad = layer.weight_grad_from_factors(G, X, out=buf[:b - a], rows=(a, b), split=False)

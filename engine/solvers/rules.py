@@ -121,6 +121,14 @@ def release_scratch():
     _local.buffers = {}
 
 
+def _rows_contiguous(arrays):
+    """Whether the arrays are 2-D of one shape, each row contiguous (blocks of rows are then
+    cut along the first axis)."""
+    shape = arrays[0].shape
+    return all(a.ndim == 2 and a.shape == shape and a.strides[1] == a.itemsize
+               for a in arrays)
+
+
 # ----- the rules -----------------------------------------------------------------------------------
 class UpdateRule:
     """Base: regularization and the learning rate; subclasses give `_step` (Caffe's
@@ -187,23 +195,28 @@ class UpdateRule:
         if rate is None:
             rate = self.rate(it)
         arrays = [value, grad] + list(state)
-        if (value.size < BLOCKED_MIN or get_array_module(value) is not numpy
-                or not all(a.flags.c_contiguous and a.size == value.size for a in arrays)):
+        if value.size < BLOCKED_MIN or get_array_module(value) is not numpy:
             self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
             return
-        flat = [a.reshape(-1) for a in arrays]
+        if all(a.flags.c_contiguous and a.size == value.size for a in arrays):
+            parts, step = [a.reshape(-1) for a in arrays], BLOCK
+        elif _rows_contiguous(arrays):          # a gradient block with padded rows (factored.py)
+            parts, step = arrays, max(1, BLOCK // (value.size // value.shape[0]))
+        else:
+            self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
+            return
 
         def work(worker, lo, hi):
-            for a in range(lo, hi, BLOCK):
-                b = min(a + BLOCK, hi)
-                v, g, *st = (x[a:b] for x in flat)
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                v, g, *st = (x[a:b] for x in parts)
                 self._update(v, g, st, it, lr_mult, decay_mult, grad_scale, rate)
 
         if not split:
-            work(0, 0, value.size)
+            work(0, 0, len(parts[0]))
             return
         from ..layers.im2col import parallel
-        parallel().run(work, value.size, numpy, min_per_worker=BLOCK)
+        parallel().run(work, len(parts[0]), numpy, min_per_worker=step)
 
     def _update(self, value, grad, state, it, lr_mult, decay_mult, grad_scale, rate):
         s = value.dtype.type

@@ -215,3 +215,30 @@ def test_weight_gradient_rows_from_factors_into_a_given_buffer(extra, workers, m
     numpy.testing.assert_allclose(whole, expected, rtol=1e-13, atol=1e-13)
     with pytest.raises(LayerError, match="out has shape"):
         layer.weight_grad_from_factors(G, X, out=numpy.empty((3, 3)), rows=(0, 2))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_large_weight_gradient_in_blocks_of_padded_rows(workers, monkeypatch):
+    """A large weight's gradient is made block by block of rows in scratch whose rows are an odd
+    number of cache lines apart (engine/gemm.padded_row_length), then copied into the diff, or
+    added to it when the diff already holds a gradient; blocks of 2 rows over 1 or 3 threads."""
+    from engine.layers import im2col, inner_product
+    monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 64 * 8)
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    rs = numpy.random.RandomState(10)
+    x, g = rs.standard_normal((6, 64)), rs.standard_normal((6, 7))   # rows of 512 bytes: 8 lines
+    layer = ip(7)
+    bottom, top = _backward(layer, x, g)                 # adds to the zeros it put in the diff
+    numpy.testing.assert_allclose(layer.blobs[0].diff, g.T @ x, rtol=1e-13, atol=1e-13)
+    numpy.testing.assert_allclose(bottom[0].diff, g @ layer.blobs[0].data, rtol=1e-13)
+    scratch = [a for cache in layer.thread_buffers.values() for a in cache._arrays.values()]
+    assert scratch and all(a.strides[0] == 9 * 64 for a in scratch)     # 9 lines: odd
+    layer.backward(top, [False], bottom)
+    numpy.testing.assert_allclose(layer.blobs[0].diff, 2 * (g.T @ x), rtol=1e-13, atol=1e-13)
+    layer.blobs[0].diff[...] = 7.0                       # "fresh": written over, not added to
+    layer.blobs[0].diff_fresh = True
+    layer.backward(top, [False], bottom)
+    numpy.testing.assert_allclose(layer.blobs[0].diff, g.T @ x, rtol=1e-13, atol=1e-13)
+    check_gradient(ip(7), [x])
