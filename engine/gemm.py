@@ -5,18 +5,22 @@ FLOPs and the seconds spent inside it to per-thread totals. The bench uses this 
 the GEMMs themselves run (FLOPs / seconds inside the calls, per core) next to the share of the
 machine's peak that whole layers reach (which also pays for im2col, transposes and bias), so a gap
 between the two says where the time goes. Off, the meter costs one attribute test per call.
+
+`padded_row_length` gives scratch for a GEMM's output rows a stride that keeps them out of each
+other's cache sets (below).
 """
 import threading
 import time
 
 import numpy
 
-# A GEMM that writes its output rows CACHE_LINE * 2**j bytes apart puts the rows of each of its
+# A GEMM that writes its output rows a multiple of 4 KiB apart puts the rows of each of its
 # micro-tiles into the same few cache sets, and they evict each other. InnerProduct weights have
 # such rows (fc_heavy's 9216 and 4096 floats: 36 and 16 KiB). Measured on the 2-core EPYC, one
-# thread, Gᵀ·X with K = 32 into 112-row blocks of fc6's gradient: 54 GFLOP/s with rows 36,864
-# bytes apart, 83 with them 36,928 (an odd number of cache lines) apart; the update from factors
-# that makes those blocks went from 64 to 49 ms (docs/benchmarks.md, "Output rows 4 KiB apart").
+# thread, fc6's Gᵀ·X with K = 32 into blocks of its gradient: 54 GFLOP/s with rows 36,864 bytes
+# apart, 83 with them 36,928 (an odd number of cache lines) apart; fc6's update from factors on
+# two threads went from 46 to 40 ms (docs/benchmarks.md, "output rows 4 KiB apart";
+# python -m tools.bench.stride_ab).
 CACHE_LINE = 64
 
 

@@ -115,3 +115,15 @@ def test_factored_ab_names_the_weights_and_times_both_paths(capsys):
     for side in ("from factors", "diff path"):
         assert f"  {side}" in out and "median" in out
     assert "parameters after the run:" in out
+
+
+def test_stride_ab_times_the_three_ways_of_writing_a_weight_gradient(capsys):
+    """tools/bench/stride_ab.py (behind the padded-rows figures) runs end to end; with rows of
+    1,024 floats (4 KiB) the padded stride it reports is one cache line more."""
+    from tools.bench import stride_ab
+    stride_ab.main(["64", "1024", "8"])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "GFLOP/s" in line]
+    assert len(lines) == 4
+    assert "rows 4096 bytes apart" in out and "rows 4160 bytes apart" in out
+    assert all(float(line.split()[-2]) > 0 for line in lines)

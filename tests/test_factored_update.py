@@ -93,6 +93,7 @@ def threads(request, monkeypatch):
     monkeypatch.setattr(pool, "workers", min(request.param, max(pool.workers, 1)))
     monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
     monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 24 * 8)
+    monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
     return pool.workers
 
 

@@ -245,13 +245,20 @@ COLUMN_BLOCK_BYTES = _column_block_bytes()
 # update from factors, K = 32: 1 MiB blocks 59 ms on one thread and 44 on two, 2 MiB 54 and 41,
 # 4 MiB 52 and 40; fc_heavy's training step against the diff path: 110-119 ms against 124-143.
 # At least MIN_BLOCK_ROWS rows, since OpenBLAS is slow on GEMMs with very few rows.
+# And at least ROWS_PER_FACTOR_ROW rows for each of the K rows of factors it is made from: OpenBLAS
+# packs the K x N factor again for every block, so with many factor rows (SFB stacks every
+# worker's) small blocks pay mostly for packing. fc6's update from K = 128 rows of factors on one
+# thread: 159 ms in 56-row blocks, 144 in 224-row ones (with K = 32: 62-63 ms for 56 to 224 rows).
 WEIGHT_BLOCK_BYTES = COLUMN_BLOCK_BYTES
 MIN_BLOCK_ROWS = 16
+ROWS_PER_FACTOR_ROW = 2
 
 
-def block_rows(rows, row_len, itemsize):
-    """Rows of a weight made (and updated) together: a block of about WEIGHT_BLOCK_BYTES."""
-    return min(rows, max(MIN_BLOCK_ROWS, WEIGHT_BLOCK_BYTES // max(row_len * itemsize, 1)))
+def block_rows(rows, row_len, itemsize, factor_rows=0):
+    """Rows of a weight made (and updated) together from `factor_rows` rows of factors: a block
+    of about WEIGHT_BLOCK_BYTES, or more when there are many factor rows."""
+    return min(rows, max(MIN_BLOCK_ROWS, ROWS_PER_FACTOR_ROW * factor_rows,
+                         WEIGHT_BLOCK_BYTES // max(row_len * itemsize, 1)))
 
 
 def _cores():

@@ -126,7 +126,7 @@ class InnerProductLayer(Layer):
 
         def params(worker, lo, hi):                             # outputs lo..hi
             if grad_w and blocked:                              # M×N = Gᵀ·X, by blocks
-                step = block_rows(hi - lo, self.n_in, w.diff.itemsize)
+                step = block_rows(hi - lo, self.n_in, w.diff.itemsize, factor_rows=self.k)
                 part = self.thread_buffers(worker).get_rows("dw", step, self.n_in, self.dtype, xp)
                 for a in range(lo, hi, step):
                     b = min(a + step, hi)

@@ -32,7 +32,7 @@ def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult
             f"grad{value.shape}", value.shape, value.dtype, xp))
         rule.update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate=rate)
         return
-    step = block_rows(rows, row_len, value.itemsize)
+    step = block_rows(rows, row_len, value.itemsize, factor_rows=G.shape[0])
 
     def work(worker, lo, hi):
         # rows an odd number of cache lines apart: the GEMM writes it 1.5x as fast (engine/gemm.py)

@@ -226,6 +226,7 @@ def test_large_weight_gradient_in_blocks_of_padded_rows(workers, monkeypatch):
     monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1)
     monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
     monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 64 * 8)
+    monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
     monkeypatch.setattr(im2col.parallel(), "workers", workers)
     rs = numpy.random.RandomState(10)
     x, g = rs.standard_normal((6, 64)), rs.standard_normal((6, 7))   # rows of 512 bytes: 8 lines
@@ -242,3 +243,15 @@ def test_large_weight_gradient_in_blocks_of_padded_rows(workers, monkeypatch):
     layer.backward(top, [False], bottom)
     numpy.testing.assert_allclose(layer.blobs[0].diff, g.T @ x, rtol=1e-13, atol=1e-13)
     check_gradient(ip(7), [x])
+
+
+def test_weight_blocks_grow_with_the_rows_of_factors():
+    """A block holds at least 2 weight rows per row of factors (OpenBLAS packs the factor again
+    for every block), and never more rows than the weight has."""
+    from engine.layers.im2col import WEIGHT_BLOCK_BYTES, block_rows
+    row_len = 9216
+    plain = block_rows(4096, row_len, 4)
+    assert plain == max(16, WEIGHT_BLOCK_BYTES // (row_len * 4))
+    assert block_rows(4096, row_len, 4, factor_rows=8) == plain
+    assert block_rows(4096, row_len, 4, factor_rows=512) == 1024
+    assert block_rows(100, row_len, 4, factor_rows=512) == 100
