@@ -14,7 +14,7 @@ from google.protobuf import text_format
 from engine.errors import PoseidonError
 from engine.layers import im2col
 from engine.proto import caffe_pb2
-from engine.solvers import Solver, factored
+from engine.solvers import Solver
 
 ITERS = 6
 

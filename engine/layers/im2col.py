@@ -241,7 +241,7 @@ def _column_block_bytes():
 COLUMN_BLOCK_BYTES = _column_block_bytes()
 
 # A block of an InnerProduct weight's gradient (made and then updated, or copied into the diff,
-# while in cache) is as large as the column chunks. Measured on the 2-core EPYC (2 MiB L2), fc6's
+# while in cache) is as large as the column chunks. Measured on the 2-core EPYC (1 MiB L2), fc6's
 # update from factors, K = 32: 1 MiB blocks 59 ms on one thread and 44 on two, 2 MiB 54 and 41,
 # 4 MiB 52 and 40; fc_heavy's training step against the diff path: 110-119 ms against 124-143.
 # At least MIN_BLOCK_ROWS rows, since OpenBLAS is slow on GEMMs with very few rows.

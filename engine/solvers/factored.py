@@ -18,6 +18,7 @@ import numpy
 
 from ..layers.im2col import WorkerBuffers, block_rows, parallel
 
+
 def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult, grad_scale,
                         rate, buffers):
     """Update the weight `value` (and its rule `state`) of InnerProduct `layer` by the gradient
