@@ -139,20 +139,61 @@ def fusion_bytes(options):
     return int(value)
 
 
+def bucket_bytes(options):
+    """The --bucket-bytes of a job's options (0: every layer synced alone); 0 under relaxed
+    consistency, whose policies work pair by pair."""
+    if relaxed_consistency(options):
+        return 0
+    return int(options.get("bucket_bytes") or 0)
+
+
+def sync_groups(layers, param_bytes, bucket):
+    """{layer index: index of the layer its parameters are synced with}: consecutive PS layers,
+    taken in backward order (highest index first), share one sync while their parameters add up
+    to at most `bucket` bytes, and it starts when the lowest of them (the last one back) is done,
+    as DDP's buckets. A layer alone over `bucket`, an SFB layer, or bucket 0: its own sync.
+
+    Why: each message costs a handful of thread and process hops on both sides whatever its size
+    (docs/benchmarks.md, "Where the single-node overhead stands"), so nets of many small layers pay
+    per layer; a bucket trades some of WFBP's overlap for fewer messages."""
+    group_of = {}
+    current, size = [], 0
+    for rec in sorted(layers, key=lambda r: -r["index"]):
+        nbytes = sum(param_bytes[p] for p in rec["params"])
+        fits = (bucket and rec["scheme"] == "ps" and nbytes <= bucket)
+        if current and (not fits or size + nbytes > bucket):
+            for li in current:
+                group_of[li] = current[-1]
+            current, size = [], 0
+        if fits:
+            current.append(rec["index"])
+            size += nbytes
+        else:
+            group_of[rec["index"]] = rec["index"]
+    for li in current:
+        group_of[li] = current[-1]
+    return group_of
+
+
 def make_bundles(layers, cut, itemsize, fusion):
-    """The KV messages of every PS layer: [{'id', 'layer', 'pairs': [pair id, ...]}], from the
+    """The KV messages of every PS sync: [{'id', 'layer', 'pairs': [pair id, ...]}], from the
     cut [(pair id, param id, offset, length)] (dist/placement.bundle_pairs); a bundle's id is its
-    first pair's id, which keys its push and its reply. The server is added by placement."""
+    first pair's id, which keys its push and its reply, and its layer is the one its sync is
+    started after (rec['group'], the layer itself unless --bucket-bytes joins it to the ones below
+    it). The server is added by placement."""
     by_param = {}
     for pair_id, pid, _, length in cut:
         by_param.setdefault(pid, []).append((pair_id, length))
-    bundles = []
+    members = {}
     for rec in layers:
-        if rec["scheme"] != "ps":
-            continue
-        own = [pair for pid in rec["params"] for pair in by_param.get(pid, [])]
+        if rec["scheme"] == "ps":
+            members.setdefault(rec.get("group", rec["index"]), []).append(rec)
+    bundles = []
+    for trigger in sorted(members):
+        own = [pair for rec in members[trigger] for pid in rec["params"]
+               for pair in by_param.get(pid, [])]
         for ids in bundle_pairs(own, fusion, itemsize):
-            bundles.append({"id": ids[0], "layer": rec["index"], "pairs": ids})
+            bundles.append({"id": ids[0], "layer": trigger, "pairs": ids})
     return bundles
 
 
@@ -197,6 +238,11 @@ class InformationBook:
             rec["scheme"] = best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], workers,
                                         servers, sync, relaxed)
             layers.append(rec)
+        itemsize = 8 if description.get("dtype") == "float64" else 4
+        param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
+        group_of = sync_groups(layers, param_bytes, bucket_bytes(options))
+        for rec in layers:
+            rec["group"] = group_of[rec["index"]]
         scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
         needs_ps = [rec for rec in layers if rec["scheme"] == "ps"]
         if needs_ps and servers == 0:
@@ -213,7 +259,6 @@ class InformationBook:
             p = dict(p)
             p["scheme"] = scheme_of.get(p["layer"]) if p["synced"] else None
             params.append(p)
-        itemsize = 8 if description.get("dtype") == "float64" else 4
         pair_bytes = int(options.get("kv_pair_bytes"))
         ps_params = [(p["id"], p["count"]) for p in params if p["scheme"] == "ps"]
         cut = cut_pairs(ps_params, itemsize, pair_bytes)
@@ -243,7 +288,14 @@ class InformationBook:
         return self._layer[li]
 
     def synced_layers(self):
-        return [rec["index"] for rec in self.layers]
+        """The layers after whose backward a sync starts (each layer, or the lowest of a bucket)."""
+        return [rec["index"] for rec in self.layers if rec.get("group", rec["index"]) == rec["index"]]
+
+    def group_members(self, li):
+        """The layers synced together with layer li's sync (li itself first, then the ones above
+        it that --bucket-bytes joined to it, in backward order)."""
+        return [li] + [rec["index"] for rec in sorted(self.layers, key=lambda r: -r["index"])
+                       if rec.get("group", rec["index"]) == li and rec["index"] != li]
 
     def best_scheme(self, li):
         """Algorithm 1 for layer li (with the --sync override), evaluated on the book."""

@@ -43,6 +43,7 @@ def _size(**how):
 
 _bytes = _size()
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
+_bucket_bytes = _size(allow_zero=True, what="the bucket size")
 
 
 def _bandwidth(text):
@@ -96,6 +97,11 @@ def add_dist_options(parser):
                    help="a layer's KV pairs on one server go as one message while it stays "
                    "within BYTES (default: --kv-pair-bytes, so a bias rides with its weight); 0: "
                    "one message per pair")
+    g.add_argument("--bucket-bytes", type=_bucket_bytes, metavar="BYTES",
+                   help="consecutive small PS layers share one sync (one message per server) "
+                   "while their parameters add up to at most BYTES; it starts when the lowest "
+                   "of them is back (as DDP's buckets: fewer messages, less overlap); default 0: "
+                   "each layer alone")
     g.add_argument("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
                    "gradients (the paper) instead of averaging them (one process on P1 x batch)")
     g.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
@@ -154,7 +160,7 @@ class DistOptions:
 
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
-              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None,
+              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None, "bucket_bytes": 0,
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
@@ -173,6 +179,8 @@ class DistOptions:
         if self.fusion_bytes is not None:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
+        self.bucket_bytes = parse_bytes(self.bucket_bytes or 0, allow_zero=True,
+                                        what="the bucket size")
         check_consistency(self)
         from .priority import check
         check(self.comm_priority)
@@ -209,7 +217,7 @@ class DistOptions:
         """The options every process of one job must agree on."""
         return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
                 "kv_pair_bytes": self.kv_pair_bytes, "fusion_bytes": self.fusion_bytes,
-                "sum_gradients": bool(self.sum_gradients),
+                "bucket_bytes": self.bucket_bytes, "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
                 "staleness": int(self.staleness or 0)}
 

@@ -1,4 +1,5 @@
 """One Syncer per layer with parameters: Move, Send, Receive, Move back (Algorithm 2's sync(l)).
+With --bucket-bytes, one Syncer serves a bucket of small PS layers, started after the lowest.
 
 Why: the worker loop only knows "after BackwardThrough(l), run syncers[l].sync(it) on the pool";
 everything scheme-specific (what is moved, to whom, how the update is made) lives in a Scheme
@@ -136,9 +137,10 @@ class Syncer:
         self.worker = worker
         self.li = li
         self.rec = worker.book.layer(li)
-        self.name = self.rec["name"]
+        self.members = worker.book.group_members(li)      # li, and the layers bucketed with it
+        self.name = "+".join(worker.book.layer(m)["name"] for m in self.members)
         self.layer = worker.net.layers[li]
-        self.pids = list(self.rec["params"])
+        self.pids = [p for m in self.members for p in worker.book.layer(m)["params"]]
         self.stage = Stage(worker.net.xp)
         self._make = make_scheme
         self._schemes = {}

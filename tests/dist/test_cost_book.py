@@ -203,3 +203,33 @@ def test_parse_bytes():
         parse_bytes("0")
     with pytest.raises(ValueError, match="the fusion size must be 0 or more"):
         parse_bytes("-1", allow_zero=True, what="the fusion size")
+
+
+def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
+    """--bucket-bytes: PS layers taken from the top down share one sync while their parameters
+    fit, started after the lowest of them; an SFB layer or one too large for a bucket stands
+    alone and closes the bucket above it; bucket 0 and relaxed consistency: every layer alone."""
+    desc = _description([("Convolution", 32, 75, 8, False),          # 9.7 kB
+                         ("Convolution", 32, 800, 8, False),         # 102 kB
+                         ("InnerProduct", 4096, 4096, 8, True),      # 67 MB, SFB under hybrid
+                         ("Convolution", 64, 800, 8, False),         # 205 kB
+                         ("InnerProduct", 64, 1024, 8, False),       # 262 kB (not SFB-capable)
+                         ("InnerProduct", 10, 64, 8, False)])        # 2.6 kB
+    opts = {"sync": "hybrid", "kv_pair_bytes": 2 << 20, "bucket_bytes": 300 << 10}
+    book = InformationBook.build(desc, 4, 2, opts)
+    assert book.best_scheme(2) == "sfb"
+    groups = {rec["index"]: rec["group"] for rec in book.layers}
+    # backward order 5, 4, 3: 2.6 + 262 kB fit, 205 more do not; then the SFB layer alone
+    assert groups == {5: 4, 4: 4, 3: 3, 2: 2, 1: 0, 0: 0}
+    assert book.synced_layers() == [0, 2, 3, 4]
+    assert book.group_members(4) == [4, 5] and book.group_members(0) == [0, 1]
+    assert len(book.bundles_of_layer(4)) == 1 and not book.bundles_of_layer(5)
+    (bundle,) = book.bundles_of_layer(4)
+    params = {book.pairs[k]["param"] for k in bundle["pairs"]}
+    assert params == set(book.layer(4)["params"]) | set(book.layer(5)["params"])
+    assert len({book.pairs[k]["server"] for k in bundle["pairs"]}) == 1
+    for extra in ({"bucket_bytes": 0}, {"staleness": 2}, {}):
+        alone = InformationBook.build(desc, 4, 2, dict(opts, **extra) if extra else
+                                      {k: v for k, v in opts.items() if k != "bucket_bytes"})
+        assert all(rec["group"] == rec["index"] for rec in alone.layers), extra
+        assert alone.synced_layers() == [0, 1, 2, 3, 4, 5]

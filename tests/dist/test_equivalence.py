@@ -136,3 +136,31 @@ def test_fused_messages_change_nothing_but_the_message_count(data, references, t
     assert_params_close(fused, want, rtol=1e-5, label="fused")
     assert n_flat == pairs and n_fused < pairs          # every conv/ip bias rides with its weight
     assert sent_flat == ITERS * pairs and sent_fused == ITERS * n_fused
+
+
+@pytest.mark.parametrize("no_overlap", [False, True], ids=["wfbp", "no-overlap"])
+def test_buckets_change_nothing_but_the_message_count(data, references, tmp_path, no_overlap):
+    """--bucket-bytes: small layers share one sync, started after the lowest of them is back.
+    The same bits come out as with every layer alone, worker 0's stats name the bucket
+    ('conv1+...'), and it sends fewer messages an iteration."""
+    weights, want = references("conv", 2)
+    build, K = NETS["conv"]
+    runs = {}
+    for bucket in (0, 64 << 20):
+        stats = str(tmp_path / f"stats-{bucket}-{no_overlap}.jsonl")
+        solvers = run_threads(solver_param(build(data, K), max_iter=ITERS), 2, 2, weights=weights,
+                              sync="ps", stats=stats, bucket_bytes=bucket, no_overlap=no_overlap)
+        with open(stats.replace(".jsonl", ".worker-0.jsonl"), encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        runs[bucket] = (params_of(solvers[0]), records, solvers[0].book)
+    (alone, rec_alone, book_alone), (bucketed, rec_bucket, book) = runs[0], runs[64 << 20]
+    for a, b in zip(alone, bucketed):
+        assert numpy.array_equal(a, b), "a bucket changed the arithmetic"
+    assert_params_close(bucketed, want, rtol=1e-5, label="bucketed")
+    assert len(book.synced_layers()) == 1 < len(book_alone.synced_layers())
+    names = [rec["name"] for rec in sorted(book.layers, key=lambda r: -r["index"])]
+    (key,) = rec_bucket[-1]["layers"]
+    assert key == "+".join([names[-1]] + names[:-1])      # the lowest layer, then the others
+    sent = {b: sum(layer["messages_sent"] for r in recs for layer in r["layers"].values())
+            for b, recs in ((0, rec_alone), (1, rec_bucket))}
+    assert sent[1] == ITERS * len(book.bundles) < sent[0] == ITERS * len(book_alone.bundles)

@@ -148,6 +148,23 @@ def comm_priority_supported():
     return supported()
 
 
+# Part c's figures besides the default: (results key suffix, the flag as users give it, options).
+# 1 MB buckets hold all of cifar10_quick's 0.58 MB of parameters: one sync an iteration.
+BUCKET_BYTES = 1 << 20
+
+
+def overhead_variants(quick=False):
+    """The option sets part c measures after the default one (none in --quick)."""
+    if quick:
+        return []
+    variants = []
+    if comm_priority_supported():
+        variants.append(("comm_idle", "--comm-priority idle", {"comm_priority": "idle"}))
+    variants.append(("buckets", f"--bucket-bytes {BUCKET_BYTES >> 20}MB",
+                     {"bucket_bytes": BUCKET_BYTES}))
+    return variants
+
+
 def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, warmup=3,
                          options=None):
     """The plain engine and 1 worker + 1 server (`--sync ps`) on the same solver file, in one

@@ -69,11 +69,11 @@ def targets(results):
         rows.append((TARGETS[2][0], TARGETS[2][1], "not measured", None))
     d = results.get("distributed") or {}
     c = d.get("single_node_overhead") or {}
-    idle = d.get("single_node_overhead_comm_idle") or {}
-    idle_text = (f"; with `--comm-priority idle` {100 * idle['overhead']:+.1f}%{_interval(idle)}"
-                 if idle.get("status") == "measured" else "")
+    variants_text = "".join(
+        f"; with `{flag}` {100 * v['overhead']:+.1f}%{_interval(v)}"
+        for flag, v in _overhead_variants(d) if v.get("status") == "measured")
     rows.append((TARGETS[3][0], TARGETS[3][1],
-                 f"{100 * c['overhead']:+.1f}%{_interval(c)}{idle_text}"
+                 f"{100 * c['overhead']:+.1f}%{_interval(c)}{variants_text}"
                  if c.get("status") == "measured"
                  else _why(c), c["overhead"] <= 0.01 if c.get("status") == "measured" else None))
     t = d.get("transport") or {}
@@ -103,6 +103,20 @@ def transport_text(t):
         text += (f"; Unix sockets (one host) {100 * t['ratio_ipc']:.0f}% "
                  f"({gb('kv_push_pull_ipc_Bps'):.2f} vs {gb('raw_zmq_ipc_frames_Bps'):.2f} GB/s)")
     return text
+
+
+OVERHEAD_VARIANT_NOTES = {
+    "--comm-priority": "the sync path's threads and the server at SCHED_IDLE, dist/priority.py",
+    "--bucket-bytes": "small layers share one sync, started after the lowest of them: fewer "
+                      "messages, less overlap, dist/book.sync_groups"}
+
+
+def _overhead_variants(d):
+    """[(flag as given, part c result)] of the variants part c measured after the default."""
+    from .dist_parts import overhead_variants
+    return [(flag, d.get(f"single_node_overhead_{key}") or {})
+            for key, flag, _ in overhead_variants()
+            if f"single_node_overhead_{key}" in d]
 
 
 def _interval(c):
@@ -270,12 +284,11 @@ def markdown(results):
                   + (f" (per round {_mm(c['overhead_rounds'], '{:+.1f}', 100)}%)"
                      if c.get("overhead_rounds") else "") + f". {c['note']}."
                   + _overhead_parts(c.get("where_it_goes")), ""]
-        idle = d.get("single_node_overhead_comm_idle") or {}
-        if idle.get("status") == "measured":
-            lines += [f"The same with `--comm-priority idle` (the sync path's threads and the "
-                      f"server at SCHED_IDLE, dist/priority.py): overhead "
-                      f"{100 * idle['overhead']:+.1f}%{_interval(idle)}."
-                      + _overhead_parts(idle.get("where_it_goes")), ""]
+        for flag, v in _overhead_variants(d):
+            if v.get("status") == "measured":
+                lines += [f"The same with `{flag}` ({OVERHEAD_VARIANT_NOTES[flag.split()[0]]}): "
+                          f"overhead {100 * v['overhead']:+.1f}%{_interval(v)}."
+                          + _overhead_parts(v.get("where_it_goes")), ""]
     else:
         lines += [f"**c. Single-node overhead**: {_why(c)}", ""]
     t = d.get("transport") or {}

@@ -126,11 +126,10 @@ def run(args):
                 dist_results["single_node_overhead"] = dist_parts.single_node_overhead(
                     work, runs=runs)
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
-            if not args.quick and dist_parts.comm_priority_supported():
-                idle = dist_parts.single_node_overhead(work / "idle", runs=runs,
-                                                       options={"comm_priority": "idle"})
-                dist_results["single_node_overhead_comm_idle"] = idle
-                out(f"  with --comm-priority idle: {_status(idle, 'overhead', '{:+.1%}')}")
+            for key, flag, options in dist_parts.overhead_variants(args.quick):
+                variant = dist_parts.single_node_overhead(work / key, runs=runs, options=options)
+                dist_results[f"single_node_overhead_{key}"] = variant
+                out(f"  with {flag}: {_status(variant, 'overhead', '{:+.1%}')}")
         if "d" in parts:
             out("d. KV-store push+pull vs raw ZeroMQ (CURVE and plain)")
             if args.quick:
