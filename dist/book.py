@@ -360,10 +360,14 @@ class InformationBook:
         """Human-readable lines: each synced layer's scheme and the bytes per server."""
         lines = []
         for rec in self.layers:
+            group = rec.get("group", rec["index"])
+            with_ = (f" (synced with '{self.layer(group)['name']}')" if group != rec["index"]
+                     else "")
             lines.append(f"  {rec['name']:<16} {rec['type']:<14} M={rec['M']:<6} N={rec['N']:<7} "
-                         f"K={rec['K']:<5} -> {rec['scheme'].upper()}")
+                         f"K={rec['K']:<5} -> {rec['scheme'].upper()}{with_}")
         if self.servers:
             loads = ", ".join(f"{b / 1e6:.2f} MB" for b in self.server_bytes())
+            n = len(self.bundles)
             lines.append(f"  KV pairs: {len(self.pairs)} over {self.servers} server(s): {loads}; "
-                         f"{len(self.bundles)} messages each way per iteration")
+                         f"{n} message{'s' if n != 1 else ''} each way per iteration")
         return lines
