@@ -292,10 +292,10 @@ class InformationBook:
         return [rec["index"] for rec in self.layers if rec.get("group", rec["index"]) == rec["index"]]
 
     def group_members(self, li):
-        """The layers synced together with layer li's sync (li itself first, then the ones above
-        it that --bucket-bytes joined to it, in backward order)."""
-        return [li] + [rec["index"] for rec in sorted(self.layers, key=lambda r: -r["index"])
-                       if rec.get("group", rec["index"]) == li and rec["index"] != li]
+        """The layers synced by the sync that starts after layer li: li alone, or the bucket
+        --bucket-bytes made, in backward order (li, the lowest, last)."""
+        return [rec["index"] for rec in sorted(self.layers, key=lambda r: -r["index"])
+                if rec.get("group", rec["index"]) == li]
 
     def best_scheme(self, li):
         """Algorithm 1 for layer li (with the --sync override), evaluated on the book."""

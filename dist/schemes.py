@@ -58,7 +58,10 @@ class Scheme:
         w = self.worker
         for pid in self.syncer.pids:
             if not all_finite(w.net.learnable_params[pid].diff):
-                return f"{param_label(w.book.params[pid]['owner'][1])} gradient"
+                li, bi = w.book.params[pid]["owner"]
+                where = (f" (of layer '{w.net.layer_names[li]}')"
+                         if len(self.syncer.members) > 1 else "")   # a bucket of several layers
+                return f"{param_label(bi)} gradient{where}"
         return None
 
 

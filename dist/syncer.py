@@ -137,7 +137,7 @@ class Syncer:
         self.worker = worker
         self.li = li
         self.rec = worker.book.layer(li)
-        self.members = worker.book.group_members(li)      # li, and the layers bucketed with it
+        self.members = worker.book.group_members(li)      # li, or its bucket in backward order
         self.name = "+".join(worker.book.layer(m)["name"] for m in self.members)
         self.layer = worker.net.layers[li]
         self.pids = [p for m in self.members for p in worker.book.layer(m)["params"]]

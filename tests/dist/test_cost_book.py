@@ -222,7 +222,7 @@ def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
     # backward order 5, 4, 3: 2.6 + 262 kB fit, 205 more do not; then the SFB layer alone
     assert groups == {5: 4, 4: 4, 3: 3, 2: 2, 1: 0, 0: 0}
     assert book.synced_layers() == [0, 2, 3, 4]
-    assert book.group_members(4) == [4, 5] and book.group_members(0) == [0, 1]
+    assert book.group_members(4) == [5, 4] and book.group_members(0) == [1, 0]
     assert len(book.bundles_of_layer(4)) == 1 and not book.bundles_of_layer(5)
     (bundle,) = book.bundles_of_layer(4)
     params = {book.pairs[k]["param"] for k in bundle["pairs"]}

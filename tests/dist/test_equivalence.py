@@ -141,8 +141,8 @@ def test_fused_messages_change_nothing_but_the_message_count(data, references, t
 @pytest.mark.parametrize("no_overlap", [False, True], ids=["wfbp", "no-overlap"])
 def test_buckets_change_nothing_but_the_message_count(data, references, tmp_path, no_overlap):
     """--bucket-bytes: small layers share one sync, started after the lowest of them is back.
-    The same bits come out as with every layer alone, worker 0's stats name the bucket
-    ('conv1+...'), and it sends fewer messages an iteration."""
+    The same bits come out as with every layer alone, worker 0's stats name the bucket (its
+    layers in backward order, joined by '+'), and it sends fewer messages an iteration."""
     weights, want = references("conv", 2)
     build, K = NETS["conv"]
     runs = {}
@@ -160,7 +160,7 @@ def test_buckets_change_nothing_but_the_message_count(data, references, tmp_path
     assert len(book.synced_layers()) == 1 < len(book_alone.synced_layers())
     names = [rec["name"] for rec in sorted(book.layers, key=lambda r: -r["index"])]
     (key,) = rec_bucket[-1]["layers"]
-    assert key == "+".join([names[-1]] + names[:-1])      # the lowest layer, then the others
+    assert key == "+".join(names)                         # in backward order
     sent = {b: sum(layer["messages_sent"] for r in recs for layer in r["layers"].values())
             for b, recs in ((0, rec_alone), (1, rec_bucket))}
     assert sent[1] == ITERS * len(book.bundles) < sent[0] == ITERS * len(book_alone.bundles)

@@ -76,3 +76,14 @@ def test_nan_through_the_parameter_server(data):
     print(f"\n{error.value}")
     assert (f"worker 1: iteration {NAN_AT}: layer 'ip2' weight gradient has NaN/Inf; stopping "
             f"(last good snapshot: none written yet)") in str(error.value)
+
+
+def test_nan_in_a_bucket_names_the_layer_inside_it(data):
+    """--bucket-bytes puts the three layers into one sync ('ip3+ip2+ip1'): the error names the
+    bucket and, inside it, ip2, whose gradient is the first bad one in backward order."""
+    param = solver_param(poisoned(fc_net(data, 4)), max_iter=12)
+    with pytest.raises(DistError) as error:
+        run_threads(param, 2, 1, sync="ps", timeout=20, bucket_bytes=64 << 20)
+    print(f"\n{error.value}")
+    assert (f"worker 1: iteration {NAN_AT}: layer 'ip3+ip2+ip1' weight gradient (of layer 'ip2') has "
+            f"NaN/Inf") in str(error.value)
