@@ -377,7 +377,7 @@ class DistributedSolver:
                 return None
             self._checks_cond.wait_for(lambda: len(self._checks) >= len(self.syncers), wait_s)
             bad = {li: what for li, what in self._checks.items() if what}
-        li = max(bad)
+        li = max(bad, key=lambda i: max(self.syncers[i].members))   # a bucket: its top layer
         return self.nonfinite_error(it, self.syncers[li].name, bad[li])
 
     def _check_finite(self, loss):

@@ -94,6 +94,7 @@ def threads(request, monkeypatch):
     monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
     monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 24 * 8)
     monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
+    monkeypatch.setattr(im2col, "PADDED_ROWS_MIN", 0)           # padded rows even here
     return pool.workers
 
 

@@ -30,6 +30,7 @@ def test_rebuild_in_small_blocks_equals_one_process(data, tmp_path, monkeypatch,
     monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
     monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 5 * 192 * 8)    # float64 rows of 192
     monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
+    monkeypatch.setattr(im2col, "PADDED_ROWS_MIN", 0)           # padded rows even here
     weights = str(tmp_path / "init.caffemodel")
     want = reference(solver_param(fc_net(data, P1 * K), max_iter=ITERS), weights_out=weights)
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, P2,
