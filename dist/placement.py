@@ -13,9 +13,10 @@ bundle), while the bundle stays within `fusion_bytes` (by default the pair size,
 placed as one unit, so a small layer's weight and bias go to one server in one push and come back
 in one reply, instead of one message per parameter. A 16-byte round trip costs about as much as
 100 kB of payload on loopback, and each message costs Python and CURVE work on both sides, so for
-small layers the count of messages, not their bytes, is the price. Bundles never span layers (WFBP
-sends a layer as soon as its backward is done), and at the default size a big parameter keeps its
-2 MB messages, which the server sums while the next ones arrive.
+small layers the count of messages, not their bytes, is the price. Bundles span layers only inside
+a --bucket-bytes bucket (dist/book.sync_groups; otherwise WFBP sends a layer as soon as its
+backward is done), and at the default size a big parameter keeps its 2 MB messages, which the
+server sums while the next ones arrive.
 """
 import math
 
