@@ -187,7 +187,7 @@ def make_bundles(layers, cut, itemsize, fusion):
     members = {}
     for rec in layers:
         if rec["scheme"] == "ps":
-            members.setdefault(rec.get("group", rec["index"]), []).append(rec)
+            members.setdefault(rec["group"], []).append(rec)
     bundles = []
     for trigger in sorted(members):
         own = [pair for rec in members[trigger] for pid in rec["params"]
@@ -289,13 +289,13 @@ class InformationBook:
 
     def synced_layers(self):
         """The layers after whose backward a sync starts (each layer, or the lowest of a bucket)."""
-        return [rec["index"] for rec in self.layers if rec.get("group", rec["index"]) == rec["index"]]
+        return [rec["index"] for rec in self.layers if rec["group"] == rec["index"]]
 
     def group_members(self, li):
         """The layers synced by the sync that starts after layer li: li alone, or the bucket
         --bucket-bytes made, in backward order (li, the lowest, last)."""
         return [rec["index"] for rec in sorted(self.layers, key=lambda r: -r["index"])
-                if rec.get("group", rec["index"]) == li]
+                if rec["group"] == li]
 
     def best_scheme(self, li):
         """Algorithm 1 for layer li (with the --sync override), evaluated on the book."""
@@ -360,7 +360,7 @@ class InformationBook:
         """Human-readable lines: each synced layer's scheme and the bytes per server."""
         lines = []
         for rec in self.layers:
-            group = rec.get("group", rec["index"])
+            group = rec["group"]
             with_ = (f" (synced with '{self.layer(group)['name']}')" if group != rec["index"]
                      else "")
             lines.append(f"  {rec['name']:<16} {rec['type']:<14} M={rec['M']:<6} N={rec['N']:<7} "

@@ -61,7 +61,6 @@ class LocalInbox:
         self.dir = tempfile.mkdtemp(prefix="poseidon-", dir=_base_dir())   # mode 0700
         with _live_lock:
             _live.add(self)
-        os.chmod(self.dir, 0o700)
         self.path = os.path.join(self.dir, SOCKET_NAME)
         if len(self.path.encode()) > MAX_PATH:
             self.close()

@@ -14,7 +14,6 @@ fed from Input layers that nobody fills (zeros): compute and message sizes do no
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,8 +147,9 @@ def comm_priority_supported():
     return supported()
 
 
-# Part c's figures besides the default: (results key suffix, the flag as users give it, options).
-# 1 MB buckets hold all of cifar10_quick's 0.58 MB of parameters: one sync an iteration.
+# Part c's figures besides the default: (results key suffix, the flag as users give it, options,
+# what it does). 1 MB buckets hold all of cifar10_quick's 0.58 MB of parameters: one sync an
+# iteration.
 BUCKET_BYTES = 1 << 20
 
 
@@ -159,9 +159,13 @@ def overhead_variants(quick=False):
         return []
     variants = []
     if comm_priority_supported():
-        variants.append(("comm_idle", "--comm-priority idle", {"comm_priority": "idle"}))
+        variants.append(("comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
+                         "the sync path's threads and the server at SCHED_IDLE, "
+                         "dist/priority.py"))
     variants.append(("buckets", f"--bucket-bytes {BUCKET_BYTES >> 20}MB",
-                     {"bucket_bytes": BUCKET_BYTES}))
+                     {"bucket_bytes": BUCKET_BYTES},
+                     "small layers share one sync, started after the lowest of them: fewer "
+                     "messages, less overlap, dist/book.sync_groups"))
     return variants
 
 
@@ -242,8 +246,9 @@ def _echo(sock, rounds):
 
 def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
     """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback (or,
-    with `ipc`, a Unix socket in a private directory, as dist/localipc.py binds) to an echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy); bytes/s
-    counts both directions, as a push + pull does.
+    with `ipc`, a Unix socket in a private folder: dist/localipc.LocalInbox, as the job binds) to
+    an echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy);
+    bytes/s counts both directions, as a push + pull does.
 
     Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
     encryption and decryption run on two I/O threads as in the KV job's two processes. With
@@ -253,10 +258,10 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
     at the handshake, so it costs the round trips nothing; it is there so the set-up is the job's."""
     import threading
     import zmq
-    from dist import security
+    from dist import localipc, security
     from dist.transport import free_port
-    folder = tempfile.mkdtemp(prefix="poseidon-raw-") if ipc else None
-    address = f"ipc://{folder}/echo" if ipc else f"tcp://127.0.0.1:{free_port()}"
+    inbox = localipc.LocalInbox() if ipc else None
+    address = inbox.endpoint if ipc else f"tcp://127.0.0.1:{free_port()}"
     n = max(1, total_bytes // frame_bytes)
     payload = [numpy.ones(frame_bytes // 4, numpy.float32) for _ in range(n)]
     keys = security.make_keys() if curve else None
@@ -290,8 +295,8 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
             gatekeeper.stop()
         client_ctx.term()
         echo_ctx.term()
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
+        if inbox is not None:
+            inbox.close()
     return stats(rates)
 
 

@@ -71,7 +71,7 @@ def targets(results):
     c = d.get("single_node_overhead") or {}
     variants_text = "".join(
         f"; with `{flag}` {100 * v['overhead']:+.1f}%{_interval(v)}"
-        for flag, v in _overhead_variants(d) if v.get("status") == "measured")
+        for flag, _, v in _overhead_variants(d) if v.get("status") == "measured")
     rows.append((TARGETS[3][0], TARGETS[3][1],
                  f"{100 * c['overhead']:+.1f}%{_interval(c)}{variants_text}"
                  if c.get("status") == "measured"
@@ -105,17 +105,12 @@ def transport_text(t):
     return text
 
 
-OVERHEAD_VARIANT_NOTES = {
-    "--comm-priority": "the sync path's threads and the server at SCHED_IDLE, dist/priority.py",
-    "--bucket-bytes": "small layers share one sync, started after the lowest of them: fewer "
-                      "messages, less overlap, dist/book.sync_groups"}
-
-
 def _overhead_variants(d):
-    """[(flag as given, part c result)] of the variants part c measured after the default."""
+    """[(flag as given, what it does, part c result)] of the variants part c measured after the
+    default."""
     from .dist_parts import overhead_variants
-    return [(flag, d.get(f"single_node_overhead_{key}") or {})
-            for key, flag, _ in overhead_variants()
+    return [(flag, note, d[f"single_node_overhead_{key}"] or {})
+            for key, flag, _, note in overhead_variants()
             if f"single_node_overhead_{key}" in d]
 
 
@@ -284,9 +279,9 @@ def markdown(results):
                   + (f" (per round {_mm(c['overhead_rounds'], '{:+.1f}', 100)}%)"
                      if c.get("overhead_rounds") else "") + f". {c['note']}."
                   + _overhead_parts(c.get("where_it_goes")), ""]
-        for flag, v in _overhead_variants(d):
+        for flag, note, v in _overhead_variants(d):
             if v.get("status") == "measured":
-                lines += [f"The same with `{flag}` ({OVERHEAD_VARIANT_NOTES[flag.split()[0]]}): "
+                lines += [f"The same with `{flag}` ({note}): "
                           f"overhead {100 * v['overhead']:+.1f}%{_interval(v)}."
                           + _overhead_parts(v.get("where_it_goes")), ""]
     else:

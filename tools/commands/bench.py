@@ -126,7 +126,7 @@ def run(args):
                 dist_results["single_node_overhead"] = dist_parts.single_node_overhead(
                     work, runs=runs)
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
-            for key, flag, options in dist_parts.overhead_variants(args.quick):
+            for key, flag, options, _ in dist_parts.overhead_variants(args.quick):
                 variant = dist_parts.single_node_overhead(work / key, runs=runs, options=options)
                 dist_results[f"single_node_overhead_{key}"] = variant
                 out(f"  with {flag}: {_status(variant, 'overhead', '{:+.1%}')}")
