@@ -140,6 +140,38 @@ def test_time_runs_on_real_caffe_deploy_files(tmp_path, rel):
         assert forward_layers == names
 
 
+def test_time_makes_no_gradient_for_what_no_parameter_feeds():
+    """As training and `caffe time`: the data and labels get no gradient (a first convolution's
+    backward is its weight gradient alone), every blob after a learnable layer does, and a layer
+    whose learning is switched off (lr_mult 0) feeds nothing."""
+    from google.protobuf import text_format
+    from engine.net import Net
+    from engine.proto import caffe_pb2
+    from tools.commands.timing import skip_input_gradients
+    text = (
+        'force_backward: true\n'
+        'layer { name: "data" type: "Input" top: "data" top: "label" input_param { '
+        'shape { dim: 2 dim: 3 dim: 6 dim: 6 } shape { dim: 2 } } }\n'
+        'layer { name: "frozen" type: "Convolution" bottom: "data" top: "frozen" '
+        'param { lr_mult: 0 } param { lr_mult: 0 } convolution_param { num_output: 3 '
+        'kernel_size: 1 } }\n'
+        'layer { name: "conv" type: "Convolution" bottom: "frozen" top: "conv" '
+        'convolution_param { num_output: 4 kernel_size: 3 } }\n'
+        'layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip" '
+        'inner_product_param { num_output: 5 } }\n'
+        'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    net = Net(text_format.Parse(text, caffe_pb2.NetParameter()), "TRAIN")
+    names = list(net.layer_names)
+    assert net.bottom_need_backward[names.index("conv")] == [True]   # force_backward's flags
+    skip_input_gradients(net)
+    flags = {name: net.bottom_need_backward[i] for i, name in enumerate(names)}
+    assert flags["frozen"] == [False] and flags["conv"] == [False]
+    assert flags["relu"] == [True] and flags["ip"] == [True]
+    assert flags["loss"] == [True, False]
+    assert all(net.layer_need_backward)                               # every layer still timed
+
+
 # ------------------------------------------------------------------------------------------------
 # bad input: one clear message, no traceback
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ Values a user can get wrong (unknown model, unreadable bandwidth) print one line
 import json
 import math
 import os
-import time
 
 from engine.errors import PoseidonError
 
@@ -140,27 +139,12 @@ def load_or_build_profile(args):
 def measure_profile(path, iterations):
     """Per-layer forward/backward times of the net on this machine (as `poseidon time` takes
     them), with describe_net's facts from the real Net."""
-    import numpy
-
     from dist.book import describe_net
     from engine import prototxt
-    from engine.net import Net
-    param = prototxt.read_net(path)
-    param.force_backward = True
-    net = Net(param, "TRAIN")
-    n = len(net.layers)
-    fwd, bwd = numpy.zeros(n), numpy.zeros(n)
-    net.Forward()
-    net.Backward()
-    for _ in range(iterations):
-        for li in range(n):
-            t = time.perf_counter()
-            net.ForwardLayer(li)
-            fwd[li] += time.perf_counter() - t
-        for li in reversed(range(n)):
-            t = time.perf_counter()
-            net.BackwardThrough(li)
-            bwd[li] += time.perf_counter() - t
+
+    from .timing import time_layers, timing_net
+    net = timing_net(prototxt.read_net(path), "TRAIN", source=path)
+    fwd, bwd = time_layers(net, iterations)
     layers = [{"name": name, "type": layer.type, "forward_ms": 1e3 * fwd[i] / iterations,
                "backward_ms": 1e3 * bwd[i] / iterations}
               for i, (name, layer) in enumerate(zip(net.layer_names, net.layers))]
