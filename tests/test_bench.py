@@ -27,6 +27,10 @@ def test_bench_quick_writes_results(tmp_path):
         assert key in meta, key
     assert set(meta["env"]) >= {"OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"}
     assert results["gemm_peak"]["peak"] > 0
+    call = results["gemm_peak_call"]
+    if meta["threads"] > 1:   # one single-thread call per core, all at once, as the engine runs
+        assert call["threads"] == 1 and call["calls"] == meta["threads"] and call["peak"] > 0
+        assert results["gemm_peak_call_alone"]["peak"] > 0
     assert set(results["throughput"]) == {"cifar10_quick", "fc_heavy", "vgg_block"}
     for row in results["throughput"].values():
         assert row["engine"]["median"] > 0 and row["engine"]["min"] <= row["engine"]["max"]

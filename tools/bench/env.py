@@ -146,3 +146,42 @@ def gemm_peak(size=2048, runs=7, dtype=numpy.float32):
                note="GFLOP/s of a float32 matmul of two square matrices; 'peak' is the best run "
                     "(the machine's capability: a loaded machine only lowers runs)")
     return out
+
+
+def gemm_peak_concurrent(calls, size=2048, runs=5, dtype=numpy.float32):
+    """GFLOP/s of one call when `calls` single-thread matmuls run at once, one per thread, as
+    the engine runs its GEMMs while it splits a batch over cores (engine/layers/im2col.parallel):
+    the cores then share the caches and the memory bus, so a call alone on an idle machine is
+    faster than any of the engine's calls can be. Per run, the mean rate of the calls; BLAS must
+    be held to one thread (blas_threads(1)) around this."""
+    import threading
+    rs = numpy.random.default_rng(0)
+    a = rs.standard_normal((size, size)).astype(dtype)
+    b = rs.standard_normal((size, size)).astype(dtype)
+    outs = [numpy.empty((size, size), dtype) for _ in range(calls)]
+    flops = 2.0 * size ** 3
+    start = threading.Barrier(calls)
+    seconds = [0.0] * calls
+
+    def one(i):
+        start.wait()
+        t = time.perf_counter()
+        numpy.matmul(a, b, out=outs[i])
+        seconds[i] = time.perf_counter() - t
+
+    def run_all():
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(1, calls)]
+        for th in threads:
+            th.start()
+        one(0)
+        for th in threads:
+            th.join()
+        return sum(flops / s / 1e9 for s in seconds) / calls
+
+    run_all()                                                    # warm-up
+    out = stats([run_all() for _ in range(runs)])
+    out.update(size=size, dtype=numpy.dtype(dtype).name, peak=out["max"], calls=calls,
+               note=f"GFLOP/s of one single-thread float32 matmul of two square matrices while "
+                    f"{calls} run at once, one per core (as the engine runs its GEMMs); 'peak' "
+                    f"is the best run")
+    return out

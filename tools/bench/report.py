@@ -206,9 +206,14 @@ def markdown(results):
                       f"{len(peak['runs'])} runs."]
     call_peak = results.get("gemm_peak_call")
     if call_peak and call_peak.get("threads") != m.get("threads"):
-        lines += ["", f"Per-call GEMM peak ({call_peak['threads']} thread: the engine runs one GEMM "
-                      f"per core while it splits the batch over cores): {call_peak['peak']:.0f} "
-                      f"GFLOP/s best run, {_mm(call_peak)}."]
+        alone = results.get("gemm_peak_call_alone")
+        at_once = (f", {call_peak['calls']} at once, one per core" if call_peak.get("calls")
+                   else "")
+        lines += ["", f"Per-call GEMM peak ({call_peak['threads']} thread{at_once}: the engine runs "
+                      f"one GEMM per core while it splits the batch over cores): "
+                      f"{call_peak['peak']:.0f} GFLOP/s best run, {_mm(call_peak)}"
+                      + (f"; one such call alone on the machine: {alone['peak']:.0f} GFLOP/s"
+                         if alone else "") + "."]
     thr = results.get("throughput")
     if thr:
         lines += ["", "## a. Training throughput (images/s, forward + backward + update)", "",

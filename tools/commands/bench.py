@@ -87,14 +87,20 @@ def run(args):
     out(f"GEMM peak: {results['gemm_peak']['peak']:.0f} GFLOP/s (best of "
         f"{len(results['gemm_peak']['runs'])}; median {results['gemm_peak']['median']:.0f})")
     # one GEMM call of the engine runs on one core while it splits the batch over cores
-    # (engine/layers/im2col.parallel), on every BLAS thread otherwise: its peak is that of those
+    # (engine/layers/im2col.parallel), every core running one at once; on every BLAS thread
+    # otherwise: its peak is that of a call in those conditions (and, for reference, of one
+    # single-thread call alone on the machine)
     call_threads = 1 if threads > 1 else threads
     if call_threads != threads:
+        size = 1024 if args.quick else 2048
         with env.blas_threads(call_threads):
-            results["gemm_peak_call"] = env.gemm_peak(size=1024 if args.quick else 2048,
-                                                      runs=3 if args.quick else 5)
-        out(f"GEMM peak of one call ({call_threads} thread): "
-            f"{results['gemm_peak_call']['peak']:.0f} GFLOP/s")
+            results["gemm_peak_call"] = env.gemm_peak_concurrent(threads, size=size,
+                                                                 runs=3 if args.quick else 5)
+            results["gemm_peak_call_alone"] = env.gemm_peak(size=size,
+                                                            runs=3 if args.quick else 5)
+        out(f"GEMM peak of one call ({call_threads} thread, {threads} at once): "
+            f"{results['gemm_peak_call']['peak']:.0f} GFLOP/s (alone: "
+            f"{results['gemm_peak_call_alone']['peak']:.0f})")
     else:
         results["gemm_peak_call"] = dict(results["gemm_peak"])
     results["gemm_peak_call"]["threads"] = call_threads
