@@ -126,8 +126,9 @@ def test_time_runs_on_real_caffe_deploy_files(tmp_path, rel):
     assert "Average time per layer: " in lines
     assert lines[-1] == "*** Benchmark ends ***"
     algorithms = [line for line in lines if line.startswith("Convolution algorithms: ")]
+    route = r"\S+ (im2col|fourier|winograd)"
     assert len(algorithms) == 1 and re.fullmatch(
-        r"Convolution algorithms: \S+ (im2col|fourier)(, \S+ (im2col|fourier))*", algorithms[0])
+        rf"Convolution algorithms: {route}(, {route})*", algorithms[0])
     forward = [re.fullmatch(r"\s*(\S+)\tforward: " + MS, line) for line in lines]
     backward = [re.fullmatch(r"\s*(\S+)\tbackward: " + MS, line) for line in lines]
     forward_layers = [m.group(1) for m in forward if m]

@@ -1,11 +1,12 @@
 """engine.gemm: the meter counts every matmul the layers do. Checked against the textbook FLOP
 count of each Convolution / InnerProduct (tools/bench/layers.gemm_flops), or the frequency route's
-own count (conv_fourier.pass_flops) for layers on it, layer by layer, so a product that bypasses
-the meter or is done twice shows up here."""
+own count (conv_fourier.pass_flops, conv_winograd.pass_flops) for layers on those routes, layer
+by layer, so a product that bypasses the meter or is done twice shows up here."""
 import numpy
 import pytest
 
 from engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
+from engine.layers import conv_winograd
 from engine.layers.conv_fourier import pass_flops
 from engine.layers.im2col import parallel
 from tools.bench import layers, nets
@@ -57,9 +58,15 @@ def test_meter_off_by_default_and_counts_when_on():
 
 def expected_flops(net, li):
     """The textbook count (a direct convolution's), or for a layer on the frequency route the
-    count of its transforms and channel products."""
+    count of its transforms and channel products, on Winograd's that of its 16 GEMMs a tile set."""
     layer = net.layers[li]
-    if getattr(layer, "algorithm", None) != "fourier":
+    algorithm = getattr(layer, "algorithm", None)
+    if algorithm == "winograd":
+        n, c = net.bottom_vecs[li][0].shape[:2]
+        return conv_winograd.pass_flops(n, c, layer.num_output, *net.top_vecs[li][0].shape[2:],
+                                        weight_grad=layer.param_propagate_down[0],
+                                        input_grad=net.bottom_need_backward[li][0])
+    if algorithm != "fourier":
         return layers.gemm_flops(net, li)
     n, c, h, w = net.bottom_vecs[li][0].shape
     return pass_flops(layer.geom, n, c, layer.num_output, h, w,
@@ -68,13 +75,18 @@ def expected_flops(net, li):
                       ranges=min(parallel().workers, n), group=layer.group)
 
 
-@pytest.mark.parametrize("make", [nets.cifar10_quick, nets.vgg_block, nets.fc_heavy],
-                         ids=["cifar10_quick", "vgg_block", "fc_heavy"])
-def test_metered_flops_match_each_layers_formula(make):
+@pytest.mark.parametrize("make, conv", [(nets.cifar10_quick, "auto"), (nets.vgg_block, "auto"),
+                                        (nets.vgg_block, "winograd"), (nets.fc_heavy, "auto")],
+                         ids=["cifar10_quick", "vgg_block", "vgg_block_winograd", "fc_heavy"])
+def test_metered_flops_match_each_layers_formula(make, conv, monkeypatch):
+    monkeypatch.setenv("POSEIDON_CONV", conv)
     bench_net = make(batch=4)
     solver = nets.make_solver(bench_net)
     net = solver.net
     solver.step(1)
+    if conv == "winograd":
+        assert {layer.algorithm for layer in net.layers if layer.type == "Convolution"} == \
+            {"winograd"}
     METER.enabled = True
     try:
         net.ClearParamDiffs()

@@ -88,11 +88,15 @@ def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
             np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("extra", ["kernel_size: 5 pad: 2", "kernel_h: 3 kernel_w: 2 pad_h: 2"])
-def test_fourier_convolution_on_cupy_matches_numpy(extra, monkeypatch):
-    """The frequency route (POSEIDON_CONV=fourier; 'auto' keeps im2col on CuPy) against numpy."""
+@pytest.mark.parametrize("route,extra", [("fourier", "kernel_size: 5 pad: 2"),
+                                         ("fourier", "kernel_h: 3 kernel_w: 2 pad_h: 2"),
+                                         ("winograd", "kernel_size: 3 pad: 1"),
+                                         ("winograd", "kernel_size: 3 pad: 2")])
+def test_convolution_routes_on_cupy_match_numpy(route, extra, monkeypatch):
+    """The frequency route and Winograd (POSEIDON_CONV=fourier|winograd; 'auto' keeps im2col on
+    CuPy) against numpy."""
     import cupy
-    monkeypatch.setenv("POSEIDON_CONV", "fourier")
+    monkeypatch.setenv("POSEIDON_CONV", route)
     text = (f'type: "Convolution" convolution_param {{ num_output: 5 {extra} '
             f'weight_filler {{ type: "gaussian" std: 1 }} bias_filler {{ type: "gaussian" std: 1 }} }}')
     rs = np.random.RandomState(3)

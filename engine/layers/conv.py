@@ -3,7 +3,8 @@
 The arithmetic lives in `_ConvCore`, which both layers share: Deconvolution is the transpose of
 Convolution, so its forward is the convolution's input gradient and its input gradient is the
 convolution's forward (exactly as Caffe's deconv_layer.cpp does it). A Convolution layer may
-instead run in the frequency domain (`conv_fourier.FourierConvCore`, same interface): reshape
+instead run in the frequency domain (`conv_fourier.FourierConvCore`) or, for wide 3x3 layers, by
+Winograd's F(2x2, 3x3) (`conv_winograd.WinogradConvCore`), both with the same interface: reshape
 picks the route per layer and input size (`_pick_core`, POSEIDON_CONV).
 
 How the im2col work is laid out (the column layout is in im2col.py, the threads in im2col.parallel):
@@ -38,16 +39,18 @@ from ..gemm import matmul
 from ..layer import Layer, register
 from ..proto import caffe_pb2
 from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
+from .conv_winograd import WinogradConvCore, winograd_applies, winograd_pays
 from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, nhwc_col2im,
                      nhwc_window_view, parallel)
 
 
-ALGORITHMS = ("auto", "im2col", "fourier")
+ALGORITHMS = ("auto", "im2col", "fourier", "winograd")
 
 
 def conv_algorithm():
-    """The POSEIDON_CONV setting: 'auto' (default: per layer, the cheaper by conv_fourier's
-    cost rule), 'im2col', or 'fourier' (wherever the frequency route applies)."""
+    """The POSEIDON_CONV setting: 'auto' (default: per layer, by the cost rules of conv_fourier
+    and conv_winograd), 'im2col', 'fourier' or 'winograd' (wherever that route applies; im2col
+    elsewhere)."""
     value = os.environ.get("POSEIDON_CONV", "auto").strip().lower() or "auto"
     if value not in ALGORITHMS:
         raise ValueError(f"POSEIDON_CONV={value!r}: use one of {', '.join(ALGORITHMS)}")
@@ -424,7 +427,7 @@ class ConvolutionLayer(Layer):
         else:
             conv_out, conv_in = self.num_output, self.channels
         self.core = self._im2col = _ConvCore(self.geom, self.group)
-        self._fourier = None
+        self._fourier = self._winograd = None
         self.bias_term = bool(cp.bias_term)
         self.add_param((conv_out, conv_in // self.group, kh, kw), cp.weight_filler)
         if self.bias_term:
@@ -457,15 +460,16 @@ class ConvolutionLayer(Layer):
 
     @property
     def algorithm(self):
-        """'im2col' or 'fourier': the route this layer's last reshape picked."""
+        """'im2col', 'fourier' or 'winograd': the route this layer's last reshape picked."""
         return self.core.algorithm
 
     def _pick_core(self, n, h, w):
-        """im2col or the frequency route (conv_fourier) for this input size: Caffe's own engine
-        (engine: CAFFE) and Deconvolution keep im2col; otherwise POSEIDON_CONV decides, by
-        default through the rule of conv_fourier.fourier_pays. That rule was fitted on CPU
-        timings, so on CuPy 'auto' keeps im2col (cuBLAS) and the route is taken only when asked
-        for (POSEIDON_CONV=fourier)."""
+        """im2col, the frequency route (conv_fourier) or Winograd's F(2x2, 3x3) (conv_winograd)
+        for this input size: Caffe's own engine (engine: CAFFE) and Deconvolution keep im2col;
+        otherwise POSEIDON_CONV decides, by default through the cost rules: fourier_pays first
+        (it was fitted against im2col on all shapes), then winograd_pays (wide 3x3 layers on
+        planes of 14 px or more). The rules were fitted on CPU timings, so on CuPy 'auto' keeps
+        im2col (cuBLAS) and the other routes are taken only when asked for."""
         cp = self.param.convolution_param
         if self.reverse or cp.engine == caffe_pb2.ConvolutionParameter.CAFFE:
             return self._im2col
@@ -473,20 +477,20 @@ class ConvolutionLayer(Layer):
             choice = conv_algorithm()
         except ValueError as e:
             raise self.error(str(e)) from None
-        if choice == "im2col":
-            return self._im2col
-        if choice == "fourier":
-            fits = fourier_applies(self.geom, self.group, h, w)
-        elif self.xp is not numpy:
-            fits = False
-        else:
-            fits = fourier_pays(self.geom, self.group, n, self.channels, self.num_output, h, w,
-                                min(parallel().workers, n))
-        if not fits:
-            return self._im2col
-        if self._fourier is None:
-            self._fourier = FourierConvCore(self.geom, self.group)
-        return self._fourier
+        g, c, o = self.geom, self.channels, self.num_output
+        ranges = min(parallel().workers, n)
+        auto = choice == "auto" and self.xp is numpy
+        if (choice == "fourier" and fourier_applies(g, self.group, h, w)) or (
+                auto and fourier_pays(g, self.group, n, c, o, h, w, ranges)):
+            if self._fourier is None:
+                self._fourier = FourierConvCore(g, self.group)
+            return self._fourier
+        if (choice == "winograd" and winograd_applies(g, self.group)) or (
+                auto and winograd_pays(g, self.group, n, c, o, h, w, ranges)):
+            if self._winograd is None:
+                self._winograd = WinogradConvCore(g, self.group)
+            return self._winograd
+        return self._im2col
 
     def forward(self, bottom, top):
         weight = self.blobs[0].data

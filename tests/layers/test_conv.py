@@ -10,16 +10,21 @@ from engine.layers.conv import _ConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
 @pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands", "fourier_1",
-                                      "fourier_2"])
+                                      "fourier_2", "winograd_1", "winograd_2"])
 def chunking(request, monkeypatch):
     """Run every test through the three ways im2col cuts a batch (see _ConvCore._chunks): one
     chunk on one thread, several whole samples per chunk on two threads, and bands of one output
-    row; then through the frequency route (conv_fourier) on one and two threads, wherever it
-    applies (the other layers stay on im2col)."""
+    row; then through the frequency route (conv_fourier) and Winograd's F(2x2, 3x3)
+    (conv_winograd, one sample per chunk) on one and two threads, wherever they apply (the other
+    layers stay on im2col)."""
     from engine.layers import im2col
-    fourier = request.param.startswith("fourier")
-    monkeypatch.setenv("POSEIDON_CONV", "fourier" if fourier else "im2col")
-    one = request.param in ("one_chunk", "fourier_1")
+    from engine.layers.conv_winograd import WinogradConvCore
+    route = request.param.split("_")[0]
+    monkeypatch.setenv("POSEIDON_CONV", route if route in ("fourier", "winograd") else "im2col")
+    if route == "winograd":
+        monkeypatch.setattr(WinogradConvCore, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(WinogradConvCore, "MIN_TILES", 1)
+    one = request.param in ("one_chunk", "fourier_1", "winograd_1")
     monkeypatch.setattr(im2col.parallel(), "workers", 1 if one else 2)
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
                         1 if request.param == "row_bands" else 1 << 30)
@@ -107,6 +112,7 @@ CONV_CONFIGS = [
      dict(kh=3, kw=2, ph=2, pw=1)),
     ("no_bias", (2, 3, 5, 5), 4, "kernel_size: 3 pad: 1 bias_term: false",
      dict(kh=3, kw=3, ph=1, pw=1)),
+    ("pad2_odd", (2, 3, 5, 6), 4, "kernel_size: 3 pad: 2", dict(kh=3, kw=3, ph=2, pw=2)),
     ("pointwise_group", (2, 4, 3, 4), 6, "kernel_size: 1 group: 2", dict(kh=1, kw=1, group=2)),
     ("pad_beyond_kernel", (2, 3, 4, 4), 2, "kernel_size: 1 pad: 1", dict(kh=1, kw=1, ph=1, pw=1)),
     ("stride_dilation_group", (2, 4, 7, 6), 2,
@@ -349,7 +355,7 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
 
 def test_conv_threads_are_deterministic(monkeypatch):
     """Same input twice on two threads with blocks: bitwise the same weight gradient (im2col, or
-    the frequency route under the fourier_* modes of the fixture)."""
+    the frequency route or Winograd under the fourier_* and winograd_* modes of the fixture)."""
     from engine.layers import im2col
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1)
     monkeypatch.setattr(im2col.parallel(), "workers", 2)

@@ -136,8 +136,8 @@ def test_layer_choice_follows_setting_and_caffe_engine(monkeypatch):
     monkeypatch.setenv("POSEIDON_CONV", "fourier")
     run_forward(strided, [x])
     assert strided.core.algorithm == "im2col"         # forced, but it does not apply
-    monkeypatch.setenv("POSEIDON_CONV", "winograd")
-    with pytest.raises(LayerError, match="POSEIDON_CONV='winograd'.*auto, im2col, fourier"):
+    monkeypatch.setenv("POSEIDON_CONV", "direct")
+    with pytest.raises(LayerError, match="POSEIDON_CONV='direct'.*auto, im2col, fourier, winograd"):
         run_forward(conv_layer("kernel_size: 5 pad: 2", 32), [x])
 
 

@@ -107,7 +107,7 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
             ff, bf = gemm_flops(net, li)
             row = {"name": name, "type": layer.type, "forward_ms": stats(fwd[li]),
                    "backward_ms": stats(bwd[li])}
-            if getattr(layer, "algorithm", None):   # im2col or fourier: engine/layers/conv.py
+            if getattr(layer, "algorithm", None):   # im2col, fourier or winograd (conv.py)
                 row["algorithm"] = layer.algorithm
             if ff:
                 tf = row["forward_ms"]["median"] / 1e3

@@ -263,11 +263,12 @@ def markdown(results):
                              f"call = {100 * net['gemm_calls_share']:.0f}% of the "
                              f"{net['gemm_call_peak_gflops']:.0f} GFLOP/s one call can reach; "
                              f"the rest of the layers' time is im2col, layout copies and bias."
-                             + (" Layers marked (fourier) run in the frequency domain: their "
-                                "GFLOP and peak share count a direct convolution's FLOPs (an "
-                                "effective rate), their GEMM calls the FLOPs actually done."
-                                if any(r.get("algorithm") == "fourier" for r in net["layers"])
-                                else "")
+                             + (" Layers marked (fourier) run in the frequency domain, "
+                                "(winograd) by Winograd's F(2x2, 3x3): their GFLOP and peak share "
+                                "count a direct convolution's FLOPs (an effective rate), their "
+                                "GEMM calls the FLOPs actually done."
+                                if any(r.get("algorithm") in ("fourier", "winograd")
+                                       for r in net["layers"]) else "")
                              if net.get("gemm_calls_share") else "")
                           + (f" PyTorch, layer by layer on the same inputs: forward "
                              f"{net['torch_layers_ms']['forward']:.1f} ms, backward "

@@ -102,7 +102,7 @@ def run(args):
         out(f"{name:>20s}\tbackward: {bwd[li] / n * 1e3:.4f} ms.")
     algorithms = [f"{name} {layer.algorithm}" for name, layer in zip(net.layer_names, net.layers)
                   if getattr(layer, "algorithm", None)]
-    if algorithms:   # which convolution route each layer took (POSEIDON_CONV, conv_fourier)
+    if algorithms:   # which convolution route each layer took (POSEIDON_CONV)
         out(f"Convolution algorithms: {', '.join(algorithms)}")
     out(f"Average Forward pass: {fwd_total / n * 1e3:.4f} ms.")
     out(f"Average Backward pass: {bwd_total / n * 1e3:.4f} ms.")
