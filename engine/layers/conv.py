@@ -40,8 +40,8 @@ from ..layer import Layer, register
 from ..proto import caffe_pb2
 from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
 from .conv_winograd import WinogradConvCore, winograd_applies, winograd_pays
-from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, nhwc_col2im,
-                     nhwc_window_view, parallel)
+from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, bias_gradient_of,
+                     bias_gradient_part, nhwc_col2im, nhwc_window_view, parallel)
 
 
 ALGORITHMS = ("auto", "im2col", "fourier", "winograd")
@@ -203,7 +203,7 @@ class _ConvCore:
             return self._backward_pointwise(dy, weight, weight_diff, bias_diff, dx, key)
         g = self.geom
         grp = self.group
-        n, o, out_h, out_w = dy.shape
+        n, o = dy.shape[:2]
         og = o // grp
         cg = weight.shape[1]
         kg = g.kh * g.kw * cg
@@ -219,8 +219,7 @@ class _ConvCore:
         def work(worker, lo, hi):
             buf = self._wbuf(worker)
             if bias_diff is not None:
-                dbp = buf.get("db", (o,), dy.dtype, xp)
-                dbp[...] = dy[lo:hi].reshape(hi - lo, o, out_h * out_w).sum(axis=2).sum(axis=0)
+                bias_gradient_part(buf, dy, lo, hi)
             if shared:
                 dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
                 dwp.fill(0)
@@ -245,7 +244,7 @@ class _ConvCore:
                 # (g, O/g, kh, kw, C/g) -> Caffe's (O, C/g, kh, kw)
                 w5[...] += dwp.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
             if bias_diff is not None:
-                bias_diff += buf.get("db", (o,), dy.dtype, xp)
+                bias_diff += bias_gradient_of(buf, dy)
         return dx
 
     def _weight_grad_pass(self, buf, src, dy, grp, kg, lo, hi):

@@ -35,7 +35,7 @@ import numpy
 
 from ..backend import get_array_module as _xp
 from ..gemm import matmul
-from .im2col import WorkerBuffers, parallel, scratch
+from .im2col import WorkerBuffers, bias_gradient_of, bias_gradient_part, parallel, scratch
 
 # The cost rule (fourier_pays), fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
 # AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
@@ -312,8 +312,7 @@ class FourierConvCore:
             def work(worker, lo, hi):
                 buf = self._wbuf(worker)
                 if bias_diff is not None:
-                    dbp = buf.get("db", (o,), dy.dtype, xp)
-                    dbp[...] = dy[lo:hi].reshape(hi - lo, o, -1).sum(axis=2).sum(axis=0)
+                    bias_gradient_part(buf, dy, lo, hi)
                 if not spectral:
                     return
                 with scratch(xp).frame() as mine:
@@ -344,5 +343,5 @@ class FourierConvCore:
             if weight_diff is not None:
                 weight_diff += buf.get("dw", weight.shape, dy.dtype, xp)
             if bias_diff is not None:
-                bias_diff += buf.get("db", (o,), dy.dtype, xp)
+                bias_diff += bias_gradient_of(buf, dy)
         return dx

@@ -35,7 +35,8 @@ import numpy
 
 from ..backend import get_array_module as _xp
 from ..gemm import matmul
-from .im2col import COLUMN_BLOCK_BYTES, WorkerBuffers, parallel, scratch
+from .im2col import (COLUMN_BLOCK_BYTES, WorkerBuffers, bias_gradient_of, bias_gradient_part,
+                     parallel, scratch)
 
 # The cost rule (winograd_pays), measured on the 2-core EPYC: forward and both gradients against
 # im2col, per layer, 2 threads (docs/benchmarks.md, "Winograd for wide 3x3 layers"). The transforms
@@ -319,8 +320,7 @@ class WinogradConvCore:
         def work(worker, lo, hi):
             buf = self._wbuf(worker)
             if bias_diff is not None:
-                dbp = buf.get("db", (o,), dy.dtype, xp)
-                dbp[...] = dy[lo:hi].reshape(hi - lo, o, -1).sum(axis=2).sum(axis=0)
+                bias_gradient_part(buf, dy, lo, hi)
             if weight_diff is None and dx is None:
                 return
             if weight_diff is not None:
@@ -353,7 +353,7 @@ class WinogradConvCore:
                 part = buf.get("du", (16, o, c), dy.dtype, xp)
                 du_total = part.copy() if du_total is None else du_total + part
             if bias_diff is not None:
-                bias_diff += buf.get("db", (o,), dy.dtype, xp)
+                bias_diff += bias_gradient_of(buf, dy)
         if du_total is not None:
             weight_diff += self.kernel_untransform(du_total, weight.shape, xp)
         return dx

@@ -16,6 +16,7 @@ from collections import namedtuple
 
 import numpy
 
+from ..backend import get_array_module
 from ..gemm import padded_row_length
 
 # Caffe initialises max pooling with -FLT_MAX whatever the blob's type.
@@ -141,6 +142,20 @@ class WorkerBuffers:
 
     def clear(self):
         self._caches.clear()
+
+
+def bias_gradient_part(buf, dy, lo, hi):
+    """A thread's share of a convolution's bias gradient: the top gradient of samples lo..hi
+    summed over samples and cells, into buf's "db" (bias_gradient_of then gives it back, to be
+    added in thread order, so the sum does not depend on timing)."""
+    n_out = dy.shape[1]
+    part = bias_gradient_of(buf, dy)
+    part[...] = dy[lo:hi].reshape(hi - lo, n_out, -1).sum(axis=2).sum(axis=0)
+
+
+def bias_gradient_of(buf, dy):
+    """The partial bias gradient that bias_gradient_part left in buf."""
+    return buf.get("db", (dy.shape[1],), dy.dtype, get_array_module(dy))
 
 
 class ScratchArena:

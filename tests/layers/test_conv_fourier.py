@@ -5,20 +5,14 @@ also runs with POSEIDON_CONV=fourier.)"""
 import numpy
 import pytest
 
-from engine import gemm, rng
+from engine import gemm
 from engine.errors import LayerError
 from engine.layers import im2col
 from engine.layers.conv_fourier import (FourierConvCore, _Plan,
                                         fourier_applies, fourier_flops, fourier_pays)
 from engine.layers.im2col import Geometry, ScratchArena
-from tests.harness import make_layer, run_forward
-
-
-def conv_layer(extra, num_output, dtype=numpy.float64):
-    rng.seed(5)
-    return make_layer(f'type: "Convolution" convolution_param {{ num_output: {num_output} {extra} '
-                      f'weight_filler {{ type: "gaussian" std: 1 }} '
-                      f'bias_filler {{ type: "gaussian" std: 1 }} }}', dtype=dtype)
+from tests.harness import run_forward
+from tests.layers.conv_routes import assert_routes_agree, conv_layer
 
 
 def test_transform_is_the_zero_padded_dft():
@@ -58,21 +52,7 @@ def test_inverse_undoes_the_transform_on_the_cells_asked_for():
 def test_fourier_matches_im2col_forward_and_backward(extra, shape, num_output, workers,
                                                      monkeypatch):
     monkeypatch.setattr(im2col.parallel(), "workers", workers)
-    x = numpy.random.RandomState(2).standard_normal(shape)
-    results = {}
-    for algorithm in ("im2col", "fourier"):
-        monkeypatch.setenv("POSEIDON_CONV", algorithm)
-        layer = conv_layer(extra, num_output)
-        bottom, top = run_forward(layer, [x])
-        assert layer.core.algorithm == algorithm
-        top[0].diff[...] = numpy.random.RandomState(3).standard_normal(top[0].shape)
-        for p in layer.blobs:
-            p.diff[...] = 0
-        layer.backward(top, [True], bottom)
-        results[algorithm] = [top[0].data.copy(), bottom[0].diff.copy()] + \
-            [p.diff.copy() for p in layer.blobs]
-    for a, b in zip(results["im2col"], results["fourier"]):
-        numpy.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-9)
+    assert_routes_agree(extra, shape, num_output, ("im2col", "fourier"), monkeypatch, 1e-9)
 
 
 def test_float32_fourier_is_as_close_to_float64_as_im2col(monkeypatch):

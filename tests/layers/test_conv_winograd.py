@@ -5,22 +5,15 @@ test also runs with POSEIDON_CONV=winograd.)"""
 import numpy
 import pytest
 
-from engine import rng
 from engine.layers import im2col
 from engine.layers.conv_fourier import fourier_pays
 from engine.layers.conv_winograd import (WinogradConvCore, _Shape, pass_flops, winograd_applies,
                                          winograd_pays)
 from engine.layers.im2col import Geometry, ScratchArena
-from tests.harness import make_layer, run_forward
+from tests.harness import run_forward
+from tests.layers.conv_routes import assert_routes_agree, conv_layer
 
 THREE = Geometry(3, 3, 1, 1, 1, 1, 1, 1)
-
-
-def conv_layer(extra, num_output, dtype=numpy.float64):
-    rng.seed(5)
-    return make_layer(f'type: "Convolution" convolution_param {{ num_output: {num_output} {extra} '
-                      f'weight_filler {{ type: "gaussian" std: 1 }} '
-                      f'bias_filler {{ type: "gaussian" std: 1 }} }}', dtype=dtype)
 
 
 def test_kernel_transform_is_g_g_gt_and_its_transpose_is_the_adjoint():
@@ -68,21 +61,7 @@ def test_winograd_matches_im2col_forward_and_backward(extra, shape, num_output, 
     monkeypatch.setattr(im2col.parallel(), "workers", workers)
     monkeypatch.setattr(WinogradConvCore, "MIN_TILES", 1)
     monkeypatch.setattr(WinogradConvCore, "CHUNK_BYTES", 1)      # one sample per chunk
-    x = numpy.random.RandomState(2).standard_normal(shape)
-    results = {}
-    for algorithm in ("im2col", "winograd"):
-        monkeypatch.setenv("POSEIDON_CONV", algorithm)
-        layer = conv_layer(extra, num_output)
-        bottom, top = run_forward(layer, [x])
-        assert layer.core.algorithm == algorithm
-        top[0].diff[...] = numpy.random.RandomState(3).standard_normal(top[0].shape)
-        for p in layer.blobs:
-            p.diff[...] = 0
-        layer.backward(top, [True], bottom)
-        results[algorithm] = [top[0].data.copy(), bottom[0].diff.copy()] + \
-            [p.diff.copy() for p in layer.blobs]
-    for a, b in zip(results["im2col"], results["winograd"]):
-        numpy.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-10)
+    assert_routes_agree(extra, shape, num_output, ("im2col", "winograd"), monkeypatch, 1e-10)
 
 
 def test_float32_winograd_is_as_close_to_float64_as_im2col(monkeypatch):
