@@ -195,14 +195,13 @@ class UpdateRule:
         if rate is None:
             rate = self.rate(it)
         arrays = [value, grad] + list(state)
-        if value.size < BLOCKED_MIN or get_array_module(value) is not numpy:
-            self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
-            return
-        if all(a.flags.c_contiguous and a.size == value.size for a in arrays):
-            parts, step = [a.reshape(-1) for a in arrays], BLOCK
-        elif _rows_contiguous(arrays):          # a gradient block with padded rows (factored.py)
-            parts, step = arrays, max(1, BLOCK // (value.size // value.shape[0]))
-        else:
+        parts = None
+        if value.size >= BLOCKED_MIN and get_array_module(value) is numpy:
+            if all(a.flags.c_contiguous and a.size == value.size for a in arrays):
+                parts, step = [a.reshape(-1) for a in arrays], BLOCK
+            elif _rows_contiguous(arrays):      # a gradient block with padded rows (factored.py)
+                parts, step = arrays, max(1, BLOCK // (value.size // value.shape[0]))
+        if parts is None:
             self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
             return
 

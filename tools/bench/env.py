@@ -128,14 +128,19 @@ def median_interval(values, level=0.95, resamples=4000, seed=0):
     return [float(low), float(high)]
 
 
-def gemm_peak(size=2048, runs=7, dtype=numpy.float32):
-    """GFLOP/s of a large square float32 numpy matmul (out= a preallocated array), several runs."""
+def _square_operands(size, dtype):
+    """Two random size x size matrices and the FLOPs of their product."""
     rs = numpy.random.default_rng(0)
     a = rs.standard_normal((size, size)).astype(dtype)
     b = rs.standard_normal((size, size)).astype(dtype)
+    return a, b, 2.0 * size ** 3
+
+
+def gemm_peak(size=2048, runs=7, dtype=numpy.float32):
+    """GFLOP/s of a large square float32 numpy matmul (out= a preallocated array), several runs."""
+    a, b, flops = _square_operands(size, dtype)
     c = numpy.empty((size, size), dtype)
     numpy.matmul(a, b, out=c)
-    flops = 2.0 * size ** 3
     rates = []
     for _ in range(runs):
         t = time.perf_counter()
@@ -155,11 +160,8 @@ def gemm_peak_concurrent(calls, size=2048, runs=5, dtype=numpy.float32):
     faster than any of the engine's calls can be. Per run, the mean rate of the calls; BLAS must
     be held to one thread (blas_threads(1)) around this."""
     import threading
-    rs = numpy.random.default_rng(0)
-    a = rs.standard_normal((size, size)).astype(dtype)
-    b = rs.standard_normal((size, size)).astype(dtype)
+    a, b, flops = _square_operands(size, dtype)
     outs = [numpy.empty((size, size), dtype) for _ in range(calls)]
-    flops = 2.0 * size ** 3
     start = threading.Barrier(calls)
     seconds = [0.0] * calls
 
