@@ -27,6 +27,7 @@ import tempfile
 import threading
 
 SOCKET_NAME = "inbox"
+DIRECT_NAME = "direct"    # the listening socket of the direct links (dist/directlink.py)
 MAX_PATH = 100            # sun_path holds 108 bytes on Linux; stay clear of it
 
 _live = set()             # the inboxes of this process not yet removed (remove_all)
@@ -67,6 +68,10 @@ class LocalInbox:
             raise OSError(f"the socket path {self.path} is too long for a Unix socket")
 
     @property
+    def direct_path(self):
+        return os.path.join(self.dir, DIRECT_NAME)
+
+    @property
     def endpoint(self):
         return f"ipc://{self.path}"
 
@@ -97,9 +102,23 @@ atexit.register(remove_all)
 def reachable(info):
     """The ipc:// endpoint of a peer's advertised inbox when this process may take it, else None
     (see the module docstring for the checks)."""
-    if not isinstance(info, dict) or not hasattr(os, "geteuid"):
+    path = _checked_socket(info, info)
+    return None if path is None else f"ipc://{path}"
+
+
+def reachable_direct(info):
+    """The path of a peer's direct-link socket (advertised beside its inbox as info['direct'])
+    when this process may take it, under the same checks, else None."""
+    direct = info.get("direct") if isinstance(info, dict) else None
+    return _checked_socket(info, direct)
+
+
+def _checked_socket(info, sock):
+    """sock['path'] when it is a socket of this user with the advertised device and inode, in
+    a folder nobody else may enter, on this boot (info['boot']), else None."""
+    if not isinstance(info, dict) or not isinstance(sock, dict) or not hasattr(os, "geteuid"):
         return None
-    path, mine = info.get("path"), boot_id()
+    path, mine = sock.get("path"), boot_id()
     if not isinstance(path, str) or not os.path.isabs(path) or len(path.encode()) > MAX_PATH:
         return None
     if mine is None or info.get("boot") != mine:
@@ -112,8 +131,8 @@ def reachable(info):
         return None
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid:
         return None
-    if (st.st_dev, st.st_ino) != (info.get("dev"), info.get("ino")):
+    if (st.st_dev, st.st_ino) != (sock.get("dev"), sock.get("ino")):
         return None
     if not stat.S_ISDIR(parent.st_mode) or parent.st_uid != uid or parent.st_mode & 0o077:
         return None
-    return f"ipc://{path}"
+    return path

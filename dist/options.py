@@ -11,7 +11,7 @@ from .placement import DEFAULT_PAIR_BYTES, parse_bytes
 from .priority import CHOICES as COMM_PRIORITIES
 from .transport import parse_bandwidth
 
-IPC_CHOICES = ("auto", "off")
+IPC_CHOICES = ("auto", "zmq", "off")
 
 
 def _nonneg_int(text):
@@ -138,8 +138,10 @@ def add_dist_options(parser):
                    "processes share one machine's cores (default normal)")
     g.add_argument("--ipc", choices=IPC_CHOICES, default="auto",
                    help="auto: processes of the job on one host talk over Unix sockets in "
-                   "private folders, without CURVE (only this user can reach them); off: TCP "
-                   "between every pair, as between hosts (default auto)")
+                   "private folders, without CURVE (only this user can reach them), and a "
+                   "worker's KV pushes and their answers go on direct links that the waiting "
+                   "thread reads itself; zmq: the same Unix sockets, every message through "
+                   "ZeroMQ; off: TCP between every pair, as between hosts (default auto)")
     return parser
 
 

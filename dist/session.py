@@ -81,7 +81,8 @@ class Session:
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
-                                      roles=self.roles, local_ipc=options.ipc == "auto")
+                                      roles=self.roles, local_ipc=options.ipc != "off",
+                                      direct_links=options.ipc == "auto")
         self.transport.mailbox.owner = self.name               # for the stall inspector
         self.transport.mailbox.stall_warning = options.stall_warning
         self.transport.bind(address)      # this address only (127.0.0.1 for a local job)
@@ -126,8 +127,11 @@ class Session:
         local = sorted(self.roles.short(r) for r, how in self.transport.routes.items()
                        if how == "ipc")
         if local:
-            self.log(f"{self.name}: {', '.join(local)} on this host: Unix sockets, no CURVE "
-                     f"(--ipc off for TCP)")
+            direct = ("; KV pushes and their answers on direct links (--ipc zmq: all through "
+                      "ZeroMQ; --ipc off: TCP)" if self.transport.direct_links() else
+                      " (--ipc off for TCP)")
+            self.log(f"{self.name}: {', '.join(local)} on this host: Unix sockets, no CURVE"
+                     f"{direct}")
         return self.book
 
     def server_rank(self, server_index):

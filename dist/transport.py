@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 import numpy
 import zmq
 
-from . import localipc, security
+from . import directlink, localipc, security
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 
@@ -186,6 +186,25 @@ class Message:
                 f"it {self.iteration}, key {self.key}, {len(self.arrays)} arrays)")
 
 
+def _link_specs(head):
+    """The (dtype, shape) of each array a direct link's header declares."""
+    return decode_header(head)[6]
+
+
+def _message(head, mtype, flags, sender, iteration, key, aux, arrays, payload):
+    """The Message of decoded header fields and arrays (the JSON object taken out of them)."""
+    obj = None
+    if flags & FLAG_JSON:
+        if not arrays or arrays[0].dtype != numpy.uint8 or arrays[0].ndim != 1:
+            raise BadMessage(f"{Msg(mtype).name}: the JSON flag is set but the first array "
+                             f"is not bytes")
+        try:
+            obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
+    return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload)
+
+
 class Receipt:
     """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames."""
 
@@ -308,8 +327,13 @@ class Mailbox:
     def error(self):
         return self._error
 
-    def take(self, mtype, key, iteration, count=1, timeout=30.0, what=None, senders=None):
+    def take(self, mtype, key, iteration, count=1, timeout=30.0, what=None, senders=None,
+             pump=None):
         """Wait for `count` messages of (type, key, iteration); returns them sorted by sender.
+
+        pump(seconds), when given, is how this thread waits instead of sleeping on a condition:
+        it reads and files what arrives on a direct link (dist/directlink.py) for at most that
+        long, and returns False once the link is gone (the wait goes on as a plain one).
 
         On the deadline raises DeadlineError naming `what` and the senders that did not answer.
         Every `stall_warning` seconds of waiting (an attribute the session sets; 0: never) it logs
@@ -357,6 +381,14 @@ class Mailbox:
                         logging.getLogger("poseidon").warning(
                             f"{self.owner or 'this process'}: {where}waiting "
                             f"{now - start:.0f} s for {label} from {source}{got}")
+                    if pump is not None:
+                        self._lock.release()
+                        try:
+                            if not pump(0.1 if left is None else min(left, 0.1)):
+                                pump = None
+                        finally:
+                            self._lock.acquire()
+                        continue
                     if cond is None:          # register as a waiter for k (put wakes only us)
                         waiting = self._waiting.get(k)
                         if waiting is None:
@@ -418,7 +450,7 @@ class ZmqTransport(Transport):
 
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
                  heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None,
-                 local_ipc=False):
+                 local_ipc=False, direct_links=None):
         from .checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
@@ -434,6 +466,12 @@ class ZmqTransport(Transport):
         self.local = None                            # localipc.LocalInbox once bound
         self.local_info = None                       # what peers need to reach and verify it
         self.routes = {}                             # rank -> 'ipc' or 'tcp'
+        self._direct_wanted = self._local_wanted and (direct_links is None or direct_links)
+        self._listener = None                        # directlink.Listener once bound
+        self._direct_paths = {}                      # rank -> its listening socket's path
+        self._mine = threading.local()               # this thread's links and awaited answers
+        self._links = []                             # every link this process opened
+        self._answer_links = {}                      # (worker, key) -> (link, iteration of its push)
         self.rules = WireRules(rank, roles, self._namer)
         self._taken = {}                             # (type, key) -> last iteration taken
         self._last_drop = {}                         # sender -> why its last message was dropped
@@ -446,6 +484,7 @@ class ZmqTransport(Transport):
         self.counters_lock = threading.Lock()
         self.sent_payload = self.sent_header = self.recv_payload = self.recv_header = 0
         self.sent_messages = self.recv_messages = self.dropped_messages = 0
+        self.direct_sent = self.direct_received = 0  # messages that went on direct links
         self.recv_types = {}                         # type name -> messages accepted
         self.heartbeat = float(heartbeat)
         self.lost_after = float(lost_after)
@@ -473,6 +512,11 @@ class ZmqTransport(Transport):
                 self.local = localipc.LocalInbox()
                 self._inbox.bind(self.local.endpoint)
                 self.local_info = self.local.describe()
+                if self._direct_wanted:
+                    self._listener = directlink.Listener(
+                        self.local.direct_path, _link_specs, self._take_in_link,
+                        self._bad_link, self.name)
+                    self.local_info["direct"] = self._listener.describe()
             except (OSError, zmq.ZMQError) as e:
                 logging.getLogger("poseidon").warning(
                     f"{self.name}: no Unix-socket inbox ({e}); peers on this host use TCP")
@@ -516,9 +560,16 @@ class ZmqTransport(Transport):
             sock.connect(ipc or address)
             self._out[rank] = (sock, threading.Lock())
             self.routes[rank] = "ipc" if ipc else "tcp"
+            direct = localipc.reachable_direct(local) if ipc and self._direct_wanted else None
+            if direct is not None:
+                self._direct_paths[rank] = direct
 
     def connected(self, rank):
         return rank in self._out
+
+    def direct_links(self):
+        """The ranks this process pushes to on direct links (dist/directlink.py)."""
+        return sorted(self._direct_paths)
 
     def handle(self, mtype, fn):
         """Run fn(msg) on the receive thread for this message type instead of filing it."""
@@ -553,6 +604,12 @@ class ZmqTransport(Transport):
         payload = sum(a.nbytes for a in arrays)
         if self.bucket is not None:
             self.bucket.consume(payload + len(header))
+        link = self._link_for(dest, mtype, key, iteration, payload)
+        if link is not None:
+            with self.counters_lock:
+                self.direct_sent += 1
+            written = self._send_on_link(link, dest, mtype, header, arrays, key, iteration)
+            return self._count_sent(payload, header, written)
         try:
             sock, lock = self._out[dest]
         except KeyError:
@@ -574,11 +631,117 @@ class ZmqTransport(Transport):
             raise DeadlineError(f"{self.name} could not send {Msg(mtype).name} to "
                                 f"{self._namer(dest)} within {self.timeout:g} s: is it still "
                                 f"running?") from None
+        return self._count_sent(payload, header, trackers)
+
+    def _count_sent(self, payload, header, trackers):
         with self.counters_lock:
             self.sent_payload += payload
             self.sent_header += len(header)
             self.sent_messages += 1
         return Receipt(payload, len(header), trackers)
+
+    # ----- direct links (dist/directlink.py): a KV push and its answer, between processes of a host
+    def _link_for(self, dest, mtype, key, iteration, payload):
+        """The link msg goes on, or None for ZeroMQ: a push of at most directlink.MAX_BYTES goes
+        on this thread's own link to a server of this host; an answer goes on the link its push
+        came on, if that push was of the same iteration (the worker's thread is then reading
+        that link for it)."""
+        if mtype == Msg.KV_PUSH:
+            path = self._direct_paths.get(dest)
+            if path is None or payload > directlink.MAX_BYTES:
+                return None
+            links = self._thread_links()
+            link = links.get(dest)
+            if link is None or not link.open:
+                if len(self._links) >= directlink.MAX_LINKS:
+                    return None
+                try:
+                    link = links[dest] = directlink.Link.connect(path, dest, _link_specs)
+                except OSError:
+                    self._direct_paths.pop(dest, None)      # ZeroMQ from now on
+                    return None
+                with self._out_lock:
+                    self._links.append(link)
+            return link
+        if mtype == Msg.KV_VALUE and self._answer_links:
+            got = self._answer_links.get((dest, key))
+            if got is not None and got[1] == iteration and got[0].open:
+                return got[0]
+        return None
+
+    def _thread_links(self):
+        mine = self._mine
+        if not hasattr(mine, "links"):
+            mine.links, mine.awaiting = {}, {}
+        return mine.links
+
+    def _send_on_link(self, link, dest, mtype, header, arrays, key, iteration):
+        """A push is written now by this thread (which then reads its answer from the link);
+        an answer is queued on the link it goes back on. Returns the trackers of the send."""
+        try:
+            if mtype != Msg.KV_PUSH:
+                return [link.post(header, arrays)]
+            self._mine.awaiting[key] = (link, iteration)
+            link.send(header, arrays, self.timeout,
+                      lambda msgs: self._take_in_messages(msgs, link))
+            return ()
+        except TimeoutError:
+            raise DeadlineError(f"{self.name} could not send {Msg(mtype).name} to "
+                                f"{self._namer(dest)} within {self.timeout:g} s: is it still "
+                                f"running?") from None
+        except directlink.LinkClosed as e:
+            raise DistError(f"{self.name} lost its link to {self._namer(dest)} while sending "
+                            f"{Msg(mtype).name} ({e}): has it stopped?") from None
+
+    def _take_in_messages(self, msgs, link):
+        for head, arrays in msgs:
+            self._take_in_link(head, arrays, link)
+
+    def _pump_for(self, mtype, key, iteration):
+        """How this thread waits for (mtype, key, iteration): by reading its own link when the
+        answer comes on it, else None (a plain wait)."""
+        if mtype != Msg.KV_VALUE:
+            return None
+        awaiting = getattr(self._mine, "awaiting", None)
+        if not awaiting:
+            return None
+        got = awaiting.get(key)
+        if got is None or got[1] != iteration:
+            return None
+        del awaiting[key]
+        link = got[0]
+
+        def pump(seconds):
+            try:
+                msgs = link.read_ready(seconds)
+            except directlink.LinkClosed:
+                link.open = False
+                return False
+            except Exception as e:       # a header that cannot be a member's
+                link.close()
+                self._bad_link(e)
+                return False
+            self._take_in_messages(msgs, link)
+            return True
+        return pump
+
+    def _take_in_link(self, head, arrays, link):
+        """A message read from a direct link: the same checks and filing as one from ZeroMQ; a
+        push also names the link its answer goes back on."""
+        try:
+            msg = self._decode_link(head, arrays)
+        except BadMessage as e:
+            self._refuse(None, str(e))
+            return
+        if msg.type == Msg.KV_PUSH:
+            self._answer_links[(msg.sender, msg.key)] = (link, msg.iteration)
+        with self.counters_lock:
+            self.direct_received += 1
+        self._file(msg)
+
+    def _bad_link(self, error):
+        self._refuse(None, f"unreadable message on a direct link ({type(error).__name__}: "
+                           f"{error}); the link is closed")
 
     # ----- receiving ----------------------------------------------------------------------------------
     def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None):
@@ -588,7 +751,8 @@ class ZmqTransport(Transport):
         (a shape or dtype that disagrees with this process's is reported naming both)."""
         try:
             got = self.mailbox.take(mtype, key, iteration, count,
-                                    self.timeout if timeout is None else timeout, what, senders)
+                                    self.timeout if timeout is None else timeout, what, senders,
+                                    self._pump_for(mtype, key, iteration))
         except DeadlineError as e:
             with self.counters_lock:
                 notes = [f"{self.name} dropped {self._namer(s)}'s last message: "
@@ -659,16 +823,14 @@ class ZmqTransport(Transport):
                                  f"{list(shape)} ({declared} bytes) but its frame has {len(buf)}")
             payload += len(buf)
             arrays.append(numpy.frombuffer(buf, dtype).reshape(shape))
-        obj = None
-        if flags & FLAG_JSON:
-            if not arrays or arrays[0].dtype != numpy.uint8 or arrays[0].ndim != 1:
-                raise BadMessage(f"{Msg(mtype).name}: the JSON flag is set but the first array "
-                                 f"is not bytes")
-            try:
-                obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
-        return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload)
+        return _message(head, mtype, flags, sender, iteration, key, aux, arrays, payload)
+
+    def _decode_link(self, head, arrays):
+        """A Message from a direct link's header and the arrays read after it (their sizes are
+        the declared ones by construction)."""
+        mtype, flags, sender, iteration, key, aux, _ = decode_header(head)
+        return _message(head, mtype, flags, sender, iteration, key, aux, arrays,
+                        sum(a.nbytes for a in arrays))
 
     def drop(self, msg, reason):
         """Drop a message a handler (the KV server) found bad after the receive thread took it:
@@ -749,6 +911,10 @@ class ZmqTransport(Transport):
         except Exception as e:    # anything else unreadable: the same, said plainly
             self._refuse(None, f"unreadable ({type(e).__name__}: {e})")
             return
+        self._file(msg)
+
+    def _file(self, msg):
+        """Admit, count, then hand msg to its handler or its mailbox."""
         reason = self._admit(msg)
         if reason is not None:
             self._refuse(msg, reason)
@@ -794,6 +960,8 @@ class ZmqTransport(Transport):
                     "recv_payload": self.recv_payload, "recv_header": self.recv_header,
                     "sent_messages": self.sent_messages, "recv_messages": self.recv_messages,
                     "dropped_messages": self.dropped_messages,
+                    "direct_messages": {"sent": self.direct_sent,
+                                        "received": self.direct_received},
                     "received_by_type": dict(self.recv_types),
                     "refused_connections": self.gatekeeper.refused if self.gatekeeper else 0,
                     "admitted_connections": self.gatekeeper.admitted if self.gatekeeper else 0,
@@ -804,6 +972,12 @@ class ZmqTransport(Transport):
         if self.local is not None:          # first: nothing below may keep the folder behind
             self.local.close()
         self._closing.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._out_lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
         with self._out_lock:

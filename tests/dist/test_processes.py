@@ -80,12 +80,13 @@ def alive(pid):
 
 
 # ----- multi-host form -----------------------------------------------------------------------------
-@pytest.mark.parametrize("ipc", ["auto", "off"])
+@pytest.mark.parametrize("ipc", ["auto", "zmq", "off"])
 def test_multi_host_form_with_explicit_ranks(data, tmp_path, ipc):
     """Three separate processes, each with --coordinator and its own rank (rank 1 from mpirun's
     OMPI_COMM_WORLD_RANK), train to the same parameters as one process on the combined batch,
-    over Unix sockets between them (--ipc auto: they share this host) and over TCP with CURVE
-    (--ipc off)."""
+    over Unix sockets between them (--ipc auto: they share this host, and the KV pushes and
+    their answers go on direct links; --ipc zmq: every message through ZeroMQ) and over TCP
+    with CURVE (--ipc off)."""
     P1, P2, K, iters = 2, 1, 8, 8
     ref = get_solver(solver_param(fc_net(data, P1 * K), max_iter=iters), dtype=numpy.float64)
     weights = str(tmp_path / "init.caffemodel")
@@ -118,6 +119,7 @@ def test_multi_host_form_with_explicit_ranks(data, tmp_path, ipc):
         elif rank != 1:   # each peer over a Unix socket (worker 1 logs warnings only)
             peers = {0: "server 0, worker 1", 2: "worker 0, worker 1"}
             assert local is not None and local.group(1) == peers[rank], out
+            assert ("on direct links" in out) == (ipc == "auto"), out
     snap = tmp_path / "job" / "snap" / f"run_iter_{iters}.caffemodel"
     assert snap.exists(), outs[0]
     proto = caffemodel.read_net_proto(str(snap))

@@ -157,7 +157,9 @@ def overhead_variants(quick=False):
     """The option sets part c measures after the default one (none in --quick)."""
     if quick:
         return []
-    variants = []
+    variants = [("ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
+                 "every message through ZeroMQ, as before the direct links (the KV pushes and "
+                 "their answers go on them by default), dist/directlink.py")]
     if comm_priority_supported():
         variants.append(("comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
                          "the sync path's threads and the server at SCHED_IDLE, "

@@ -1,0 +1,239 @@
+"""Direct links (dist/directlink.py): a worker's KV push and its answer between processes of one
+host, on a Unix socket the waiting thread reads itself (`--ipc auto`).
+
+- A link carries whole messages: every dtype the transport sends, empty and large arrays.
+- Two ends that each write a message larger than the socket's buffer at once finish, because a
+  blocked writer reads what the other end wrote (the deadlock a naive design has).
+- Between two transports: a push goes on the pushing thread's own link, its answer comes back on
+  it and is read by the thread that waits, with the same checks and counters as ZeroMQ; an
+  answer for another iteration than the push on record goes by ZeroMQ and still arrives; with
+  `direct_links=False` (`--ipc zmq`) nothing goes on a link.
+- A link whose peer has gone reports it; the wait falls back to the mailbox and its deadline.
+- The listening socket is advertised beside the inbox and verified the same way.
+
+Run: python -m pytest tests/dist/test_directlink.py -q
+"""
+import os
+import socket
+import threading
+import time
+
+import numpy
+import pytest
+
+from dist import directlink, localipc
+from dist.errors import DeadlineError
+from dist.roles import Roles
+from dist.transport import Msg, ZmqTransport, _link_specs, encode_header
+
+pytestmark = pytest.mark.skipif(not localipc.supported(),
+                                reason="direct links live beside the Unix-socket inboxes (Linux)")
+
+
+def _pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return directlink.Link(a, 1, _link_specs), directlink.Link(b, 0, _link_specs)
+
+
+def _send(link, arrays, mtype=Msg.KV_PUSH, key=7, iteration=3, on_messages=None):
+    header = encode_header(mtype, 0, iteration, key, 0, arrays)
+    link.send(header, arrays, 5.0, on_messages or (lambda msgs: None))
+    return header
+
+
+_early = {}                     # link -> messages read but not yet asked for
+
+
+def _read_one(link, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    early = _early.setdefault(link, [])
+    while not early:
+        assert time.monotonic() < deadline, "nothing arrived"
+        early.extend(link.read_ready(0.1))
+    return early.pop(0)
+
+
+def test_a_link_carries_whole_messages_of_every_dtype():
+    left, right = _pair()
+    arrays = [numpy.arange(12, dtype=d).reshape(3, 4) for d in
+              ("float32", "float64", "float16", "int32", "int64", "uint8")]
+    arrays += [numpy.zeros((0,), numpy.float32), numpy.float64(2.5).reshape(())]
+    header = _send(left, arrays)
+    got_header, got = _read_one(right)
+    assert got_header == header
+    assert len(got) == len(arrays)
+    for a, b in zip(arrays, got):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        numpy.testing.assert_array_equal(a, b)
+    left.close()
+    with pytest.raises(directlink.LinkClosed):
+        _read_one(right)
+    right.close()
+
+
+def test_two_ends_writing_more_than_the_buffer_at_once_both_finish():
+    left, right = _pair()
+    big = [numpy.arange(3_000_000, dtype=numpy.float32)]           # 12 MB each way
+    got = {}
+
+    def other_end():
+        # the "server": reads one message, then answers with another big one while the first
+        # end is still writing its second message
+        got["first"] = _read_one(right)[1]
+        answer = big[0][::-1].copy()
+        header = encode_header(Msg.KV_VALUE, 2, 3, 7, 0, [answer])
+        got["written"] = right.post(header, [answer])     # never waits
+        got["second"] = _read_one(right)[1]
+        got["written"].wait(10)
+
+    thread = threading.Thread(target=other_end)
+    thread.start()
+    inbox = []
+    _send(left, big)
+    _send(left, big, on_messages=lambda msgs: inbox.extend(a for _, a in msgs))
+    if not inbox:                       # the answer fitted while the second push was written
+        inbox.append(_read_one(left)[1])
+    thread.join(30)
+    assert not thread.is_alive()
+    assert got["written"].done
+    numpy.testing.assert_array_equal(inbox[0][0], big[0][::-1])
+    numpy.testing.assert_array_equal(got["first"][0], big[0])
+    numpy.testing.assert_array_equal(got["second"][0], big[0])
+    left.close()
+    right.close()
+
+
+def test_a_writer_whose_reader_never_reads_gets_a_deadline():
+    left, right = _pair()
+    header = encode_header(Msg.KV_PUSH, 0, 0, 0, 0, [numpy.zeros(4_000_000, numpy.float32)])
+    t = time.monotonic()
+    with pytest.raises(TimeoutError):
+        left.send(header, [numpy.zeros(4_000_000, numpy.float32)], 0.3, lambda msgs: None)
+    assert time.monotonic() - t < 5
+    left.close()
+    right.close()
+
+
+@pytest.fixture
+def local_pair():
+    """Worker 0 and server 0 (rank 2) of a 2-worker job, each with a Unix-socket inbox and a
+    direct-link listener; the server answers every push of key 5 (like the KV store) on its
+    receive path, with the values doubled."""
+    made = []
+
+    def make(direct=True):
+        roles = Roles(2, 1)
+        worker = ZmqTransport(0, namer=roles.name, timeout=5.0, local_ipc=True,
+                              direct_links=direct)
+        server = ZmqTransport(2, namer=roles.name, timeout=5.0, local_ipc=True,
+                              direct_links=direct)
+        for t in (worker, server):
+            t.bind("127.0.0.1")
+            t.start()
+        worker.connect(2, server.address, server.local_info)
+        server.connect(0, worker.address, worker.local_info)
+
+        def answer(msg):
+            server.send(msg.sender, Msg.KV_VALUE, iteration=msg.iteration, key=msg.key,
+                        arrays=[msg.arrays[0] * 2])
+        server.handle(Msg.KV_PUSH, answer)
+        made.extend([worker, server])
+        return worker, server
+    yield make
+    for t in made:
+        t.close(0)
+
+
+def test_a_push_and_its_answer_go_on_the_pushing_threads_own_link(local_pair):
+    worker, server = local_pair()
+    assert "direct" in worker.local_info and "direct" in server.local_info
+    assert localipc.reachable_direct(server.local_info) == server.local_info["direct"]["path"]
+    values = numpy.arange(100_000, dtype=numpy.float32)
+    results = {}
+
+    def sync(key):
+        for it in range(5):
+            worker.send(2, Msg.KV_PUSH, iteration=it, key=key, arrays=[values + key])
+            results[(key, it)] = worker.receive(Msg.KV_VALUE, key, it, senders=[2])[0]
+
+    threads = [threading.Thread(target=sync, args=(k,)) for k in (5, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for (key, it), msg in results.items():
+        assert msg.sender == 2 and msg.iteration == it
+        numpy.testing.assert_array_equal(msg.arrays[0], (values + key) * 2)
+    assert len(results) == 10
+    w, s = worker.counters(), server.counters()
+    assert w["direct_messages"] == {"sent": 10, "received": 10}
+    assert s["direct_messages"] == {"sent": 10, "received": 10}
+    assert s["received_by_type"] == {"KV_PUSH": 10}
+    assert w["received_by_type"] == {"KV_VALUE": 10}
+    assert w["sent_payload"] == s["recv_payload"] == 10 * values.nbytes
+    assert len(worker._links) == 2                       # one link per pushing thread
+
+
+def test_an_answer_for_another_iteration_goes_by_zeromq_and_still_arrives(local_pair):
+    worker, server = local_pair()
+    server.handle(Msg.KV_PUSH, lambda msg: None)         # answers by hand below
+    worker.send(2, Msg.KV_PUSH, iteration=4, key=5, arrays=[numpy.ones(3)])
+    deadline = time.monotonic() + 5
+    while server.counters()["direct_messages"]["received"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server.send(0, Msg.KV_VALUE, iteration=3, key=5, arrays=[numpy.ones(3)])   # not iteration 4
+    assert server.counters()["direct_messages"]["sent"] == 0
+    assert worker.receive(Msg.KV_VALUE, 5, 3)[0].iteration == 3
+    server.send(0, Msg.KV_VALUE, iteration=4, key=5, arrays=[numpy.full(3, 7.0)])
+    assert server.counters()["direct_messages"]["sent"] == 1
+    numpy.testing.assert_array_equal(worker.receive(Msg.KV_VALUE, 5, 4)[0].arrays[0], 7.0)
+
+
+def test_with_direct_links_off_everything_goes_by_zeromq(local_pair):
+    worker, server = local_pair(direct=False)
+    assert "direct" not in server.local_info
+    worker.send(2, Msg.KV_PUSH, iteration=0, key=5, arrays=[numpy.ones(3)])
+    numpy.testing.assert_array_equal(worker.receive(Msg.KV_VALUE, 5, 0)[0].arrays[0], 2.0)
+    assert worker.counters()["direct_messages"] == {"sent": 0, "received": 0}
+    assert worker.routes == {2: "ipc"}
+
+
+def test_a_link_whose_peer_is_gone_falls_back_to_the_deadline(local_pair):
+    worker, server = local_pair()
+    server.handle(Msg.KV_PUSH, lambda msg: None)          # never answers
+    worker.send(2, Msg.KV_PUSH, iteration=0, key=5, arrays=[numpy.ones(3)])
+    server._listener.close()                              # the server's end of every link goes
+    t = time.monotonic()
+    with pytest.raises(DeadlineError, match="KV_VALUE key 5 iteration 0"):
+        worker.receive(Msg.KV_VALUE, 5, 0, timeout=0.5)
+    assert time.monotonic() - t < 3
+    assert not worker._links[0].open
+
+
+def test_the_listener_goes_away_with_the_inbox_folder(local_pair):
+    worker, server = local_pair()
+    path = server.local_info["direct"]["path"]
+    assert os.path.exists(path)
+    server.close(0)
+    assert not os.path.exists(path)
+    assert localipc.reachable_direct(server.local_info) is None
+
+
+def test_past_the_link_limit_pushes_go_by_zeromq(local_pair, monkeypatch):
+    monkeypatch.setattr(directlink, "MAX_LINKS", 1)
+    worker, server = local_pair()
+    got = {}
+
+    def sync(key):
+        worker.send(2, Msg.KV_PUSH, iteration=0, key=key, arrays=[numpy.full(4, float(key))])
+        got[key] = worker.receive(Msg.KV_VALUE, key, 0, senders=[2])[0].arrays[0]
+
+    for key in (5, 6):                   # two threads: the second may not open a link
+        t = threading.Thread(target=sync, args=(key,))
+        t.start()
+        t.join(10)
+    numpy.testing.assert_array_equal(got[5], 10.0)
+    numpy.testing.assert_array_equal(got[6], 12.0)
+    assert len(worker._links) == 1
+    assert worker.counters()["direct_messages"] == {"sent": 1, "received": 1}
