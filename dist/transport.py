@@ -15,6 +15,10 @@ Why it is shaped this way:
   a tracker; a caller waits on the receipt before it reuses the buffer.
 - The receive thread also beats the heart: it sends a heartbeat to the coordinator and watches
   that it hears from the coordinator, and an ABORT from the coordinator fails every waiter at once.
+- Between processes of one host, a worker's KV push of up to 1 MB and the server's answer go on
+  a direct link instead (dist/directlink.py): a Unix socket of the pushing thread's own, which that
+  thread reads itself while it waits for the answer, so neither ZeroMQ's I/O threads nor the
+  receive thread are woken. Messages on links get the same checks, counters and handlers.
 - `Transport` is the small interface (bind, connect, send, receive/next, close) the rest of `dist`
   uses; `ZmqTransport` is the ZeroMQ implementation, so another transport could be added.
 """
@@ -512,17 +516,20 @@ class ZmqTransport(Transport):
                 self.local = localipc.LocalInbox()
                 self._inbox.bind(self.local.endpoint)
                 self.local_info = self.local.describe()
-                if self._direct_wanted:
-                    self._listener = directlink.Listener(
-                        self.local.direct_path, _link_specs, self._take_in_link,
-                        self._bad_link, self.name)
-                    self.local_info["direct"] = self._listener.describe()
             except (OSError, zmq.ZMQError) as e:
                 logging.getLogger("poseidon").warning(
                     f"{self.name}: no Unix-socket inbox ({e}); peers on this host use TCP")
                 if self.local is not None:
                     self.local.close()
                 self.local = self.local_info = None
+        if self.local is not None and self._direct_wanted and self._listener is None:
+            try:
+                self._listener = directlink.Listener(self.local.direct_path, _link_specs,
+                                                     self._take_in_link, self._bad_link, self.name)
+                self.local_info["direct"] = self._listener.describe()
+            except OSError as e:
+                logging.getLogger("poseidon").warning(
+                    f"{self.name}: no direct links ({e}); KV pushes on this host use ZeroMQ")
         if self.keys is not None:
             security.secure_server(self._inbox, self.keys)
         bind_host = "*" if host in ("0.0.0.0", "*") else host
