@@ -16,7 +16,8 @@ every peer on another host, and every process when the job runs with `--ipc zmq`
 
 Who can connect: the listening socket sits in the process's private 0700 folder beside its
 ZeroMQ Unix-socket inbox (dist/localipc.py), and an accepted connection must also come from a
-process of this user (SO_PEERCRED).
+process of this user (SO_PEERCRED). A reader allocates no more than MAX_HEADER_BYTES for a header
+and MAX_MESSAGE_BYTES for a message; bytes beyond those bounds close the link (BadStream).
 
 No deadlock: every socket is non-blocking and every read is incremental, so nobody ever waits in
 the middle of a message. The worker's thread writes its push in full, reading whatever the server
@@ -41,12 +42,19 @@ WAIT_SLICE = 0.1                        # the longest a wait goes without lookin
 MAX_BYTES = 1 << 20                     # larger pushes go through ZeroMQ, whose I/O threads
                                         # write and read at once (the answers of a big layer
                                         # stream back while its later pairs still go out)
+MAX_HEADER_BYTES = 1 << 16              # a header is a few hundred bytes; more is not a member's
+MAX_MESSAGE_BYTES = 4 * MAX_BYTES       # what a reader allocates for one message at most
 MAX_LINKS = 256                         # links a process opens (a thread each per server); then
                                         # its pushes go through ZeroMQ, sparing file descriptors
 
 
 class LinkClosed(Exception):
     """The other end closed the link (or it broke)."""
+
+
+class BadStream(ValueError):
+    """Bytes on a link that no member writes (a header or message over the bounds): the link is
+    closed, since what follows cannot be told apart."""
 
 
 def _tune(sock):
@@ -101,13 +109,22 @@ class _Reader:
     def _advance(self):
         """The current buffer is full: move to the next; returns a finished message or None."""
         if self._header is None:
-            self._header = bytearray(_LENGTH.unpack(self._length)[0])
+            length = _LENGTH.unpack(self._length)[0]
+            if length > MAX_HEADER_BYTES:
+                raise BadStream(f"a header of {length} bytes (at most {MAX_HEADER_BYTES})")
+            self._header = bytearray(length)
             self._view, self._got = memoryview(self._header), 0
             if len(self._header):
                 return None
         if self._arrays is None:
             header = bytes(self._header)
-            self._arrays = [numpy.empty(shape, dtype) for dtype, shape in self._parse(header)]
+            specs = self._parse(header)
+            size = sum(dtype.itemsize * int(numpy.prod(shape, dtype=numpy.int64))
+                       for dtype, shape in specs)
+            if size > MAX_MESSAGE_BYTES:
+                raise BadStream(f"a message of {size} bytes (a link carries at most "
+                                f"{MAX_MESSAGE_BYTES})")
+            self._arrays = [numpy.empty(shape, dtype) for dtype, shape in specs]
             self._header = header
             self._index = -1
         while True:
@@ -367,8 +384,8 @@ class Listener:
         except LinkClosed:
             self._drop(link)
         except Exception as e:           # a header that cannot be a member's: the link is unusable
-            self._drop(link)
             self._on_error(e)
+            self._drop(link)
 
     def _drop(self, link):
         self._links.discard(link)

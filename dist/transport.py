@@ -725,8 +725,8 @@ class ZmqTransport(Transport):
                 link.open = False
                 return False
             except Exception as e:       # a header that cannot be a member's
-                link.close()
                 self._bad_link(e)
+                link.close()
                 return False
             self._take_in_messages(msgs, link)
             return True

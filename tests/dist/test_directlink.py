@@ -15,6 +15,7 @@ Run: python -m pytest tests/dist/test_directlink.py -q
 """
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -71,7 +72,8 @@ def test_a_link_carries_whole_messages_of_every_dtype():
     right.close()
 
 
-def test_two_ends_writing_more_than_the_buffer_at_once_both_finish():
+def test_two_ends_writing_more_than_the_buffer_at_once_both_finish(monkeypatch):
+    monkeypatch.setattr(directlink, "MAX_MESSAGE_BYTES", 1 << 26)   # more than a socket holds
     left, right = _pair()
     big = [numpy.arange(3_000_000, dtype=numpy.float32)]           # 12 MB each way
     got = {}
@@ -237,3 +239,28 @@ def test_past_the_link_limit_pushes_go_by_zeromq(local_pair, monkeypatch):
     numpy.testing.assert_array_equal(got[6], 12.0)
     assert len(worker._links) == 1
     assert worker.counters()["direct_messages"] == {"sent": 1, "received": 1}
+
+
+@pytest.mark.parametrize("garbage", ["long header", "huge arrays", "unknown type"])
+def test_bytes_no_member_writes_close_that_link_and_the_server_serves_on(local_pair, garbage,
+                                                                          capfd):
+    worker, server = local_pair()
+    if garbage == "long header":
+        data = struct.pack("<I", 1 << 30)
+    elif garbage == "huge arrays":
+        header = encode_header(Msg.KV_PUSH, 0, 0, 5, 0, [numpy.zeros(3)])
+        header = header[:-4] + struct.pack("<I", 1 << 30)          # float64[2^30]: 8 GB
+        data = struct.pack("<I", len(header)) + header
+    else:
+        header = bytearray(encode_header(Msg.KV_PUSH, 0, 0, 5, 0, []))
+        header[0] = 99
+        data = struct.pack("<I", len(header)) + bytes(header)
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(server.local_info["direct"]["path"])
+    stranger.sendall(data)
+    assert stranger.recv(1) == b""                      # the server closed that link
+    stranger.close()
+    assert server.counters()["dropped_messages"] == 1
+    assert "on a direct link" in capfd.readouterr().err
+    worker.send(2, Msg.KV_PUSH, iteration=0, key=5, arrays=[numpy.ones(3)])
+    numpy.testing.assert_array_equal(worker.receive(Msg.KV_VALUE, 5, 0)[0].arrays[0], 2.0)
