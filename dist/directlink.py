@@ -25,6 +25,7 @@ wrote meanwhile; the server never waits to write: an answer that does not fit in
 buffer is queued, and flushed by the link's thread when the socket can take more, or by whoever
 waits for it to be written (`Written.wait`, before the server reuses the values it sent).
 """
+import math
 import os
 import select
 import selectors
@@ -119,8 +120,7 @@ class _Reader:
         if self._arrays is None:
             header = bytes(self._header)
             specs = self._parse(header)
-            size = sum(dtype.itemsize * int(numpy.prod(shape, dtype=numpy.int64))
-                       for dtype, shape in specs)
+            size = sum(dtype.itemsize * math.prod(shape) for dtype, shape in specs)
             if size > MAX_MESSAGE_BYTES:
                 raise BadStream(f"a message of {size} bytes (a link carries at most "
                                 f"{MAX_MESSAGE_BYTES})")

@@ -83,7 +83,10 @@ def all_finite(array):
     """True when every element of `array` is finite. One reduction (the sum) decides in the usual
     case; the elementwise test runs only when the sum is not finite (NaN/Inf, or an overflow)."""
     xp = backend.get_array_module(array)
-    if bool(xp.isfinite(array.sum())):
+    if xp is numpy:                       # the ufunc's reduce: no Python layer of ndarray.sum
+        if math.isfinite(numpy.add.reduce(array, axis=None)):
+            return True
+    elif bool(xp.isfinite(array.sum())):
         return True
     return bool(xp.isfinite(array).all())
 
