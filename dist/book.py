@@ -139,12 +139,29 @@ def fusion_bytes(options):
     return int(value)
 
 
-def bucket_bytes(options):
-    """The --bucket-bytes of a job's options (0: every layer synced alone); 0 under relaxed
-    consistency, whose policies work pair by pair."""
+# --bucket-bytes auto on a job whose processes all share one host: 1 MB (cifar10_quick's 0.58 MB
+# of parameters in one sync). Across hosts WFBP's per-layer overlap hides the network; on one
+# host there is no network, and each sync costs its wake-ups (docs/benchmarks.md).
+AUTO_BUCKET_BYTES = 1 << 20
+
+
+def one_host(local, size):
+    """Whether all `size` processes advertised a Unix-socket inbox (dist/localipc.py) on the same
+    boot, so every pair talks on this host (a job with --ipc off gives none)."""
+    boots = {(info or {}).get("boot") for info in (local or {}).values()}
+    return len(local or {}) == size and len(boots) == 1 and None not in boots
+
+
+def bucket_bytes(options, single_host=False):
+    """The bucket size of a job (0: every layer synced alone): --bucket-bytes, where `auto` is
+    AUTO_BUCKET_BYTES on one host and 0 across hosts; 0 under relaxed consistency, whose
+    policies work pair by pair."""
     if relaxed_consistency(options):
         return 0
-    return int(options.get("bucket_bytes") or 0)
+    value = options.get("bucket_bytes") or 0
+    if value == "auto":
+        return AUTO_BUCKET_BYTES if single_host else 0
+    return int(value)
 
 
 def sync_groups(layers, param_bytes, bucket):
@@ -240,7 +257,9 @@ class InformationBook:
             layers.append(rec)
         itemsize = 8 if description.get("dtype") == "float64" else 4
         param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
-        group_of = sync_groups(layers, param_bytes, bucket_bytes(options))
+        single_host = one_host(local, workers + servers)
+        bucket = bucket_bytes(options, single_host)
+        group_of = sync_groups(layers, param_bytes, bucket)
         for rec in layers:
             rec["group"] = group_of[rec["index"]]
         scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
@@ -280,7 +299,8 @@ class InformationBook:
                 "layers": layers, "params": params, "pairs": pairs, "bundles": bundles,
                 "addresses": {str(k): v for k, v in (addresses or {}).items()},
                 "hosts": {str(k): v for k, v in (hosts or {}).items()},
-                "local": {str(k): v for k, v in (local or {}).items()}, "solver": solver_text}
+                "local": {str(k): v for k, v in (local or {}).items()}, "solver": solver_text,
+                "one_host": single_host, "bucket_bytes": bucket}
         return cls(data)
 
     # ----- Algorithm 1 and queries -----------------------------------------------------------------
@@ -370,4 +390,8 @@ class InformationBook:
             n = len(self.bundles)
             lines.append(f"  KV pairs: {len(self.pairs)} over {self.servers} server(s): {loads}; "
                          f"{n} message{'s' if n != 1 else ''} each way per iteration")
+        bucket = self.data.get("bucket_bytes", 0)
+        if bucket and self.data["options"].get("bucket_bytes") == "auto":
+            lines.append(f"  one host: consecutive PS layers of up to {bucket / 2**20:g} MB in all "
+                         f"share a sync (--bucket-bytes auto; 0 syncs each layer alone)")
         return lines

@@ -43,7 +43,11 @@ def _size(**how):
 
 _bytes = _size()
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
-_bucket_bytes = _size(allow_zero=True, what="the bucket size")
+_bucket_size = _size(allow_zero=True, what="the bucket size")
+
+
+def _bucket_bytes(text):
+    return "auto" if str(text).strip().lower() == "auto" else _bucket_size(text)
 
 
 def _bandwidth(text):
@@ -100,8 +104,9 @@ def add_dist_options(parser):
     g.add_argument("--bucket-bytes", type=_bucket_bytes, metavar="BYTES",
                    help="consecutive small PS layers share one sync (one message per server) "
                    "while their parameters add up to at most BYTES; it starts when the lowest "
-                   "of them is back (as DDP's buckets: fewer messages, less overlap); default 0: "
-                   "each layer alone")
+                   "of them is back (as DDP's buckets: fewer messages, less overlap); 0: each "
+                   "layer alone (the paper's WFBP); default auto: 1MB when every process of the "
+                   "job is on one host (no network to overlap), else 0")
     g.add_argument("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
                    "gradients (the paper) instead of averaging them (one process on P1 x batch)")
     g.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
@@ -162,7 +167,7 @@ class DistOptions:
 
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
-              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None, "bucket_bytes": 0,
+              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None, "bucket_bytes": "auto",
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
@@ -181,8 +186,11 @@ class DistOptions:
         if self.fusion_bytes is not None:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
-        self.bucket_bytes = parse_bytes(self.bucket_bytes or 0, allow_zero=True,
-                                        what="the bucket size")
+        if str(self.bucket_bytes).strip().lower() == "auto":
+            self.bucket_bytes = "auto"
+        else:
+            self.bucket_bytes = parse_bytes(self.bucket_bytes or 0, allow_zero=True,
+                                            what="the bucket size")
         check_consistency(self)
         from .priority import check
         check(self.comm_priority)

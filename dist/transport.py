@@ -613,10 +613,14 @@ class ZmqTransport(Transport):
             self.bucket.consume(payload + len(header))
         link = self._link_for(dest, mtype, key, iteration, payload)
         if link is not None:
-            with self.counters_lock:
-                self.direct_sent += 1
-            written = self._send_on_link(link, dest, mtype, header, arrays, key, iteration)
-            return self._count_sent(payload, header, written)
+            try:
+                written = self._send_on_link(link, dest, mtype, header, arrays, key, iteration)
+            except directlink.LinkClosed:
+                link.open = False        # ZeroMQ from now on: a peer that has really gone is
+            else:                        # then found as before (heartbeats, the coordinator)
+                with self.counters_lock:
+                    self.direct_sent += 1
+                return self._count_sent(payload, header, written)
         try:
             sock, lock = self._out[dest]
         except KeyError:
@@ -684,21 +688,19 @@ class ZmqTransport(Transport):
 
     def _send_on_link(self, link, dest, mtype, header, arrays, key, iteration):
         """A push is written now by this thread (which then reads its answer from the link);
-        an answer is queued on the link it goes back on. Returns the trackers of the send."""
+        an answer is queued on the link it goes back on. Returns the trackers of the send;
+        raises directlink.LinkClosed when the link has closed (the caller uses ZeroMQ)."""
         try:
             if mtype != Msg.KV_PUSH:
                 return [link.post(header, arrays)]
-            self._mine.awaiting[key] = (link, iteration)
             link.send(header, arrays, self.timeout,
                       lambda msgs: self._take_in_messages(msgs, link))
+            self._mine.awaiting[key] = (link, iteration)
             return ()
         except TimeoutError:
             raise DeadlineError(f"{self.name} could not send {Msg(mtype).name} to "
                                 f"{self._namer(dest)} within {self.timeout:g} s: is it still "
                                 f"running?") from None
-        except directlink.LinkClosed as e:
-            raise DistError(f"{self.name} lost its link to {self._namer(dest)} while sending "
-                            f"{Msg(mtype).name} ({e}): has it stopped?") from None
 
     def _take_in_messages(self, msgs, link):
         for head, arrays in msgs:
@@ -721,9 +723,9 @@ class ZmqTransport(Transport):
         def pump(seconds):
             try:
                 msgs = link.read_ready(seconds)
-            except directlink.LinkClosed:
-                link.open = False
-                return False
+            except directlink.LinkClosed:   # a plain wait from now on: if the peer has gone,
+                link.open = False            # heartbeats and the coordinator say so, naming
+                return False                 # the process that failed first
             except Exception as e:       # a header that cannot be a member's
                 self._bad_link(e)
                 link.close()

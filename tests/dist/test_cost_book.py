@@ -233,3 +233,34 @@ def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
                                       {k: v for k, v in opts.items() if k != "bucket_bytes"})
         assert all(rec["group"] == rec["index"] for rec in alone.layers), extra
         assert alone.synced_layers() == [0, 1, 2, 3, 4, 5]
+
+
+def test_bucket_bytes_auto_buckets_on_one_host_only():
+    """--bucket-bytes auto (the default): 1 MB buckets when every process advertised a Unix-socket
+    inbox of the same boot, none when one did not (--ipc off, another host) or boots differ;
+    an explicit size or 0 is kept either way, and relaxed consistency buckets nothing."""
+    from dist.book import AUTO_BUCKET_BYTES
+    from dist.options import DistOptions
+    assert DistOptions().bucket_bytes == "auto"
+    assert DistOptions(bucket_bytes="AUTO").bucket_bytes == "auto"
+    assert DistOptions(bucket_bytes="2MB").bucket_bytes == 2 << 20
+    desc = _description([("Convolution", 32, 75, 8, False),          # 9.7 kB
+                         ("Convolution", 32, 800, 8, False),         # 102 kB
+                         ("InnerProduct", 10, 64, 8, False)])        # 2.6 kB
+    here = {"path": "/x", "boot": "b1", "dev": 1, "ino": 2}
+    one_host = {r: dict(here) for r in range(3)}                     # 2 workers + 1 server
+    cases = [({"bucket_bytes": "auto"}, one_host, AUTO_BUCKET_BYTES),
+             ({"bucket_bytes": "auto"}, {**one_host, 2: None}, 0),
+             ({"bucket_bytes": "auto"}, {**one_host, 2: dict(here, boot="b2")}, 0),
+             ({"bucket_bytes": "auto"}, None, 0),
+             ({"bucket_bytes": 0}, one_host, 0),
+             ({"bucket_bytes": 64 << 10}, None, 64 << 10),
+             ({"bucket_bytes": "auto", "staleness": 2}, one_host, 0)]
+    for extra, local, want in cases:
+        book = InformationBook.build(desc, 2, 1, dict({"sync": "ps", "kv_pair_bytes": 2 << 20},
+                                                      **extra), local=local)
+        assert book.data["bucket_bytes"] == want, (extra, local)
+        bucketed = any(rec["group"] != rec["index"] for rec in book.layers)
+        assert bucketed == (want >= 120 << 10), (extra, local)      # all three fit in 115 kB
+        lines = "\n".join(book.summary_lines())
+        assert ("one host: consecutive PS layers" in lines) == (want == AUTO_BUCKET_BYTES)

@@ -35,7 +35,8 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync):
     P1, P2, K, iters = 3, 2, 4, 4
     stats = str(tmp_path / "stats.jsonl")
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=iters), P1, P2, sync=sync,
-                          stats=stats, kv_pair_bytes=8192)
+                          stats=stats, kv_pair_bytes=8192, bucket_bytes=0)   # each layer alone
+                          # (on one host --bucket-bytes auto would share one sync between them)
     book = solvers[0].book
     dims = {rec["name"]: (rec["M"], rec["N"]) for rec in book.layers}
     pairs_of = {rec["name"]: len(book.bundles_of_layer(rec["index"])) for rec in book.layers}
@@ -116,7 +117,8 @@ def overlaps(trace, pid):
 
 def test_timeline_shows_wfbp_overlap(data, tmp_path):
     path = str(tmp_path / "trace.json")
-    run_threads(solver_param(conv_net(data, 8), max_iter=6), 2, 1, timeline=path)
+    run_threads(solver_param(conv_net(data, 8), max_iter=6), 2, 1, timeline=path,
+                bucket_bytes=0)        # WFBP per layer (auto makes one bucket on one host)
     with open(path, "r", encoding="utf-8") as f:
         trace = json.load(f)
     names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"]

@@ -201,7 +201,10 @@ def test_with_direct_links_off_everything_goes_by_zeromq(local_pair):
     assert worker.routes == {2: "ipc"}
 
 
-def test_a_link_whose_peer_is_gone_falls_back_to_the_deadline(local_pair):
+def test_a_closed_link_leaves_the_wait_to_the_mailbox_and_its_deadline(local_pair):
+    """A link that closes under a wait does not blame its peer (a server also closes its links
+    when it stops because another process failed): the wait goes on as a plain one, where the
+    heartbeats and the coordinator's abort name the process that failed first."""
     worker, server = local_pair()
     server.handle(Msg.KV_PUSH, lambda msg: None)          # never answers
     worker.send(2, Msg.KV_PUSH, iteration=0, key=5, arrays=[numpy.ones(3)])
@@ -211,6 +214,20 @@ def test_a_link_whose_peer_is_gone_falls_back_to_the_deadline(local_pair):
         worker.receive(Msg.KV_VALUE, 5, 0, timeout=0.5)
     assert time.monotonic() - t < 3
     assert not worker._links[0].open
+
+
+def test_after_a_link_closes_pushes_and_answers_go_by_zeromq(local_pair):
+    worker, server = local_pair()
+    worker.send(2, Msg.KV_PUSH, iteration=0, key=5, arrays=[numpy.ones(3)])
+    numpy.testing.assert_array_equal(worker.receive(Msg.KV_VALUE, 5, 0)[0].arrays[0], 2.0)
+    server._listener.close()                              # no more links to this server
+    time.sleep(0.2)                                       # (its thread closes their sockets)
+    for it in (1, 2):        # the first write finds the link closed, the second cannot reopen it
+        worker.send(2, Msg.KV_PUSH, iteration=it, key=5, arrays=[numpy.full(3, 3.0)])
+        numpy.testing.assert_array_equal(worker.receive(Msg.KV_VALUE, 5, it)[0].arrays[0], 6.0)
+    assert worker.counters()["direct_messages"]["sent"] == 1
+    assert server.counters()["received_by_type"] == {"KV_PUSH": 3}
+    assert not worker._links[0].open and 2 not in worker.direct_links()
 
 
 def test_the_listener_goes_away_with_the_inbox_folder(local_pair):

@@ -72,7 +72,7 @@ def test_nan_through_the_parameter_server(data):
     error names worker 1, the iteration and ip2 (the first bad layer in backward order)."""
     param = solver_param(poisoned(fc_net(data, 4)), max_iter=12)
     with pytest.raises(DistError) as error:
-        run_threads(param, 2, 1, sync="ps", timeout=20)
+        run_threads(param, 2, 1, sync="ps", timeout=20, bucket_bytes=0)   # each layer alone
     print(f"\n{error.value}")
     assert (f"worker 1: iteration {NAN_AT}: layer 'ip2' weight gradient has NaN/Inf; stopping "
             f"(last good snapshot: none written yet)") in str(error.value)

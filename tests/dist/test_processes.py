@@ -120,6 +120,8 @@ def test_multi_host_form_with_explicit_ranks(data, tmp_path, ipc):
             peers = {0: "server 0, worker 1", 2: "worker 0, worker 1"}
             assert local is not None and local.group(1) == peers[rank], out
             assert ("on direct links" in out) == (ipc == "auto"), out
+    # --bucket-bytes auto: buckets when the processes share this host, none with --ipc off
+    assert ("one host: consecutive PS layers" in outs[0]) == (ipc != "off"), outs[0]
     snap = tmp_path / "job" / "snap" / f"run_iter_{iters}.caffemodel"
     assert snap.exists(), outs[0]
     proto = caffemodel.read_net_proto(str(snap))
