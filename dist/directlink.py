@@ -8,11 +8,12 @@ training keeps busy, each of those hand-offs is a wake-up that waits for a core.
 ZeroMQ and a receive thread, 196 µs through a plain Unix socket and a receive thread, 38-90 µs
 when the thread that sent the request reads the answer from the socket itself. So a worker's sync
 thread pushes a KV pair on a link of its own to the server and reads the answer from that link;
-the server serves each link on a thread of its own (under the KV store's lock, as it serves
-ZeroMQ messages) and answers on the link the push came on.
+the server serves all its links on one thread (`Listener`; the KV store serves its messages under
+one lock anyway) and answers on the link the push came on.
 
 What stays on ZeroMQ: everything else (the coordinator, SFB's factors, initialisation, shutdown),
-every peer on another host, and every process when the job runs with `--ipc zmq` or `--ipc off`.
+pushes over MAX_BYTES, every peer on another host, every process when the job runs with
+`--ipc zmq` or `--ipc off`, and a thread whose link has closed (dist/transport.py falls back).
 
 Who can connect: the listening socket sits in the process's private 0700 folder beside its
 ZeroMQ Unix-socket inbox (dist/localipc.py), and an accepted connection must also come from a
@@ -22,8 +23,8 @@ and MAX_MESSAGE_BYTES for a message; bytes beyond those bounds close the link (B
 No deadlock: every socket is non-blocking and every read is incremental, so nobody ever waits in
 the middle of a message. The worker's thread writes its push in full, reading whatever the server
 wrote meanwhile; the server never waits to write: an answer that does not fit in the socket's
-buffer is queued, and flushed by the link's thread when the socket can take more, or by whoever
-waits for it to be written (`Written.wait`, before the server reuses the values it sent).
+buffer is queued, and flushed by the listener's thread when the socket can take more, or by
+whoever waits for it to be written (`Written.wait`, before the server reuses the values it sent).
 """
 import math
 import os
