@@ -47,7 +47,12 @@ _bucket_size = _size(allow_zero=True, what="the bucket size")
 
 
 def _bucket_bytes(text):
-    return "auto" if str(text).strip().lower() == "auto" else _bucket_size(text)
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bucket_size(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
 
 
 def _bandwidth(text):
