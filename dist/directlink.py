@@ -317,10 +317,6 @@ class Listener:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-links", daemon=True)
         self._thread.start()
 
-    def describe(self):
-        st = os.stat(self.path)
-        return {"path": self.path, "dev": st.st_dev, "ino": st.st_ino}
-
     def _wake(self):
         try:
             os.write(self._wake_w, b"w")

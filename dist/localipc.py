@@ -77,14 +77,19 @@ class LocalInbox:
 
     def describe(self):
         """What peers need to find and verify this inbox (call after the bind made the socket)."""
-        st = os.stat(self.path)
-        return {"path": self.path, "boot": boot_id(), "dev": st.st_dev, "ino": st.st_ino}
+        return dict(socket_info(self.path), boot=boot_id())
 
     def close(self):
         """Remove the folder and socket file (connections already made keep working)."""
         shutil.rmtree(self.dir, ignore_errors=True)
         with _live_lock:
             _live.discard(self)
+
+
+def socket_info(path):
+    """The path, device and inode of a bound socket: what a peer checks it against."""
+    st = os.stat(path)
+    return {"path": path, "dev": st.st_dev, "ino": st.st_ino}
 
 
 def remove_all():

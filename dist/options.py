@@ -31,28 +31,34 @@ def _positive_int(text):
     return value
 
 
-def _size(**how):
-    """An argparse type for a size in bytes ('2MB'); `how` goes to parse_bytes."""
-    def parse(text):
+def _argument(parse):
+    """An argparse type from a parser that raises ValueError."""
+    def argument(text):
         try:
-            return parse_bytes(text, **how)
+            return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    return parse
+    return argument
+
+
+def _size(**how):
+    """An argparse type for a size in bytes ('2MB'); `how` goes to parse_bytes."""
+    return _argument(lambda text: parse_bytes(text, **how))
+
+
+def parse_bucket_bytes(value):
+    """--bucket-bytes: 'auto' or a size in bytes (0: each layer alone)."""
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bytes(value or 0, allow_zero=True, what="the bucket size")
+    except ValueError as e:
+        raise ValueError(f"{e} (or auto)") from None
 
 
 _bytes = _size()
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
-_bucket_size = _size(allow_zero=True, what="the bucket size")
-
-
-def _bucket_bytes(text):
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        return _bucket_size(text)
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+_bucket_bytes = _argument(parse_bucket_bytes)
 
 
 def _bandwidth(text):
@@ -191,11 +197,7 @@ class DistOptions:
         if self.fusion_bytes is not None:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
-        if str(self.bucket_bytes).strip().lower() == "auto":
-            self.bucket_bytes = "auto"
-        else:
-            self.bucket_bytes = parse_bytes(self.bucket_bytes or 0, allow_zero=True,
-                                            what="the bucket size")
+        self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
         check_consistency(self)
         from .priority import check
         check(self.comm_priority)

@@ -526,7 +526,7 @@ class ZmqTransport(Transport):
             try:
                 self._listener = directlink.Listener(self.local.direct_path, _link_specs,
                                                      self._take_in_link, self._bad_link, self.name)
-                self.local_info["direct"] = self._listener.describe()
+                self.local_info["direct"] = localipc.socket_info(self.local.direct_path)
             except OSError as e:
                 logging.getLogger("poseidon").warning(
                     f"{self.name}: no direct links ({e}); KV pushes on this host use ZeroMQ")

@@ -90,6 +90,14 @@ def _kernel_matrix(dtype, xp):
     return xp.asarray(numpy.einsum("ai,bj->ijab", G, G).reshape(9, 16).astype(dtype))
 
 
+def _a_transposed(xp, r, out0, out1):
+    """A^T applied over the first index of r (4, ...): out0 = r0 + r1 + r2, out1 = r1 - r2 - r3."""
+    xp.add(r[0], r[1], out=out0)
+    out0 += r[2]
+    xp.subtract(r[1], r[2], out=out1)
+    out1 -= r[3]
+
+
 class _Shape:
     """Sizes of one input shape: tiles per side, the padded parity-split buffer, the parity runs
     that hold the image's columns."""
@@ -234,18 +242,11 @@ class WinogradConvCore:
         t = m * th * tw
         mk = mm.reshape(4, 4, t, o)
         rows = take((2, 4, t, o), mm.dtype)                           # A^T over the first index
-        xp.add(mk[0], mk[1], out=rows[0])
-        rows[0] += mk[2]
-        xp.subtract(mk[1], mk[2], out=rows[1])
-        rows[1] -= mk[3]
+        _a_transposed(xp, mk, rows[0], rows[1])
         y = take((m, th, 2, tw, 2, o), mm.dtype)
-        for a in range(2):
+        for a in range(2):                                            # then over the second
             r = rows[a].reshape(4, m, th, tw, o)
-            y0, y1 = y[:, :, a, :, 0], y[:, :, a, :, 1]
-            xp.add(r[0], r[1], out=y0)
-            y0 += r[2]
-            xp.subtract(r[1], r[2], out=y1)
-            y1 -= r[3]
+            _a_transposed(xp, r, y[:, :, a, :, 0], y[:, :, a, :, 1])
         return y.reshape(m, 2 * th, 2 * tw, o)
 
     @staticmethod

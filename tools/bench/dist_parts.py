@@ -229,19 +229,15 @@ def _overhead_parts(blocks):
     /proc: its few ms a block come in whole clock ticks, so a block's figure is 0 or 10 ms and
     only the mean says how much); and the mean CPU per iteration of each thread (label) of this
     process on each side and of the server ({} without /proc)."""
-    def median_ms(values):
+    def ms(values, how=numpy.median):
         values = [v for v in values if v is not None]
-        return round(float(numpy.median(values)) * 1e3, 2) if values else None
-
-    def mean_ms(values):
-        values = [v for v in values if v is not None]
-        return round(float(numpy.mean(values)) * 1e3, 2) if values else None
+        return round(float(how(values)) * 1e3, 2) if values else None
     threads = {side: {label: round(seconds * 1e3, 2) for label, seconds in per.items()}
                for side, per in (blocks.get("threads") or {}).items()}
-    return {"worker_cpu_plain_ms": median_ms(blocks.get("cpu", {}).get("plain", [])),
-            "worker_cpu_distributed_ms": median_ms(blocks.get("cpu", {}).get("distributed", [])),
-            "server_cpu_ms": mean_ms(blocks.get("server_cpu", [])),
-            "barrier_wait_ms": median_ms(blocks.get("barrier_s", [])),
+    return {"worker_cpu_plain_ms": ms(blocks.get("cpu", {}).get("plain", [])),
+            "worker_cpu_distributed_ms": ms(blocks.get("cpu", {}).get("distributed", [])),
+            "server_cpu_ms": ms(blocks.get("server_cpu", []), numpy.mean),
+            "barrier_wait_ms": ms(blocks.get("barrier_s", [])),
             "threads_cpu_ms": threads}
 
 
