@@ -98,6 +98,14 @@ def _a_transposed(xp, r, out0, out1):
     out1 -= r[3]
 
 
+def _a_applied(xp, y0, y1, out):
+    """A applied to the pair (y0, y1), into out (4, ...): y0, y0 + y1, y0 - y1, -y1."""
+    out[0] = y0
+    xp.add(y0, y1, out=out[1])
+    xp.subtract(y0, y1, out=out[2])
+    xp.negative(y1, out=out[3])
+
+
 class _Shape:
     """Sizes of one input shape: tiles per side, the padded parity-split buffer, the parity runs
     that hold the image's columns."""
@@ -259,18 +267,9 @@ class WinogradConvCore:
         dy6 = dyc.reshape(m, th, 2, tw, 2, o)
         half = take((2, 4, m, th, tw, o), dyc.dtype)                  # over the output column b
         for a in range(2):
-            y0, y1 = dy6[:, :, a, :, 0], dy6[:, :, a, :, 1]
-            h = half[a]
-            h[0] = y0
-            xp.add(y0, y1, out=h[1])
-            xp.subtract(y0, y1, out=h[2])
-            xp.negative(y1, out=h[3])
+            _a_applied(xp, dy6[:, :, a, :, 0], dy6[:, :, a, :, 1], half[a])
         dm = take((4, 4, t, o), dyc.dtype)                            # over the output row a
-        h0, h1 = half[0].reshape(4, t, o), half[1].reshape(4, t, o)
-        dm[0] = h0
-        xp.add(h0, h1, out=dm[1])
-        xp.subtract(h0, h1, out=dm[2])
-        xp.negative(h1, out=dm[3])
+        _a_applied(xp, half[0].reshape(4, t, o), half[1].reshape(4, t, o), dm)
         return dm.reshape(16, t, o)
 
     # ----- forward / backward ------------------------------------------------------------------
