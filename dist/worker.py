@@ -31,7 +31,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy
 
@@ -137,6 +137,10 @@ class DistributedSolver:
         self._checks_cond = threading.Condition()
         self._zero_diffs = set()                # parameters whose diff is known to hold zeros
         self.syncers = {li: Syncer(self, li) for li in self.book.synced_layers()}
+        # the sync that starts after the last backward has nothing left to overlap with: the main
+        # thread runs it itself rather than wake a pool thread and then wait to be woken by it
+        backed = [li for li in self.syncers if self.net.layer_need_backward[li]]
+        self._inline_layer = min(backed) if backed else None
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync",
                                        initializer=_start_sync_thread,
@@ -334,13 +338,11 @@ class DistributedSolver:
                 for hook in net.after_backward:
                     hook(li)
                 if last and overlap and li in self.syncers:
-                    ready = record_event(net.xp)
-                    futures.append(self.pool.submit(self.syncers[li].sync, it, ready))   # WFBP
+                    futures.append(self._start_sync(li, it))                        # WFBP
                     faults.point("backward", it)
         if not overlap:
-            ready = record_event(net.xp)
             for li in sorted(self.syncers, reverse=True):
-                futures.append(self.pool.submit(self.syncers[li].sync, it, ready))
+                futures.append(self._start_sync(li, it))
         self._pending = futures
         self._iter_info = {"forward_backward_s": time.time() - t_start, "backward_s": backward_s}
         try:
@@ -353,6 +355,19 @@ class DistributedSolver:
             s.request(action)
         self._iter_info["loss"] = loss
         return loss
+
+    def _start_sync(self, li, it):
+        """Layer li's sync of iteration it, on the pool, or done here if it is the last to start
+        (its Future either way, for the barrier)."""
+        ready = record_event(self.net.xp)
+        if li != self._inline_layer:
+            return self.pool.submit(self.syncers[li].sync, it, ready)
+        done = Future()
+        try:
+            done.set_result(self.syncers[li].sync(it, ready))
+        except Exception as e:                  # the barrier reports it, as for the pool's
+            done.set_exception(e)
+        return done
 
     # ----- numerical faults ---------------------------------------------------------------------------
     def _stop_line(self):

@@ -131,6 +131,14 @@ def test_timeline_shows_wfbp_overlap(data, tmp_path):
         assert len(_events(trace, pid, "forward")) == 6
         assert len(_events(trace, pid, "sync ")) == 6 * 4           # conv1, conv2, ip1, ip2
         assert overlaps(trace, pid), "no sync of an upper layer overlaps a lower layer's backward"
+        # the sync after the last backward has nothing to overlap: the training thread runs it
+        syncs = _events(trace, pid, "sync ")
+        lowest = min(e["args"]["layer"] for e in syncs)
+        rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                if e.get("ph") == "M" and e["name"] == "thread_name" and e["pid"] == pid}
+        for e in syncs:
+            on_pool = rows[e["tid"]].startswith("sync")
+            assert on_pool == (e["args"]["layer"] != lowest), (e["name"], rows[e["tid"]])
 
 
 def test_no_overlap_syncs_after_the_whole_backward(data, tmp_path):

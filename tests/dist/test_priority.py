@@ -60,8 +60,9 @@ from engine.solvers.solver import log_to_stderr
 from tools.bench import nets
 log_to_stderr(logging.WARNING)
 sp = nets.write_solver_files(nets.cifar10_quick(4), pathlib.Path(tempfile.mkdtemp()), 10 ** 6)
+# each layer alone: the last sync runs on the main thread, the others on the pool's threads
 options = dict(workers=1, servers=1, coordinator=f"tcp://127.0.0.1:{free_port()}", sync="ps",
-               comm_priority="idle")
+               comm_priority="idle", bucket_bytes=0)
 server = subprocess.Popen([sys.executable, "-c", "import json, sys, dist; "
                            "dist.init(**json.loads(sys.argv[1]))", json.dumps(dict(options, rank=1))])
 session = dist.init(rank=0, **options)
