@@ -1,7 +1,8 @@
 """Per-worker event records and the one Chrome trace of a run (`--timeline FILE`).
 
 Each worker records complete events ('X') for the forward, the backward of each layer (on the main
-thread) and the sync of each layer (on its pool thread), with the scheme and bytes as arguments.
+thread) and the sync of each layer (on its pool thread; the last one to start on the training
+thread), with the scheme and bytes as arguments.
 At the end of the run the workers' events are gathered to worker 0, which writes one JSON file that
 chrome://tracing and Perfetto open: a process row per worker, a thread row per worker thread.
 Timestamps are wall-clock microseconds, so rows of processes on one machine line up; across

@@ -9,7 +9,8 @@ display, smoothed loss, snapshots, early exit). DistributedSolver replaces only 
 solver instance:
 - forward_backward: Forward, then for l = L-1..0 BackwardThrough(l) and, right after, the sync of
   layer l goes to a persistent thread pool (WFBP; `--no-overlap` submits all syncs after the whole
-  backward). The loss is averaged over workers through the coordinator while backward runs.
+  backward), except the last to start, which this thread runs itself (nothing is left to overlap
+  with it). The loss is averaged over workers through the coordinator while backward runs.
 - apply_update: the BSP barrier: wait until every sync of this iteration is done (the syncs have
   already written the new parameters: by the server for PS layers, locally for SFB layers).
 - test: every worker runs its share of test_iter on its shard of the test data; outputs averaged.
