@@ -140,8 +140,11 @@ class DistributedSolver:
         self.syncers = {li: Syncer(self, li) for li in self.book.synced_layers()}
         # the sync that starts after the last backward has nothing left to overlap with: the main
         # thread runs it itself rather than wake a pool thread and then wait to be woken by it
+        # (only if no layer below it has a backward to run, as under force_backward)
         backed = [li for li in self.syncers if self.net.layer_need_backward[li]]
-        self._inline_layer = min(backed) if backed else None
+        lowest = min(backed) if backed else None
+        self._inline_layer = (lowest if lowest is not None and
+                              not any(self.net.layer_need_backward[:lowest]) else None)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync",
                                        initializer=_start_sync_thread,
@@ -313,6 +316,7 @@ class DistributedSolver:
         total = 0.0
         t_start = time.time()
         backward_s = 0.0
+        backward_end = t_start
         wait_loss = None
         for syncer in self.syncers.values():      # this iteration's schemes (SFB: no local dW)
             syncer.prepare(it)                    # (already fixed by _clear_param_diffs in step)
@@ -332,7 +336,7 @@ class DistributedSolver:
                 if net.layer_need_backward[li]:
                     b0 = time.time()
                     net.BackwardThrough(li)
-                    b1 = time.time()
+                    b1 = backward_end = time.time()
                     backward_s += b1 - b0
                     tl.event(f"backward {net.layer_names[li]}", "backward", b0, b1,
                              thread="compute", args={"iter": it, "layer": li})
@@ -345,7 +349,8 @@ class DistributedSolver:
             for li in sorted(self.syncers, reverse=True):
                 futures.append(self._start_sync(li, it))
         self._pending = futures
-        self._iter_info = {"forward_backward_s": time.time() - t_start, "backward_s": backward_s}
+        self._iter_info = {"forward_backward_s": time.time() - t_start, "backward_s": backward_s,
+                           "backward_end": backward_end}
         try:
             loss = float(wait_loss()[0])
         except DistError:
@@ -435,7 +440,9 @@ class DistributedSolver:
             raise error
         stats = [f.result() for f in self._pending]
         self._pending = []
-        barrier_s = time.time() - t0
+        t1 = time.time()
+        barrier_s = t1 - t0
+        exposed_s = t1 - self._iter_info.get("backward_end", t0)
         self._lower_comm_threads()                  # outside the barrier's time
         for st in stats:
             self.timeline.event(f"sync {st.name}", f"sync {st.scheme}", st.start, st.end,
@@ -449,7 +456,8 @@ class DistributedSolver:
                       "loss": self._iter_info.get("loss"),
                       "forward_backward_s": round(self._iter_info.get("forward_backward_s", 0), 6),
                       "backward_s": round(self._iter_info.get("backward_s", 0), 6),
-                      "barrier_wait_s": round(barrier_s, 6), "layers": layers}
+                      "barrier_wait_s": round(barrier_s, 6),
+                      "exposed_sync_s": round(exposed_s, 6), "layers": layers}
             for key in ("sent_payload", "recv_payload", "sent_header", "recv_header"):
                 record[key] = sum(v[key] for v in layers.values())
             notes = [a for st in stats for a in st.reply_aux]

@@ -165,3 +165,27 @@ def test_bandwidth_cap_is_applied(data, tmp_path):
     assert solvers[0].transport.bucket.rate == 2.5e6
     # each worker pushes and the server answers ~84 kB per iteration per worker: >= 3 x 34 ms
     assert elapsed > 0.1
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_the_last_sync_runs_on_the_training_thread_unless_a_backward_follows_it(data, tmp_path,
+                                                                                force):
+    """The lowest synced layer's sync runs on the training thread: nothing is left to overlap
+    with it. Not when a layer below it still has a backward to run (force_backward through a
+    parameterless layer under conv1): that backward would wait for it. Either way the stats say
+    how long the syncs ran past the end of backward."""
+    text = conv_net(data, 8).replace('bottom: "data" top: "conv1"', 'bottom: "scaled" top: "conv1"')
+    text = text.replace('layer { name: "conv1"', 'layer { name: "relu0" type: "ReLU" '
+                        'bottom: "data" top: "scaled" }\nlayer { name: "conv1"', 1)
+    if force:
+        text = "force_backward: true\n" + text
+    stats = str(tmp_path / "stats.jsonl")
+    solvers = run_threads(solver_param(text, max_iter=3), 1, 1, stats=stats, bucket_bytes=0)
+    solver = solvers[0]
+    conv1 = solver.net.layer_names.index("conv1")
+    assert min(solver.syncers) == conv1
+    assert solver.net.layer_need_backward[conv1 - 1] == force          # relu0
+    assert solver._inline_layer == (None if force else conv1)
+    for r in read_jsonl(role_path(stats, "worker", 0)):
+        assert r["exposed_sync_s"] >= r["barrier_wait_s"] >= 0
+        assert r["exposed_sync_s"] > 0        # conv1's sync always starts after its backward

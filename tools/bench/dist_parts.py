@@ -237,7 +237,7 @@ def _overhead_parts(blocks):
     return {"worker_cpu_plain_ms": ms(blocks.get("cpu", {}).get("plain", [])),
             "worker_cpu_distributed_ms": ms(blocks.get("cpu", {}).get("distributed", [])),
             "server_cpu_ms": ms(blocks.get("server_cpu", []), numpy.mean),
-            "barrier_wait_ms": ms(blocks.get("barrier_s", [])),
+            "exposed_sync_ms": ms(blocks.get("exposed_s", [])),
             "threads_cpu_ms": threads}
 
 

@@ -14,8 +14,8 @@ JSON line: per-iteration seconds of each side, block by block; the CPU seconds p
 this process for each block and of the server process for each distributed block (from /proc,
 null where there is none); the same per thread, summed over the blocks of each side (this
 process's threads by their Python names, the server's by their OS names); and the distributed
-side's exposed barrier wait per iteration (its --stats records), so the overhead can be split
-into where it goes.
+side's exposed sync time per iteration (its --stats records: from the end of backward until
+every sync is done), so the overhead can be split into where it goes.
 """
 import json
 import os
@@ -134,7 +134,7 @@ def main(argv=None):
     per_iteration = {side: {label: seconds / measured for label, seconds in sorted(t.items())}
                      for side, t in threads.items()}
     print(json.dumps(dict(blocks, cpu=cpu, server_cpu=server_cpu, threads=per_iteration,
-                          barrier_s=_barrier_waits(stats, first_measured))))
+                          exposed_s=_exposed_syncs(stats, first_measured))))
 
 
 def _add_deltas(total, before, after):
@@ -142,15 +142,17 @@ def _add_deltas(total, before, after):
         total[label] = total.get(label, 0.0) + seconds - before.get(label, 0.0)
 
 
-def _barrier_waits(stats, first_iteration):
-    """Worker 0's exposed barrier wait per measured iteration (its --stats records)."""
+def _exposed_syncs(stats, first_iteration):
+    """Worker 0's exposed sync time per measured iteration (its --stats records): from the end
+    of backward until the barrier is passed (the last sync runs on the training thread, so the
+    barrier's own wait is no longer where that time shows)."""
     from dist.timeline import role_path
     try:
         with open(role_path(stats, "worker", 0), encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
     except OSError:
         return []
-    return [r["barrier_wait_s"] for r in records if r.get("iter", -1) >= first_iteration]
+    return [r["exposed_sync_s"] for r in records if r.get("iter", -1) >= first_iteration]
 
 
 if __name__ == "__main__":
