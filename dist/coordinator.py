@@ -62,6 +62,7 @@ class Coordinator:
         self.done = set()
         self.error = None
         self.aborted_reason = None
+        self.failed_rank = None           # the rank whose FAILED stopped the job (it knows why)
         self._thread = None
         self._barriers = {}
         self._reduces = {}
@@ -99,7 +100,10 @@ class Coordinator:
             self._abort(f"the coordinator failed: {type(e).__name__}: {e}")
             self.error = e
         finally:
-            self.transport.close(linger=2.0)
+            # after an abort, the ABORTs are best effort: one queued for a rank that has exited
+            # would hold the close for the whole linger, and worker 0 (whose process this thread
+            # lives in) with it, past the launcher's patience (it then names the wrong cause)
+            self.transport.close(linger=0.5 if self.aborted_reason is not None else 2.0)
 
     def _register_all(self):
         deadline = time.monotonic() + self.start_timeout
@@ -286,6 +290,7 @@ class Coordinator:
 
     def _on_failed(self, msg):
         reason = (msg.obj or {}).get("reason", "unknown error")
+        self.failed_rank = msg.sender
         raise AbortError(f"{self.roles.name(msg.sender)} failed: {reason}")
 
     def _on_done(self, msg):
@@ -296,7 +301,7 @@ class Coordinator:
         self.aborted_reason = reason
         self.log(f"stopping the job: {reason}")
         for rank, info in list(self.registered.items()):
-            if rank in self.done:
+            if rank in self.done or rank == self.failed_rank:   # it stopped by itself
                 continue
             try:
                 self.transport.connect(rank, info["address"])

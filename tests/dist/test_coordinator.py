@@ -233,3 +233,29 @@ def test_python_api_under_an_mpirun_like_environment(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     assert "done 0 5" in outs[0] and "done 1 5" in outs[1]
     assert "done" not in outs[2]                             # the server exited inside init()
+
+
+def test_an_abort_spares_the_rank_that_failed_and_closes_without_lingering(monkeypatch):
+    """The rank whose FAILED stopped the job has said why and is exiting: no ABORT is queued for
+    it (one that cannot be delivered held the coordinator's close, and worker 0's process with
+    it, for the whole 2 s linger, and the launcher then blamed the wrong process), and after an
+    abort the coordinator's sockets linger 0.5 s, not 2."""
+    from dist.coordinator import Coordinator
+    from dist.transport import Message
+
+    coord = Coordinator(Roles(2, 1), "127.0.0.1", 0)
+    sent, closed = [], []
+    monkeypatch.setattr(coord.transport, "connect", lambda rank, address: None)
+    monkeypatch.setattr(coord.transport, "send",
+                        lambda rank, mtype, **kw: sent.append((rank, mtype)))
+    real_close = coord.transport.close
+    monkeypatch.setattr(coord.transport, "close",
+                        lambda linger=1.0: (closed.append(linger), real_close(0)))
+    coord.registered = {r: {"address": "tcp://127.0.0.1:1"} for r in range(3)}
+    failed = Message(Msg.FAILED, 1, 0, 0, 0, [], {"reason": "NaN"}, 0, 0)
+    monkeypatch.setattr(coord, "_register_all", lambda: None)
+    monkeypatch.setattr(coord, "_serve", lambda: coord._on_failed(failed))
+    coord._run()
+    assert coord.aborted_reason == "worker 1 failed: NaN"
+    assert sent == [(0, Msg.ABORT), (2, Msg.ABORT)]
+    assert closed == [0.5]

@@ -180,7 +180,7 @@ def test_stall_inspector_names_the_stopped_process(solver, tmp_path):
     text = out.text()
     assert proc.returncode == 0, text[-3000:]
     assert re.search(r"worker [01]: iteration \d+: waiting \d+ s for the new values of KV pair \d+ "
-                     r"(\(\+\d+ more in its message\) )?\(layer '\w+', iteration \d+\) "
+                     r"(\(\+\d+ more in its message\) )?\(layer '[\w+]+', iteration \d+\) "
                      r"from server 0 \(rank 2\)", text), text[-3000:]
 
 
