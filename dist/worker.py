@@ -325,7 +325,7 @@ class DistributedSolver:
             t0 = time.time()
             total += net.Forward()
             faults.point("forward", it)
-            t1 = time.time()
+            t1 = backward_end = time.time()
             tl.event("forward", "forward", t0, t1, thread="compute", args={"iter": it})
             if last and self.relaxed:                # no collective: it would wait for stragglers
                 own = total / n
@@ -349,8 +349,8 @@ class DistributedSolver:
             for li in sorted(self.syncers, reverse=True):
                 futures.append(self._start_sync(li, it))
         self._pending = futures
-        self._iter_info = {"forward_backward_s": time.time() - t_start, "backward_s": backward_s,
-                           "backward_end": backward_end}
+        self._iter_info = {"forward_backward_s": backward_end - t_start,  # not the last sync
+                           "backward_s": backward_s, "backward_end": backward_end}
         try:
             loss = float(wait_loss()[0])
         except DistError:

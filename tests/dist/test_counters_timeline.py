@@ -189,3 +189,4 @@ def test_the_last_sync_runs_on_the_training_thread_unless_a_backward_follows_it(
     for r in read_jsonl(role_path(stats, "worker", 0)):
         assert r["exposed_sync_s"] >= r["barrier_wait_s"] >= 0
         assert r["exposed_sync_s"] > 0        # conv1's sync always starts after its backward
+        assert 0 < r["backward_s"] <= r["forward_backward_s"]      # the last sync not in it
