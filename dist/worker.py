@@ -141,10 +141,9 @@ class DistributedSolver:
         # the sync that starts after the last backward has nothing left to overlap with: the main
         # thread runs it itself rather than wake a pool thread and then wait to be woken by it
         # (only if no layer below it has a backward to run, as under force_backward)
-        backed = [li for li in self.syncers if self.net.layer_need_backward[li]]
-        lowest = min(backed) if backed else None
-        self._inline_layer = (lowest if lowest is not None and
-                              not any(self.net.layer_need_backward[:lowest]) else None)
+        need = self.net.layer_need_backward
+        lowest = min((li for li in self.syncers if need[li]), default=None)
+        self._inline_layer = lowest if lowest is not None and not any(need[:lowest]) else None
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync",
                                        initializer=_start_sync_thread,

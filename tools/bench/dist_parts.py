@@ -224,7 +224,7 @@ def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, wa
 
 def _overhead_parts(blocks):
     """In ms per iteration: the medians of this process's CPU on each side and of the
-    distributed side's exposed barrier wait (the syncs still running when backward ends: at
+    distributed side's exposed sync (from the end of backward until every sync is done: at
     least the last layer's round trip); the mean of the server process's CPU (None without
     /proc: its few ms a block come in whole clock ticks, so a block's figure is 0 or 10 ms and
     only the mean says how much); and the mean CPU per iteration of each thread (label) of this

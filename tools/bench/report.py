@@ -132,8 +132,9 @@ def _overhead_parts(parts):
         return "n/a" if v is None else f"{v:.1f} ms"
     text = (f" Where it goes, per iteration (medians): this process's CPU {ms('worker_cpu_plain_ms')}"
             f" plain vs {ms('worker_cpu_distributed_ms')} distributed, the server process "
-            f"{ms('server_cpu_ms')} of CPU (a mean: it comes in clock ticks), and {ms('exposed_sync_ms')} of "
-            f"exposed sync (from the end of backward until every sync is done).")
+            f"{ms('server_cpu_ms')} of CPU (a mean: it comes in clock ticks), and "
+            f"{ms('exposed_sync_ms')} of exposed sync (from the end of backward until every sync "
+            f"is done).")
     threads = parts.get("threads_cpu_ms") or {}
     dist_side, plain_side = threads.get("distributed") or {}, threads.get("plain") or {}
     if dist_side:
