@@ -66,3 +66,83 @@ def test_blocked_update_is_bitwise_the_whole_array_update(kind, monkeypatch):
         assert numpy.array_equal(value, out[0][0])
         for a, b in zip(state, out[0][1]):
             assert numpy.array_equal(a, b)
+
+
+# (layer text, bottom shapes, in place): the layers that split elementwise work and per-channel
+# reductions over the cores (im2col.split_rows / split_range)
+SPLIT_LAYERS = [
+    ('type: "BatchNorm"', [(5, 7, 3, 2)], False),
+    ('type: "BatchNorm"', [(5, 7, 3, 2)], True),
+    ('type: "BatchNorm" batch_norm_param { use_global_stats: true }', [(5, 7, 3, 2)], False),
+    ('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" } '
+     'bias_filler { type: "gaussian" } }', [(5, 7, 3, 2)], False),
+    ('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" } '
+     'bias_filler { type: "gaussian" } }', [(5, 7, 3, 2)], True),
+    ('type: "Scale" scale_param { axis: 0 }', [(5, 7, 3, 2), (5, 7)], False),
+    ('type: "Eltwise" eltwise_param { operation: SUM coeff: 1 coeff: -2 coeff: 0.5 }',
+     [(5, 7, 3, 2)] * 3, False),
+    ('type: "Eltwise" eltwise_param { operation: PROD }', [(5, 7, 3, 2)] * 3, False),
+    ('type: "Eltwise" eltwise_param { operation: MAX }', [(5, 7, 3, 2)] * 3, False),
+    ('type: "ReLU"', [(5, 7, 3, 2)], False),
+]
+
+
+def _run_split_layer(text, shapes, in_place, n_tops=1):
+    from engine.blob import Blob
+    from tests.harness import blobs_from
+    from engine import rng
+    rs = numpy.random.RandomState(4)
+    rng.seed(3)                                       # the fillers
+    layer = make_layer(text)
+    bottom = blobs_from([rs.standard_normal(s) for s in shapes])
+    top = [bottom[0]] if in_place else [Blob((), numpy.float64) for _ in range(n_tops)]
+    layer.setup(bottom, top)
+    out = []
+    for _ in range(2):                                # twice: running statistics, accumulation
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+        out.append(top[0].data.copy())
+        top[0].diff[...] = rs.standard_normal(top[0].shape)
+        layer.backward(top, [True] * len(bottom), bottom)
+        out += [b.diff.copy() for b in bottom]
+    return out + [b.data.copy() for b in layer.blobs] + [b.diff.copy() for b in layer.blobs]
+
+
+@pytest.mark.parametrize("text,shapes,in_place", SPLIT_LAYERS,
+                         ids=[f"{t.split()[1]}-{i}" for i, (t, _, _) in enumerate(SPLIT_LAYERS)])
+def test_split_layers_give_the_one_call_numbers(text, shapes, in_place, monkeypatch):
+    """Split over 2 or 3 threads (the size threshold lowered to 0), each channel or sample is
+    computed exactly as in one call: the results are bitwise those of one call."""
+    results = []
+    for threshold, workers in ((1 << 40, 1), (0, 2), (0, 3)):
+        monkeypatch.setattr(im2col, "SPLIT_MIN_ELEMENTS", threshold)
+        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        results.append(_run_split_layer(text, shapes, in_place))
+    for other in results[1:]:
+        assert len(other) == len(results[0])
+        for a, b in zip(results[0], other):
+            numpy.testing.assert_array_equal(a, b)
+
+
+def test_split_backward_gives_the_one_call_numbers(monkeypatch):
+    """Split's backward (the sum of its tops' gradients) over the cores."""
+    from engine.blob import Blob
+    from tests.harness import blobs_from
+    results = []
+    for threshold, workers in ((1 << 40, 1), (0, 2), (0, 3)):
+        monkeypatch.setattr(im2col, "SPLIT_MIN_ELEMENTS", threshold)
+        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        rs = numpy.random.RandomState(5)
+        layer = make_layer('type: "Split"')
+        bottom = blobs_from([rs.standard_normal((5, 4, 3))])
+        top = [Blob((), numpy.float64) for _ in range(3)]
+        layer.setup(bottom, top)
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+        for t in top:
+            t.diff[...] = rs.standard_normal(t.shape)
+        layer.backward(top, [True], bottom)
+        numpy.testing.assert_allclose(bottom[0].diff, sum(t.diff for t in top), rtol=1e-15)
+        results.append(bottom[0].diff.copy())
+    for other in results[1:]:
+        numpy.testing.assert_array_equal(results[0], other)

@@ -5,20 +5,7 @@ bottom.data, so ReLU, Sigmoid and TanH take their derivatives from the output, a
 of its input as Caffe does.
 """
 from ..layer import Layer, register
-from .im2col import parallel
-
-# ReLU splits arrays of at least this many elements into one sample range per core (numpy runs
-# an elementwise op on one core); below it the threads' start-up costs more than they save.
-PARALLEL_MIN_ELEMENTS = 1 << 16
-
-
-def _split(fn, arrays, xp):
-    """fn(*slices) over one sample range (axis 0) per core for large arrays, else fn(*arrays)."""
-    a = arrays[0]
-    if a.ndim == 0 or a.size < PARALLEL_MIN_ELEMENTS:
-        fn(*arrays)
-        return
-    parallel().run(lambda worker, lo, hi: fn(*(b[lo:hi] for b in arrays)), a.shape[0], xp)
+from .im2col import split_rows
 
 
 class ElementwiseLayer(Layer):
@@ -42,7 +29,7 @@ class ReLULayer(ElementwiseLayer):
         x, y = bottom[0].data, top[0].data
         s = self.slope
         if s == 0.0:
-            _split(lambda a, b: xp.maximum(a, 0, out=b), (x, y), xp)
+            split_rows(lambda a, b: xp.maximum(a, 0, out=b), (x, y), xp)
         elif 0.0 < s <= 1.0:
             xp.maximum(x, x * self.dtype.type(s), out=y)   # max(x, s·x) is leaky ReLU for 0 < s <= 1
         else:
@@ -61,7 +48,8 @@ class ReLULayer(ElementwiseLayer):
         dy, dx = top[0].diff, bottom[0].diff
         if self.slope == 0.0:
             # in place, bottom.data is the output, which is > 0 exactly where the input was
-            _split(lambda d, a, out: xp.multiply(d, a > 0, out=out), (dy, bottom[0].data, dx), xp)
+            split_rows(lambda d, a, out: xp.multiply(d, a > 0, out=out),
+                       (dy, bottom[0].data, dx), xp)
             return
         positive = (self._positive if (self.slope < 0.0 and top[0] is bottom[0])
                     else bottom[0].data > 0)

@@ -350,6 +350,31 @@ class _Parallel:
 
 _PARALLEL = None
 
+# Elementwise layers and per-channel reductions (ReLU, BatchNorm, Scale, Eltwise, Split) split
+# arrays of at least this many elements into one range per core (numpy runs each of their ops
+# on one core); below it the threads' start-up costs more than they save.
+SPLIT_MIN_ELEMENTS = 1 << 16
+
+
+def split_rows(fn, arrays, xp):
+    """fn(*slices) over one range of axis 0 per core for large arrays (all with the same first
+    axis), else fn(*arrays)."""
+    a = arrays[0]
+    if a.ndim == 0 or a.size < SPLIT_MIN_ELEMENTS:
+        fn(*arrays)
+        return
+    parallel().run(lambda worker, lo, hi: fn(*(b[lo:hi] for b in arrays)), a.shape[0], xp)
+
+
+def split_range(fn, n, size, xp):
+    """fn(lo, hi) over one range of [0, n) per core when the work covers `size` >=
+    SPLIT_MIN_ELEMENTS elements, else fn(0, n): for per-channel work, each channel's numbers
+    computed exactly as in one call."""
+    if size < SPLIT_MIN_ELEMENTS:
+        fn(0, n)
+        return
+    parallel().run(lambda worker, lo, hi: fn(lo, hi), n, xp)
+
 
 def parallel():
     global _PARALLEL

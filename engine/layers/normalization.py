@@ -20,6 +20,7 @@ others; it is a learned blob (one bottom) or bottom[1] (two bottoms, whose shape
 import numpy
 
 from ..layer import Layer, register
+from .im2col import split_range
 
 
 def _buffer(holder, name, shape, dtype, xp, zero=False):
@@ -184,20 +185,40 @@ class BatchNormLayer(Layer):
         self._x_norm = _buffer(self, "_x_norm_buf", self._shape3, x.dtype, self.xp)
 
     def forward(self, bottom, top):
+        """Per channel range on the cores (split_range): each channel's statistics and
+        normalisation are computed as in one call, so the numbers do not depend on the split."""
         xp = self.xp
         x3 = bottom[0].data.reshape(self._shape3)
+        y3 = top[0].data.reshape(self._shape3)       # may be x3 itself (in place)
         xn = self._x_norm
-        if self.use_global_stats:
+        n, c, s = self._shape3
+        m = n * s
+        batch_stats = not self.use_global_stats
+        if batch_stats:
+            mean = xp.empty(c, x3.dtype)
+            var = xp.empty(c, x3.dtype)
+            inv_std = xp.empty(c, x3.dtype)
+        else:
             norm = float(self.blobs[2].data.reshape(-1)[0])
             factor = 0.0 if norm == 0 else 1.0 / norm
             mean = self.blobs[0].data * factor
             var = self.blobs[1].data * factor
-            xp.subtract(x3, mean[:, None], out=xn)
-        else:
-            m = self._shape3[0] * self._shape3[2]
-            mean = _reduce(x3) / m
-            xp.subtract(x3, mean[:, None], out=xn)
-            var = _reduce_product(xp, xn, xn) / m
+            inv_std = 1.0 / xp.sqrt(var + self.eps)
+
+        def part(lo, hi):
+            xs, ns = x3[:, lo:hi], xn[:, lo:hi]
+            if batch_stats:
+                mean[lo:hi] = _reduce(xs) / m
+            xp.subtract(xs, mean[lo:hi, None], out=ns)
+            if batch_stats:
+                var[lo:hi] = _reduce_product(xp, ns, ns) / m
+                inv_std[lo:hi] = 1.0 / xp.sqrt(var[lo:hi] + self.eps)
+            ns *= inv_std[lo:hi, None]
+            y3[:, lo:hi] = ns
+
+        split_range(part, c, x3.size, xp)
+        self._inv_std = inv_std
+        if batch_stats:
             b0, b1, b2 = (b.data for b in self.blobs)
             b2 *= self.maf
             b2 += 1
@@ -205,9 +226,6 @@ class BatchNormLayer(Layer):
             b0 += mean
             b1 *= self.maf
             b1 += var * (m / (m - 1.0) if m > 1 else 1.0)
-        self._inv_std = 1.0 / xp.sqrt(var + self.eps)
-        xn *= self._inv_std[:, None]
-        top[0].data[...] = xn.reshape(top[0].shape)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -215,18 +233,25 @@ class BatchNormLayer(Layer):
         xp = self.xp
         dy = top[0].diff.reshape(self._shape3)
         out = bottom[0].diff.reshape(self._shape3)  # may be dy itself (in place)
-        inv = self._inv_std[:, None]
-        if self.use_global_stats:
-            xp.multiply(dy, inv, out=out)
-            return
-        # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial)
+        inv = self._inv_std
         xn = self._x_norm
-        m = self._shape3[0] * self._shape3[2]
-        mean_dy = _reduce(dy) / m
-        mean_dyy = _reduce_product(xp, dy, xn) / m
-        xp.subtract(dy, mean_dy[:, None], out=out)
-        out -= xn * mean_dyy[:, None]
-        out *= inv
+        n, c, s = self._shape3
+        m = n * s
+
+        def part(lo, hi):
+            d, o = dy[:, lo:hi], out[:, lo:hi]
+            if self.use_global_stats:
+                xp.multiply(d, inv[lo:hi, None], out=o)
+                return
+            # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial)
+            y = xn[:, lo:hi]
+            mean_dy = _reduce(d) / m
+            mean_dyy = _reduce_product(xp, d, y) / m
+            xp.subtract(d, mean_dy[:, None], out=o)
+            o -= y * mean_dyy[:, None]
+            o *= inv[lo:hi, None]
+
+        split_range(part, c, dy.size, xp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,38 +373,71 @@ class ScaleLayer(Layer):
         else:
             top[0].reshape(bottom[0].shape)
 
+    def _split(self, fn):
+        """fn(lo, hi) over ranges of the scale's axis on the cores (split_range); one call when
+        the bias spans other axes than the scale."""
+        outer, dim, inner = self._layout
+        if self.bias_term and self._bias_layout != self._layout:
+            fn(0, dim)
+            return
+        split_range(fn, dim, outer * dim * inner, self.xp)
+
     def forward(self, bottom, top):
         xp = self.xp
         scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
         outer, dim, inner = self._layout
-        if top[0] is bottom[0]:
-            self._temp[...] = bottom[0].data  # backward needs the input
+        in_place = top[0] is bottom[0]
         x3 = bottom[0].data.reshape(outer, dim, inner)
         y3 = top[0].data.reshape(outer, dim, inner)
-        xp.multiply(x3, scale.data.reshape(1, dim, 1), out=y3)
+        s1 = scale.data.reshape(1, dim, 1)
+        t3 = self._temp.reshape(outer, dim, inner) if in_place else None
+        same_axes = not self.bias_term or self._bias_layout == self._layout
         if self.bias_term:
             bo, bd, bi = self._bias_layout
-            y = top[0].data.reshape(bo, bd, bi)
-            y += self.blobs[-1].data.reshape(1, bd, 1)
+            b1 = self.blobs[-1].data.reshape(1, bd, 1)
+
+        def part(lo, hi):
+            if in_place:
+                t3[:, lo:hi] = x3[:, lo:hi]              # backward needs the input
+            xp.multiply(x3[:, lo:hi], s1[:, lo:hi], out=y3[:, lo:hi])
+            if self.bias_term and same_axes:
+                y3[:, lo:hi] += b1[:, lo:hi]
+            elif self.bias_term:                         # one call (_split): the whole array
+                y3.reshape(bo, bd, bi)[...] += b1
+
+        self._split(part)
 
     def backward(self, top, propagate_down, bottom):
         xp = self.xp
         outer, dim, inner = self._layout
         dy = top[0].diff
-        if self.bias_term and self.param_propagate_down[-1]:
-            bo, bd, bi = self._bias_layout
-            bias = self.blobs[-1]
-            bias.diff += _reduce(dy.reshape(bo, bd, bi)).reshape(bias.shape)
         one = len(bottom) == 1
         scale = self.blobs[0] if one else bottom[1]
-        if (one and self.param_propagate_down[0]) or (not one and propagate_down[1]):
-            x = self._temp if top[0] is bottom[0] else bottom[0].data
-            grad = _reduce_product(xp, dy.reshape(outer, dim, inner),
-                                   x.reshape(outer, dim, inner)).reshape(scale.shape)
-            if one:
-                scale.diff += grad
-            else:
-                scale.diff[...] = grad
-        if propagate_down[0]:
-            xp.multiply(dy.reshape(outer, dim, inner), scale.data.reshape(1, dim, 1),
-                        out=bottom[0].diff.reshape(outer, dim, inner))
+        want_bias = self.bias_term and self.param_propagate_down[-1]
+        want_scale = (one and self.param_propagate_down[0]) or (not one and propagate_down[1])
+        same_axes = not self.bias_term or self._bias_layout == self._layout
+        d3 = dy.reshape(outer, dim, inner)
+        x = self._temp if top[0] is bottom[0] else bottom[0].data
+        x3 = x.reshape(outer, dim, inner)
+        s1 = scale.data.reshape(1, dim, 1)
+        dx3 = bottom[0].diff.reshape(outer, dim, inner)
+        scale_diff = scale.diff.reshape(-1)
+        if want_bias:
+            bias = self.blobs[-1]
+            bo, bd, bi = self._bias_layout
+
+        def part(lo, hi):
+            if want_bias and same_axes:
+                bias.diff.reshape(-1)[lo:hi] += _reduce(d3[:, lo:hi])
+            elif want_bias:                              # one call (_split): the whole array
+                bias.diff += _reduce(dy.reshape(bo, bd, bi)).reshape(bias.shape)
+            if want_scale:
+                grad = _reduce_product(xp, d3[:, lo:hi], x3[:, lo:hi])
+                if one:
+                    scale_diff[lo:hi] += grad
+                else:
+                    scale_diff[lo:hi] = grad
+            if propagate_down[0]:
+                xp.multiply(d3[:, lo:hi], s1[:, lo:hi], out=dx3[:, lo:hi])
+
+        self._split(part)

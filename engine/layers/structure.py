@@ -19,6 +19,7 @@ reshape_layer.cpp, crop_layer.cpp, eltwise_layer.cpp):
 import numpy
 
 from ..layer import Layer, register
+from .im2col import split_rows
 
 
 def _canonical(layer, blob, axis, what="axis"):
@@ -181,13 +182,15 @@ class SplitLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        dx = bottom[0].diff
-        if len(top) == 1:
-            dx[...] = top[0].diff
+        split_rows(self._backward_rows, [bottom[0].diff] + [t.diff for t in top], self.xp)
+
+    def _backward_rows(self, dx, *dys):
+        if len(dys) == 1:
+            dx[...] = dys[0]
             return
-        self.xp.add(top[0].diff, top[1].diff, out=dx)
-        for t in top[2:]:
-            dx += t.diff
+        self.xp.add(dys[0], dys[1], out=dx)
+        for d in dys[2:]:
+            dx += d
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,53 +370,65 @@ class EltwiseLayer(Layer):
                 self._mask = self.xp.empty(b0.shape, dt)
 
     def forward(self, bottom, top):
+        """One range of samples per core (split_rows)."""
+        arrays = [top[0].data] + [b.data for b in bottom]
+        if self.op == self.MAX:
+            arrays.append(self._mask)
+        split_rows(self._forward_rows, arrays, self.xp)
+
+    def _forward_rows(self, y, *xs):
         xp = self.xp
-        y = top[0].data
         if self.op == self.SUM:
-            for i, (b, c) in enumerate(zip(bottom, self.coeffs)):
+            for i, (x, c) in enumerate(zip(xs, self.coeffs)):
                 if i == 0:
                     if c == 1:
-                        xp.copyto(y, b.data)
+                        xp.copyto(y, x)
                     else:
-                        xp.multiply(b.data, c, out=y)
+                        xp.multiply(x, c, out=y)
                 elif c == 1:
-                    y += b.data
+                    y += x
                 else:
-                    y += c * b.data
+                    y += c * x
         elif self.op == self.PROD:
-            xp.multiply(bottom[0].data, bottom[1].data, out=y)
-            for b in bottom[2:]:
-                y *= b.data
+            xp.multiply(xs[0], xs[1], out=y)
+            for x in xs[2:]:
+                y *= x
         else:
-            a, b = bottom[0].data, bottom[1].data
-            mask = self._mask
+            *xs, mask = xs
+            a, b = xs[0], xs[1]
             # Caffe: a > b picks bottom 0, otherwise (ties included) bottom 1; a later bottom
             # wins only when strictly greater than the running maximum.
             xp.less_equal(a, b, out=mask)
             xp.maximum(a, b, out=y)
-            for k, blob in enumerate(bottom[2:], 2):
-                d = blob.data
+            for k, d in enumerate(xs[2:], 2):
                 xp.copyto(mask, k, where=d > y)
                 xp.maximum(y, d, out=y)
 
     def backward(self, top, propagate_down, bottom):
-        xp = self.xp
-        dy = top[0].diff
         for i, b in enumerate(bottom):
             if not propagate_down[i]:
                 continue
-            dx = b.diff
             if self.op == self.SUM:
-                c = self.coeffs[i]
-                if c == 1:
-                    xp.copyto(dx, dy)
-                else:
-                    xp.multiply(dy, c, out=dx)
+                arrays = [b.diff, top[0].diff]
             elif self.op == self.PROD:
-                # product of the other bottoms (no division: right with zeros too)
-                others = [o.data for j, o in enumerate(bottom) if j != i]
-                xp.multiply(dy, others[0], out=dx)
-                for o in others[1:]:
-                    dx *= o
+                arrays = [b.diff, top[0].diff] + [o.data for j, o in enumerate(bottom) if j != i]
             else:
-                xp.multiply(dy, self._mask == i, out=dx)
+                arrays = [b.diff, top[0].diff, self._mask]
+            split_rows(lambda dx, dy, *rest, i=i: self._backward_rows(i, dx, dy, rest), arrays,
+                       self.xp)
+
+    def _backward_rows(self, i, dx, dy, rest):
+        xp = self.xp
+        if self.op == self.SUM:
+            c = self.coeffs[i]
+            if c == 1:
+                xp.copyto(dx, dy)
+            else:
+                xp.multiply(dy, c, out=dx)
+        elif self.op == self.PROD:
+            # product of the other bottoms (no division: right with zeros too)
+            xp.multiply(dy, rest[0], out=dx)
+            for o in rest[1:]:
+                dx *= o
+        else:
+            xp.multiply(dy, rest[0] == i, out=dx)

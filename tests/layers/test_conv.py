@@ -114,6 +114,10 @@ CONV_CONFIGS = [
      dict(kh=3, kw=3, ph=1, pw=1)),
     ("pad2_odd", (2, 3, 5, 6), 4, "kernel_size: 3 pad: 2", dict(kh=3, kw=3, ph=2, pw=2)),
     ("pointwise_group", (2, 4, 3, 4), 6, "kernel_size: 1 group: 2", dict(kh=1, kw=1, group=2)),
+    # planes small against the channels: the 1x1 weight gradient as one product over the batch
+    ("pointwise_small_plane", (3, 8, 2, 1), 8, "kernel_size: 1", dict(kh=1, kw=1)),
+    ("pointwise_small_plane_group", (3, 16, 1, 3), 16, "kernel_size: 1 group: 2",
+     dict(kh=1, kw=1, group=2)),
     ("pad_beyond_kernel", (2, 3, 4, 4), 2, "kernel_size: 1 pad: 1", dict(kh=1, kw=1, ph=1, pw=1)),
     ("stride_dilation_group", (2, 4, 7, 6), 2,
      "kernel_size: 2 stride: 2 dilation: 2 pad: 1 group: 2",
