@@ -182,15 +182,23 @@ class _ConvCore:
         return out
 
     def _forward_pointwise(self, x, weight, out, bias, key):
+        """1x1, stride 1, no pad: per sample one GEMM on the NCHW arrays, no im2col; one range
+        of samples per core (numpy's BLAS is held to one thread while parallel() runs)."""
         xp = _xp(x)
         self.sources[key] = x
         grp = self.group
         o = weight.shape[0]
-        n, c = x.shape[:2]
-        matmul(xp, weight.reshape(grp, o // grp, c // grp),
-                  x.reshape(n, grp, c // grp, -1), out=out.reshape(n, grp, o // grp, -1))
-        if bias is not None:
-            out += bias.reshape(1, o, 1, 1)
+        c = x.shape[1]
+        w3 = weight.reshape(grp, o // grp, c // grp)
+
+        def work(worker, lo, hi):
+            m = hi - lo
+            matmul(xp, w3, x[lo:hi].reshape(m, grp, c // grp, -1),
+                   out=out[lo:hi].reshape(m, grp, o // grp, -1))
+            if bias is not None:
+                out[lo:hi] += bias.reshape(1, o, 1, 1)
+
+        parallel().run(work, x.shape[0], xp)
         return out
 
     # ----- backward --------------------------------------------------------------------------------
@@ -325,39 +333,55 @@ class _ConvCore:
             dx[s0:s0 + m] = dpad[:, g.ph:g.ph + h, g.pw:g.pw + w].transpose(0, 3, 1, 2)
 
     def _backward_pointwise(self, dy, weight, weight_diff, bias_diff, dx, key):
+        """The pointwise gradients, one range of samples per core; the weight and bias gradients
+        as per-thread partials added in thread order (the sum does not depend on timing)."""
         xp = _xp(dy)
         grp = self.group
         o = weight.shape[0]
         n = dy.shape[0]
         og = o // grp
-        if weight_diff is not None:
-            x = self.sources[key]
-            c = x.shape[1]
-            cg = c // grp
-            plane = x.shape[2] * x.shape[3]
-            if n > 1 and plane * (og + cg) < og * cg:
-                # Small planes (ResNet's 7x7): per-sample products have K = plane (49) and
-                # leave N partial (O, C) gradients to sum; with the batch moved next to the
-                # plane it is one product with K = N*plane, for the price of copying dy and x
-                # (fewer numbers than the partials when plane*(O+C) < O*C). Batch 8, 2048 -> 512
-                # at 7x7: 5.3 instead of 12.3 ms (docs/benchmarks.md, "1x1 convolutions").
-                dyt = self.buffers.get("pw_dyt", (grp, og, n, plane), dy.dtype, xp)
-                xt = self.buffers.get("pw_xt", (grp, cg, n, plane), x.dtype, xp)
-                dyt[...] = dy.reshape(n, grp, og, plane).transpose(1, 2, 0, 3)
-                xt[...] = x.reshape(n, grp, cg, plane).transpose(1, 2, 0, 3)
-                per = matmul(xp, dyt.reshape(grp, og, n * plane),
-                             xt.reshape(grp, cg, n * plane).transpose(0, 2, 1))
-                weight_diff += per.reshape(weight_diff.shape)
-            else:
-                per = matmul(xp, dy.reshape(n, grp, og, -1),
-                             x.reshape(n, grp, cg, -1).transpose(0, 1, 3, 2))
-                weight_diff += per.sum(axis=0).reshape(weight_diff.shape)
-        if bias_diff is not None:
-            bias_diff += dy.reshape(n, o, -1).sum(axis=2).sum(axis=0)
-        if dx is not None:
-            c = dx.shape[1]
-            matmul(xp, weight.reshape(grp, og, c // grp).transpose(0, 2, 1),
-                      dy.reshape(n, grp, og, -1), out=dx.reshape(n, grp, c // grp, -1))
+        x = self.sources[key] if weight_diff is not None else None
+        c = weight.shape[1] * grp
+        cg = c // grp
+        plane = dy.shape[2] * dy.shape[3]
+        # Small planes (ResNet's 7x7): per-sample products have K = plane (49) and leave one
+        # partial (O, C) gradient per sample to sum; with the samples moved next to the plane
+        # the weight gradient is one product with K = samples*plane, for the price of copying dy
+        # and x (fewer numbers than the partials when plane*(O+C) < O*C). Batch 8, 2048 -> 512
+        # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmarks.md, "ResNet-50").
+        one_product = plane * (og + cg) < og * cg
+
+        def work(worker, lo, hi):
+            buf = self._wbuf(worker)
+            m = hi - lo
+            if bias_diff is not None:
+                bias_gradient_part(buf, dy, lo, hi)
+            if weight_diff is not None:
+                part = buf.get("pw_dw", (grp, og, cg), dy.dtype, xp)
+                if one_product and m > 1:
+                    dyt = buf.get("pw_dyt", (grp, og, m, plane), dy.dtype, xp)
+                    xt = buf.get("pw_xt", (grp, cg, m, plane), x.dtype, xp)
+                    dyt[...] = dy[lo:hi].reshape(m, grp, og, plane).transpose(1, 2, 0, 3)
+                    xt[...] = x[lo:hi].reshape(m, grp, cg, plane).transpose(1, 2, 0, 3)
+                    matmul(xp, dyt.reshape(grp, og, m * plane),
+                           xt.reshape(grp, cg, m * plane).transpose(0, 2, 1), out=part)
+                else:
+                    per = matmul(xp, dy[lo:hi].reshape(m, grp, og, plane),
+                                 x[lo:hi].reshape(m, grp, cg, plane).transpose(0, 1, 3, 2))
+                    per.sum(axis=0, out=part)
+            if dx is not None:
+                matmul(xp, weight.reshape(grp, og, cg).transpose(0, 2, 1),
+                       dy[lo:hi].reshape(m, grp, og, plane),
+                       out=dx[lo:hi].reshape(m, grp, cg, plane))
+
+        parts = parallel().run(work, n, xp)
+        for worker in range(parts):
+            buf = self._wbuf(worker)
+            if weight_diff is not None:
+                weight_diff += buf.get("pw_dw", (grp, og, cg), dy.dtype, xp).reshape(
+                    weight_diff.shape)
+            if bias_diff is not None:
+                bias_diff += bias_gradient_of(buf, dy)
         return dx
 
 

@@ -318,8 +318,9 @@ def test_deconv_errors():
 
 
 # ----- batch blocks and worker threads (im2col.parallel) -----------------------------------------
-BLOCK_CONFIGS = [c for c in CONV_CONFIGS if c[0] in ("basic", "pad_stride", "group2", "dilation2",
-                                                     "stride_dilation_group")]
+BLOCK_CONFIGS = [c for c in CONV_CONFIGS if c[0] in (
+    "basic", "pad_stride", "group2", "dilation2", "stride_dilation_group", "pointwise_group",
+    "pointwise_small_plane", "pointwise_small_plane_group")]
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
