@@ -84,6 +84,9 @@ SPLIT_LAYERS = [
     ('type: "Eltwise" eltwise_param { operation: PROD }', [(5, 7, 3, 2)] * 3, False),
     ('type: "Eltwise" eltwise_param { operation: MAX }', [(5, 7, 3, 2)] * 3, False),
     ('type: "ReLU"', [(5, 7, 3, 2)], False),
+    ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 }', [(5, 7, 3, 2)], False),
+    ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }',
+     [(5, 3, 4, 5)], False),
 ]
 
 

@@ -20,7 +20,7 @@ others; it is a learned blob (one bottom) or bottom[1] (two bottoms, whose shape
 import numpy
 
 from ..layer import Layer, register
-from .im2col import split_range
+from .im2col import split_range, split_rows
 
 
 def _buffer(holder, name, shape, dtype, xp, zero=False):
@@ -80,14 +80,13 @@ class LRNLayer(Layer):
         else:
             self._pad = _buffer(self, "_pad_buf", (n, c + pad, h, w), dt, xp, zero=True)
 
-    def _window_sum(self, a, out):
-        """Sum of `a` over the LRN window (zero outside), written into out."""
+    def _window_sum(self, a, out, pad, rows):
+        """Sum of `a` over the LRN window (zero outside), written into out; pad and rows are the
+        scratch of the same samples."""
         n, p = self.size, self.pre_pad
-        pad = self._pad
         if self.within:
             h, w = a.shape[2], a.shape[3]
             pad[:, :, p:p + h, p:p + w] = a
-            rows = self._rows
             rows[...] = pad[:, :, 0:h]
             for o in range(1, n):
                 rows += pad[:, :, o:o + h]
@@ -105,30 +104,36 @@ class LRNLayer(Layer):
     def _norm_factor(self):
         return self.alpha / (self.size * self.size if self.within else self.size)
 
+    def _scratch(self):
+        return [self._scale, self._pow, self._pad] + ([self._rows] if self.within else [])
+
     def forward(self, bottom, top):
+        """Samples are independent: one range of them per core (split_rows)."""
+        split_rows(self._forward_rows, [bottom[0].data, top[0].data] + self._scratch(), self.xp)
+
+    def _forward_rows(self, x, y, scale, power, pad, rows=None):
         xp = self.xp
-        x = bottom[0].data
-        scale = self._scale
-        self._window_sum(x * x, scale)
+        self._window_sum(x * x, scale, pad, rows)
         scale *= self._norm_factor()
         scale += 1.0 if self.within else self.k
-        xp.power(scale, -self.beta, out=self._pow)
-        xp.multiply(x, self._pow, out=top[0].data)
+        xp.power(scale, -self.beta, out=power)
+        xp.multiply(x, power, out=y)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        x = bottom[0].data
-        dy = top[0].diff
+        split_rows(self._backward_rows,
+                   [bottom[0].data, top[0].diff, bottom[0].diff] + self._scratch(), self.xp)
+
+    def _backward_rows(self, x, dy, out, scale, power, pad, rows=None):
         # dx_j = dy_j s_j^-beta - 2 alpha' beta x_j sum_{c: j in W(c)} dy_c y_c / s_c (W symmetric)
         ratio = dy * x
-        ratio *= self._pow
-        ratio /= self._scale
-        acc = self._window_sum(ratio, ratio)
+        ratio *= power
+        ratio /= scale
+        acc = self._window_sum(ratio, ratio, pad, rows)
         acc *= x
         acc *= -2.0 * self._norm_factor() * self.beta
-        out = bottom[0].diff
-        self.xp.multiply(dy, self._pow, out=out)
+        self.xp.multiply(dy, power, out=out)
         out += acc
 
 
