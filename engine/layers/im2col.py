@@ -1,4 +1,7 @@
-"""Shared helpers for the 2-D window layers (Convolution, Deconvolution, Pooling).
+"""Shared helpers for the 2-D window layers (Convolution, Deconvolution, Pooling), and the
+engine's threads: `parallel()` runs a layer's work as one range per core, and `split_rows` /
+`split_range` do it for the elementwise and per-channel layers (ReLU, BatchNorm, Scale, Eltwise,
+Split, LRN), since numpy runs each op on one core.
 
 Everything here is written once for numpy and CuPy (the array module is taken from the arrays or
 passed as `xp`) and works by looping over the kernel offsets or copying strided views, never by
