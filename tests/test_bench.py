@@ -131,3 +131,22 @@ def test_stride_ab_times_the_three_ways_of_writing_a_weight_gradient(capsys):
     assert len(lines) == 4
     assert "rows 4096 bytes apart" in out and "rows 4160 bytes apart" in out
     assert all(float(line.split()[-2]) > 0 for line in lines)
+
+
+def test_resnet_ref_times_a_training_resnet50():
+    """tools/bench/resnet_ref.py (behind the ResNet-50 figures): the net it times trains as
+    ResNet-50 does (batch statistics, a backward through every layer but no image gradient), and
+    its per-type times add up to the totals it reports."""
+    from tools.bench import resnet_ref
+    net = resnet_ref.training_net(1)
+    assert net.blobs["data"].shape == (1, 3, 224, 224)
+    norms = [layer for layer in net.layers if layer.type == "BatchNorm"]
+    assert len(norms) == 53 and not any(layer.use_global_stats for layer in norms)
+    first = net.layer_names.index("conv1")
+    assert net.layer_need_backward[first] and not net.bottom_need_backward[first][0]
+    forward, backward, by_type = resnet_ref.engine_times(1, 1)
+    assert {"BatchNorm", "Scale", "Eltwise", "Convolution 1x1/1", "Convolution 3x3/1",
+            "Convolution 1x1/2", "Convolution 7x7/2"} <= set(by_type)
+    assert forward > 0 and backward > 0
+    assert abs(sum(f for f, _ in by_type.values()) - forward) < 1e-9
+    assert abs(sum(b for _, b in by_type.values()) - backward) < 1e-9
