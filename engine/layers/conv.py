@@ -26,7 +26,8 @@ How the im2col work is laid out (the column layout is in im2col.py, the threads 
 - input gradient, stride 1: a stride-1 convolution of the channels-last, zero-padded top gradient
   with the flipped, transposed kernel (the same chunked pass as forward); other strides: GEMM to
   columns, then col2im into a padded channels-last buffer, per chunk of whole samples;
-- 1x1 kernels with stride 1 and no pad: no im2col, batched GEMMs straight on the NCHW arrays.
+- 1x1 kernels with stride 1 and no pad: no im2col, batched GEMMs straight on the NCHW arrays,
+  one range of samples per core as well.
 Scratch buffers are cached per thread and reallocated only when a shape changes. On CuPy the
 whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 """
@@ -348,7 +349,8 @@ class _ConvCore:
         # partial (O, C) gradient per sample to sum; with the samples moved next to the plane
         # the weight gradient is one product with K = samples*plane, for the price of copying dy
         # and x (fewer numbers than the partials when plane*(O+C) < O*C). Batch 8, 2048 -> 512
-        # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmarks.md, "ResNet-50").
+        # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmarks.md, "the layers that
+        # still ran on one core").
         one_product = plane * (og + cg) < og * cg
 
         def work(worker, lo, hi):

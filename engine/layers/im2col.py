@@ -353,7 +353,7 @@ class _Parallel:
 
 _PARALLEL = None
 
-# Elementwise layers and per-channel reductions (ReLU, BatchNorm, Scale, Eltwise, Split) split
+# Elementwise layers and per-channel reductions (ReLU, BatchNorm, Scale, Eltwise, Split, LRN) split
 # arrays of at least this many elements into one range per core (numpy runs each of their ops
 # on one core); below it the threads' start-up costs more than they save.
 SPLIT_MIN_ELEMENTS = 1 << 16
