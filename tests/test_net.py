@@ -230,3 +230,58 @@ def test_real_deploy_files_build_with_caffe_parameter_counts(name):
     learnable, _ = net.param_counts()
     assert learnable == TOTALS[name]
     net.shutdown()
+
+
+BN_SCALE = """
+name: "bn_scale"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 4 dim: 3 dim: 5 dim: 5 } shape { dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 6 kernel_size: 3 weight_filler { type: "gaussian" } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "scale" type: "Scale" bottom: "conv" top: "conv"
+        scale_param { bias_term: true filler { type: "gaussian" } bias_filler { type: "gaussian" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv" top: "bn2" }
+layer { name: "scale2" type: "Scale" bottom: "bn2" top: "scale2"
+        scale_param { filler { type: "gaussian" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "scale2" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def _bn_scale_run(monkeypatch, paired):
+    from engine import rng
+    if not paired:
+        monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
+    rng.seed(5)
+    net = small_net(text=BN_SCALE)
+    rs = numpy.random.RandomState(2)
+    net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
+    net.blobs["label"].data[...] = rs.randint(0, 3, 4)
+    out = []
+    for _ in range(2):
+        net.ClearParamDiffs()
+        out.append(net.Forward())
+        net.Backward()
+        out += [b.diff.copy() for b in net.learnable_params]
+        out.append(net.blobs["conv"].diff.copy())
+    monkeypatch.undo()
+    return net, out
+
+
+def test_scale_in_place_after_batchnorm_reads_its_normalized_copy(monkeypatch):
+    """A Scale run in place on a BatchNorm's output keeps no copy of its input: it reads the
+    BatchNorm's normalized copy, and every loss and gradient is bitwise what it was with the
+    copy. A Scale not in place is left alone."""
+    net, paired = _bn_scale_run(monkeypatch, True)
+    scale, scale2 = net.layer_dict["scale"], net.layer_dict["scale2"]
+    assert scale.input_from is net.layer_dict["bn"] and scale._temp is None
+    assert scale2.input_from is None                # not in place: it reads its bottom
+    plain_net, plain = _bn_scale_run(monkeypatch, False)
+    assert plain_net.layer_dict["scale"].input_from is None
+    assert plain_net.layer_dict["scale"]._temp is not None
+    assert len(paired) == len(plain)
+    for a, b in zip(paired, plain):
+        numpy.testing.assert_array_equal(a, b)

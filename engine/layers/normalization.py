@@ -232,6 +232,11 @@ class BatchNormLayer(Layer):
             b1 *= self.maf
             b1 += var * (m / (m - 1.0) if m > 1 else 1.0)
 
+    def normalized(self):
+        """(x - mean) / sqrt(var + eps) of the last forward, as (N, C, spatial): what the top
+        held after it (a Scale run in place next reads it instead of copying its input)."""
+        return self._x_norm
+
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
@@ -343,6 +348,10 @@ class ScaleLayer(Layer):
     min_bottoms = 1
     max_bottoms = 2
     exact_tops = 1
+    # Set by the Net when this layer runs in place right after the BatchNorm whose output it
+    # scales: backward then reads its input from that layer's normalized copy (bitwise the same
+    # numbers) instead of keeping a copy of its own (Net._pair_batchnorm_scale)
+    input_from = None
 
     def layer_setup(self, bottom, top):
         p = self.param.scale_param
@@ -373,10 +382,18 @@ class ScaleLayer(Layer):
             bias = self.blobs[-1]
             baxis = _operand_axis(self, bottom[0], bias.ndim, self.axis_param)
             self._bias_layout = _check_operand(self, bottom[0], bias.shape, baxis, "bias")
-        if top[0] is bottom[0]:
+        if top[0] is bottom[0] and self.input_from is None:
             self._temp = _buffer(self, "_temp_buf", bottom[0].shape, bottom[0].dtype, self.xp)
+        elif top[0] is bottom[0]:
+            self._temp = self._temp_buf = None          # the BatchNorm's copy serves
         else:
             top[0].reshape(bottom[0].shape)
+
+    def _saved_input(self, bottom):
+        """The input forward saw, when it ran in place (and overwrote it)."""
+        if self.input_from is not None:
+            return self.input_from.normalized().reshape(bottom[0].shape)
+        return self._temp
 
     def _split(self, fn):
         """fn(lo, hi) over ranges of the scale's axis on the cores (split_range); one call when
@@ -395,14 +412,15 @@ class ScaleLayer(Layer):
         x3 = bottom[0].data.reshape(outer, dim, inner)
         y3 = top[0].data.reshape(outer, dim, inner)
         s1 = scale.data.reshape(1, dim, 1)
-        t3 = self._temp.reshape(outer, dim, inner) if in_place else None
+        t3 = (self._temp.reshape(outer, dim, inner) if in_place and self.input_from is None
+              else None)
         same_axes = not self.bias_term or self._bias_layout == self._layout
         if self.bias_term:
             bo, bd, bi = self._bias_layout
             b1 = self.blobs[-1].data.reshape(1, bd, 1)
 
         def part(lo, hi):
-            if in_place:
+            if t3 is not None:
                 t3[:, lo:hi] = x3[:, lo:hi]              # backward needs the input
             xp.multiply(x3[:, lo:hi], s1[:, lo:hi], out=y3[:, lo:hi])
             if self.bias_term and same_axes:
@@ -422,7 +440,7 @@ class ScaleLayer(Layer):
         want_scale = (one and self.param_propagate_down[0]) or (not one and propagate_down[1])
         same_axes = not self.bias_term or self._bias_layout == self._layout
         d3 = dy.reshape(outer, dim, inner)
-        x = self._temp if top[0] is bottom[0] else bottom[0].data
+        x = self._saved_input(bottom) if top[0] is bottom[0] else bottom[0].data
         x3 = x.reshape(outer, dim, inner)
         s1 = scale.data.reshape(1, dim, 1)
         dx3 = bottom[0].diff.reshape(outer, dim, inner)
