@@ -90,7 +90,7 @@ SPLIT_LAYERS = [
 ]
 
 
-def _run_split_layer(text, shapes, in_place, n_tops=1):
+def _run_split_layer(text, shapes, in_place):
     from engine.blob import Blob
     from tests.harness import blobs_from
     from engine import rng
@@ -98,7 +98,7 @@ def _run_split_layer(text, shapes, in_place, n_tops=1):
     rng.seed(3)                                       # the fillers
     layer = make_layer(text)
     bottom = blobs_from([rs.standard_normal(s) for s in shapes])
-    top = [bottom[0]] if in_place else [Blob((), numpy.float64) for _ in range(n_tops)]
+    top = [bottom[0]] if in_place else [Blob((), numpy.float64)]
     layer.setup(bottom, top)
     out = []
     for _ in range(2):                                # twice: running statistics, accumulation

@@ -359,16 +359,6 @@ _PARALLEL = None
 SPLIT_MIN_ELEMENTS = 1 << 16
 
 
-def split_rows(fn, arrays, xp):
-    """fn(*slices) over one range of axis 0 per core for large arrays (all with the same first
-    axis), else fn(*arrays)."""
-    a = arrays[0]
-    if a.ndim == 0 or a.size < SPLIT_MIN_ELEMENTS:
-        fn(*arrays)
-        return
-    parallel().run(lambda worker, lo, hi: fn(*(b[lo:hi] for b in arrays)), a.shape[0], xp)
-
-
 def split_range(fn, n, size, xp):
     """fn(lo, hi) over one range of [0, n) per core when the work covers `size` >=
     SPLIT_MIN_ELEMENTS elements, else fn(0, n): for per-channel work, each channel's numbers
@@ -377,6 +367,16 @@ def split_range(fn, n, size, xp):
         fn(0, n)
         return
     parallel().run(lambda worker, lo, hi: fn(lo, hi), n, xp)
+
+
+def split_rows(fn, arrays, xp):
+    """fn(*slices) over one range of axis 0 per core for large arrays (all with the same first
+    axis; split_range), else on the whole arrays."""
+    a = arrays[0]
+    if a.ndim == 0:
+        fn(*arrays)
+        return
+    split_range(lambda lo, hi: fn(*(b[lo:hi] for b in arrays)), a.shape[0], a.size, xp)
 
 
 def parallel():

@@ -382,6 +382,9 @@ class ScaleLayer(Layer):
             bias = self.blobs[-1]
             baxis = _operand_axis(self, bottom[0], bias.ndim, self.axis_param)
             self._bias_layout = _check_operand(self, bottom[0], bias.shape, baxis, "bias")
+        # the bias over the same axes as the scale (always, unless loaded blobs say otherwise):
+        # both can be cut into the same ranges
+        self._same_axes = not self.bias_term or self._bias_layout == self._layout
         if top[0] is bottom[0] and self.input_from is None:
             self._temp = _buffer(self, "_temp_buf", bottom[0].shape, bottom[0].dtype, self.xp)
         elif top[0] is bottom[0]:
@@ -399,7 +402,7 @@ class ScaleLayer(Layer):
         """fn(lo, hi) over ranges of the scale's axis on the cores (split_range); one call when
         the bias spans other axes than the scale."""
         outer, dim, inner = self._layout
-        if self.bias_term and self._bias_layout != self._layout:
+        if not self._same_axes:
             fn(0, dim)
             return
         split_range(fn, dim, outer * dim * inner, self.xp)
@@ -414,7 +417,7 @@ class ScaleLayer(Layer):
         s1 = scale.data.reshape(1, dim, 1)
         t3 = (self._temp.reshape(outer, dim, inner) if in_place and self.input_from is None
               else None)
-        same_axes = not self.bias_term or self._bias_layout == self._layout
+        same_axes = self._same_axes
         if self.bias_term:
             bo, bd, bi = self._bias_layout
             b1 = self.blobs[-1].data.reshape(1, bd, 1)
@@ -438,7 +441,7 @@ class ScaleLayer(Layer):
         scale = self.blobs[0] if one else bottom[1]
         want_bias = self.bias_term and self.param_propagate_down[-1]
         want_scale = (one and self.param_propagate_down[0]) or (not one and propagate_down[1])
-        same_axes = not self.bias_term or self._bias_layout == self._layout
+        same_axes = self._same_axes
         d3 = dy.reshape(outer, dim, inner)
         x = self._saved_input(bottom) if top[0] is bottom[0] else bottom[0].data
         x3 = x.reshape(outer, dim, inner)

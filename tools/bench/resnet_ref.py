@@ -158,21 +158,19 @@ def main(argv=None):
     threads = parallel().workers
     engine = EngineSide(batch)
     ref = torch_side(batch, threads)
-    totals = {"engine": [], "PyTorch": []}
-    splits = {"engine": [], "PyTorch": []}
+    splits = {"engine": [], "PyTorch": []}     # (forward s, backward s) of each round
     per_f = per_b = 0.0
     for _ in range(rounds):                 # the sides take turns, so both see the same moments
         fwd, bwd, layer_f, layer_b = engine.run(iterations)
-        totals["engine"].append(fwd + bwd)
         splits["engine"].append((fwd, bwd))
         per_f, per_b = per_f + layer_f / rounds, per_b + layer_b / rounds
         if ref is not None:
             tf, tb = ref.run(iterations)
-            totals["PyTorch"].append(tf + tb)
             splits["PyTorch"].append((tf, tb))
             time.sleep(PAUSE_S)             # PyTorch's OpenMP threads spin a while after a run
     print(f"ResNet-50, batch {batch}, {threads} threads, {rounds} rounds of {iterations} "
           f"iterations each side, taking turns; ms per iteration, median (min-max)")
+    totals = {side: [f + b for f, b in rounds_] for side, rounds_ in splits.items()}
     for side, values in totals.items():
         if not values:
             print(f"{side:7s}: not installed (pip install torch==2.13.0 for the reference)")
