@@ -133,20 +133,86 @@ def test_stride_ab_times_the_three_ways_of_writing_a_weight_gradient(capsys):
     assert all(float(line.split()[-2]) > 0 for line in lines)
 
 
-def test_resnet_ref_times_a_training_resnet50():
-    """tools/bench/resnet_ref.py (behind the ResNet-50 figures): the net it times trains as
-    ResNet-50 does (batch statistics, a backward through every layer but no image gradient), and
-    its per-type times add up to the totals it reports."""
-    from tools.bench import resnet_ref
-    net = resnet_ref.training_net(1)
+def test_model_ref_times_a_training_resnet50():
+    """tools/bench/model_ref.py (behind the ResNet-50 and other real-net figures): the net it
+    times trains as ResNet-50 does (batch statistics, a backward through every layer but no
+    image gradient), and its per-type times add up to the totals it reports."""
+    from tools.bench import model_ref
+    param = model_ref.training_param("resnet50", 1)
+    from engine.net import Net
+    from engine.proto import caffe_pb2
+    net = Net(param, phase=caffe_pb2.TRAIN)
     assert net.blobs["data"].shape == (1, 3, 224, 224)
     norms = [layer for layer in net.layers if layer.type == "BatchNorm"]
     assert len(norms) == 53 and not any(layer.use_global_stats for layer in norms)
     first = net.layer_names.index("conv1")
     assert net.layer_need_backward[first] and not net.bottom_need_backward[first][0]
-    forward, backward, by_type = resnet_ref.engine_times(1, 1)
+    forward, backward, by_type = model_ref.engine_times("resnet50", 1, 1)
     assert {"BatchNorm", "Scale", "Eltwise", "Convolution 1x1/1", "Convolution 3x3/1",
             "Convolution 1x1/2", "Convolution 7x7/2"} <= set(by_type)
     assert forward > 0 and backward > 0
     assert abs(sum(f for f, _ in by_type.values()) - forward) < 1e-9
     assert abs(sum(b for _, b in by_type.values()) - backward) < 1e-9
+
+
+def test_model_ref_refuses_a_net_without_one_input(tmp_path):
+    """A training file (Data layers) is not what model_ref times: a clear error, not a crash."""
+    import pytest
+    from tools.bench import model_ref
+    path = tmp_path / "train.prototxt"
+    path.write_text('layer { name: "d" type: "DummyData" top: "data" '
+                    'dummy_data_param { shape { dim: 1 dim: 3 dim: 8 dim: 8 } } }')
+    with pytest.raises(SystemExit, match="one Input layer"):
+        model_ref.training_param(str(path), 2)
+    with pytest.raises(SystemExit, match="no deploy file for 'nonesuch'"):
+        model_ref.model_path("nonesuch")
+
+
+SMALL_NET = """
+name: "mixed"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 3 dim: 3 dim: 12 dim: 12 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 stride: 1 } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "sc1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "split" type: "Split" bottom: "conv1" top: "a" top: "b" }
+layer { name: "conv_a" type: "Convolution" bottom: "a" top: "ca"
+        convolution_param { num_output: 8 kernel_h: 1 kernel_w: 3 pad_h: 0 pad_w: 1 bias_term: false } }
+layer { name: "sum" type: "Eltwise" bottom: "ca" bottom: "b" top: "sum" eltwise_param { coeff: 1 coeff: 0.5 } }
+layer { name: "conv_b" type: "Convolution" bottom: "b" top: "cb"
+        convolution_param { num_output: 4 kernel_size: 1 group: 2 } }
+layer { name: "cat" type: "Concat" bottom: "sum" bottom: "cb" top: "cat" }
+layer { name: "lrn" type: "LRN" bottom: "cat" top: "lrn" lrn_param { local_size: 3 alpha: 0.1 beta: 0.75 } }
+layer { name: "pool" type: "Pooling" bottom: "lrn" top: "pool"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "avg" type: "Pooling" bottom: "pool" top: "avg" pooling_param { pool: AVE global_pooling: true } }
+layer { name: "fc" type: "InnerProduct" bottom: "avg" top: "fc" inner_product_param { num_output: 5 } }
+layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }
+"""
+
+
+def test_model_ref_torch_graph_computes_the_engine_nets_function(tmp_path):
+    """The PyTorch side is built from the same NetParameter: with the engine's weights it gives
+    the engine's output (BatchNorm + Scale as one affine BatchNorm2d, Split, Eltwise with
+    coefficients, Concat, LRN, CEIL pooling, global pooling, rectangular kernels, groups)."""
+    import numpy
+    import pytest
+    torch = pytest.importorskip("torch", reason="PyTorch is the benchmark's reference; the "
+                                                "engine side is tested without it above")
+    from tools.bench import model_ref
+    path = tmp_path / "deploy.prototxt"
+    path.write_text(SMALL_NET)
+    side = model_ref.EngineSide(str(path), 3)
+    net = side.net
+    rs = numpy.random.RandomState(1)
+    for layer in net.layers:
+        for blob in layer.blobs:
+            blob.data[...] = rs.standard_normal(blob.shape) * 0.5
+    net.Forward()
+    shapes = {name: blob.shape for name, blob in net.blobs.items()}
+    graph = model_ref.torch_graph(side.param, shapes, 1)
+    model_ref.copy_weights(graph, net)
+    with torch.no_grad():
+        out = graph({"data": torch.from_numpy(net.blobs["data"].data.copy())})
+    numpy.testing.assert_allclose(out.numpy(), net.blobs["prob"].data, rtol=1e-4, atol=1e-6)

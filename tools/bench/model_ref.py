@@ -1,0 +1,371 @@
+"""Any deploy net's forward + backward beside PyTorch CPU: where a real network spends its time.
+
+    python -m tools.bench.model_ref [MODEL] [--batch N] [--iterations N] [--rounds N] [--profile]
+
+MODEL is a folder of prototxt/ (resnet50, googlenet, inception_v3, alexnet, vgg19, ...) or the path
+of a deploy file (one Input layer for the image; default resnet50, batch 8). The engine runs it as in
+training: batch statistics in its BatchNorm layers, a random gradient on the last top and a backward
+through every layer but none for the image. PyTorch, when installed, runs the same graph built
+here from the same NetParameter (so the two cannot drift apart), the way a PyTorch user writes it:
+a BatchNorm followed by the Scale that scales its output is one affine `BatchNorm2d`, and a ReLU
+runs in place where the Caffe layer does (as torchvision's networks do). The two sides take turns, ROUNDS times ITERATIONS iterations each, as
+part a of the bench does, with a pause after each PyTorch run (its OpenMP threads spin for a while
+and would slow the engine's next run). Prints each side's median and range, the median of the
+per-round speed ratios, the engine's time per layer type and, with --profile, PyTorch's own
+profile of one iteration by operator. A benchmark-only reference: nothing in the engine imports
+torch.
+"""
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy
+
+from engine import prototxt
+from engine.layers.im2col import parallel
+from engine.net import Net
+from engine.proto import caffe_pb2
+
+MODELS = Path(__file__).resolve().parents[2] / "prototxt"
+PAUSE_S = 0.5       # after each PyTorch run, before the engine's
+
+
+def model_path(model):
+    """The deploy file MODEL names: a folder of prototxt/ or a file."""
+    path = Path(model)
+    if not path.is_file():
+        path = MODELS / model / "deploy.prototxt"
+    if not path.is_file():
+        known = sorted(p.parent.name for p in MODELS.glob("*/deploy.prototxt"))
+        raise SystemExit(f"model_ref: no deploy file for '{model}': give a path or one of "
+                         f"{', '.join(known)}")
+    return path
+
+
+def training_param(model, batch):
+    """The deploy NetParameter with `batch` images, batch statistics and a backward through every
+    layer but none into the image."""
+    param = prototxt.read_net(str(model_path(model)))
+    inputs = [lp for lp in param.layer if lp.type == "Input"]
+    if len(inputs) != 1 or len(inputs[0].top) != 1:
+        raise SystemExit(f"model_ref: {model} needs one Input layer with one top (a deploy file)")
+    inputs[0].input_param.shape[0].dim[0] = batch
+    image = inputs[0].top[0]
+    param.force_backward = True
+    for layer in param.layer:
+        if layer.type == "BatchNorm":
+            layer.batch_norm_param.use_global_stats = False
+        if image in layer.bottom:
+            del layer.propagate_down[:]
+            layer.propagate_down.extend(b != image for b in layer.bottom)
+    return param
+
+
+class EngineSide:
+    """The engine's training net, kept across rounds; `run` times some iterations of it."""
+
+    def __init__(self, model, batch):
+        self.param = training_param(model, batch)
+        self.net = Net(self.param, phase=caffe_pb2.TRAIN)
+        self.rs = numpy.random.RandomState(0)
+        self.image = next(lp.top[0] for lp in self.param.layer if lp.type == "Input")
+        data = self.net.blobs[self.image]
+        data.data[...] = self.rs.random_sample(data.shape)
+        self.run(1)                                     # warm-up: buffers, caches
+
+    def run(self, iterations):
+        """(forward s, backward s, per-layer forward s, per-layer backward s) per iteration."""
+        net = self.net
+        top = net.top_vecs[-1][0]
+        n = len(net.layers)
+        forward, backward = numpy.zeros(n), numpy.zeros(n)
+        for _ in range(iterations):
+            for li in range(n):
+                t = time.perf_counter()
+                net.ForwardLayer(li)
+                forward[li] += time.perf_counter() - t
+            top.diff[...] = self.rs.random_sample(top.shape)
+            for li in range(n - 1, -1, -1):
+                t = time.perf_counter()
+                net.BackwardThrough(li)
+                backward[li] += time.perf_counter() - t
+        forward /= iterations
+        backward /= iterations
+        return forward.sum(), backward.sum(), forward, backward
+
+    def by_type(self, forward, backward):
+        """{layer type: [forward s, backward s]} (convolutions by kernel and stride)."""
+        out = defaultdict(lambda: [0.0, 0.0])
+        for li, layer in enumerate(self.net.layers):
+            key = layer.type
+            if key == "Convolution":
+                g = layer.geom
+                key += f" {g.kh}x{g.kw}/{g.sh}"
+            out[key][0] += forward[li]
+            out[key][1] += backward[li]
+        return dict(out)
+
+
+def engine_times(model, batch, iterations):
+    """(forward s, backward s, {layer type: [forward s, backward s]}) per iteration."""
+    side = EngineSide(model, batch)
+    fwd, bwd, per_f, per_b = side.run(iterations)
+    return fwd, bwd, side.by_type(per_f, per_b)
+
+
+def _hw(param, field, default):
+    """(h, w) of a convolution or pooling field, given repeated, as a scalar or as its _h/_w twins
+    (kernel_size's twins are kernel_h/kernel_w)."""
+    base = "kernel" if field == "kernel_size" else field
+    if f"{base}_h" in param.DESCRIPTOR.fields_by_name and param.HasField(f"{base}_h"):
+        return getattr(param, f"{base}_h"), getattr(param, f"{base}_w")
+    value = getattr(param, field)
+    if isinstance(value, int):
+        return (value, value) if param.HasField(field) else (default, default)
+    values = list(value) or [default]
+    return values[0], values[-1]
+
+
+def torch_graph(param, shapes, threads):
+    """A torch module computing param's graph (see the module docstring); shapes: {blob: shape}
+    from the engine's net (the channels each layer takes)."""
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    layers = list(param.layer)
+    steps = []                 # (bottoms, tops, callable)
+    modules = nn.ModuleList()
+    by_layer = {}              # engine layer name -> the module holding its parameters
+    skip = set()
+    for i, lp in enumerate(layers):
+        if i in skip or lp.type in ("Input", "Silence"):
+            continue
+        t = lp.type
+        channels = shapes[lp.bottom[0]][1] if lp.bottom else None
+        fn = None
+        if t == "Convolution":
+            cp = lp.convolution_param
+            conv = nn.Conv2d(channels, cp.num_output, _hw(cp, "kernel_size", 1),
+                             stride=_hw(cp, "stride", 1), padding=_hw(cp, "pad", 0),
+                             dilation=_hw(cp, "dilation", 1), groups=cp.group or 1,
+                             bias=cp.bias_term)
+            modules.append(conv)
+            fn = by_layer[lp.name] = conv
+        elif t == "Pooling":
+            pp = lp.pooling_param
+            if pp.global_pooling:
+                kernel, stride, pad = tuple(shapes[lp.bottom[0]][2:]), 1, 0
+            else:
+                kernel, stride, pad = (_hw(pp, "kernel_size", 1), _hw(pp, "stride", 1),
+                                       _hw(pp, "pad", 0))
+            ceil = pp.round_mode == caffe_pb2.PoolingParameter.CEIL
+            if pp.pool == caffe_pb2.PoolingParameter.MAX:
+                fn = nn.MaxPool2d(kernel, stride, pad, ceil_mode=ceil)
+            else:
+                fn = nn.AvgPool2d(kernel, stride, pad, ceil_mode=ceil, count_include_pad=True)
+        elif t == "ReLU":
+            slope, inplace = lp.relu_param.negative_slope, lp.top[0] == lp.bottom[0]
+            fn = nn.LeakyReLU(slope, inplace) if slope else nn.ReLU(inplace)
+        elif t == "BatchNorm":
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            affine = (nxt is not None and nxt.type == "Scale" and len(nxt.bottom) == 1
+                      and nxt.bottom[0] == lp.top[0])
+            bn = nn.BatchNorm2d(channels, eps=lp.batch_norm_param.eps, affine=affine)
+            modules.append(bn)
+            fn = bn
+            if affine:
+                by_layer[nxt.name] = bn
+                skip.add(i + 1)
+                if not nxt.scale_param.bias_term:
+                    bn.bias.requires_grad_(False)
+                lp = nxt                       # its top is the pair's output
+        elif t == "Scale":
+            scale = nn.Parameter(torch.ones(channels))
+            shift = nn.Parameter(torch.zeros(channels)) if lp.scale_param.bias_term else None
+            holder = nn.ParameterList([p for p in (scale, shift) if p is not None])
+            modules.append(holder)
+            by_layer[lp.name] = holder
+
+            def fn(x, scale=scale, shift=shift):
+                y = x * scale.view(1, -1, 1, 1)
+                return y if shift is None else y + shift.view(1, -1, 1, 1)
+        elif t == "Eltwise":
+            ep = lp.eltwise_param
+            if ep.operation == caffe_pb2.EltwiseParameter.PROD:
+                def fn(*xs):
+                    y = xs[0]
+                    for x in xs[1:]:
+                        y = y * x
+                    return y
+            elif ep.operation == caffe_pb2.EltwiseParameter.MAX:
+                def fn(*xs):
+                    y = xs[0]
+                    for x in xs[1:]:
+                        y = torch.maximum(y, x)
+                    return y
+            else:
+                coeffs = list(ep.coeff) or [1.0] * len(lp.bottom)
+
+                def fn(*xs, coeffs=coeffs):
+                    y = xs[0] if coeffs[0] == 1 else xs[0] * coeffs[0]
+                    for c, x in zip(coeffs[1:], xs[1:]):
+                        y = y + x if c == 1 else y + c * x
+                    return y
+        elif t == "Concat":
+            axis = lp.concat_param.axis
+
+            def fn(*xs, axis=axis):
+                return torch.cat(xs, axis)
+        elif t == "Split":
+            def fn(x, n=len(lp.top)):
+                return (x,) * n
+        elif t == "InnerProduct":
+            ip = lp.inner_product_param
+            inputs = int(numpy.prod(shapes[lp.bottom[0]][1:]))
+            linear = nn.Linear(inputs, ip.num_output, bias=ip.bias_term)
+            modules.append(linear)
+            by_layer[lp.name] = linear
+
+            def fn(x, linear=linear):
+                return linear(x.flatten(1))
+        elif t == "LRN":
+            lrn = lp.lrn_param
+            if lrn.norm_region != caffe_pb2.LRNParameter.ACROSS_CHANNELS:
+                raise SystemExit(f"model_ref: layer '{lp.name}': the PyTorch side has no "
+                                 f"WITHIN_CHANNEL LRN")
+            fn = nn.LocalResponseNorm(lrn.local_size, lrn.alpha, lrn.beta, lrn.k)
+        elif t == "Dropout":
+            fn = nn.Dropout(lp.dropout_param.dropout_ratio)
+        elif t == "Softmax":
+            def fn(x):
+                return F.softmax(x, 1)
+        else:
+            raise SystemExit(f"model_ref: layer '{lp.name}' of type {t} has no PyTorch "
+                             f"counterpart here")
+        steps.append((list(layers[i].bottom), list(lp.top), fn))
+
+    class Graph(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.held = modules
+            self.by_layer = by_layer
+
+        def forward(self, blobs):
+            for bottoms, tops, step in steps:
+                out = step(*(blobs[b] for b in bottoms))
+                outs = out if isinstance(out, tuple) else (out,)
+                blobs.update(zip(tops, outs))
+            return out
+
+    return Graph().train()
+
+
+def copy_weights(graph, net):
+    """Give the torch graph the engine net's parameters (for checking that both compute the
+    same function): convolutions and InnerProducts as they are, a BatchNorm's paired Scale as
+    the affine BatchNorm2d's weight and bias."""
+    import torch
+    with torch.no_grad():
+        for name, module in graph.by_layer.items():
+            blobs = net.layers[net.layer_names.index(name)].blobs
+            targets = list(module) if isinstance(module, torch.nn.ParameterList) else [
+                p for p in (module.weight, module.bias) if p is not None]
+            for target, blob in zip(targets, blobs):
+                target.copy_(torch.from_numpy(blob.data.reshape(target.shape)))
+
+
+class TorchSide:
+    """PyTorch's version of the engine side's net, kept across rounds."""
+
+    def __init__(self, engine, threads):
+        import torch
+        self.torch = torch
+        shapes = {name: blob.shape for name, blob in engine.net.blobs.items()}
+        self.model = torch_graph(engine.param, shapes, threads)
+        self.image = engine.image
+        self.x = torch.rand(*shapes[self.image])
+        self.run(1)                                     # warm-up
+
+    def run(self, iterations):
+        """(forward s, backward s) per iteration."""
+        forward = backward = 0.0
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            y = self.model({self.image: self.x})
+            t1 = time.perf_counter()
+            y.backward(self.torch.rand_like(y))
+            t2 = time.perf_counter()
+            forward += t1 - t0
+            backward += t2 - t1
+        return forward / iterations, backward / iterations
+
+    def profile(self, rows=15):
+        """PyTorch's profile of one iteration, by operator (its own table)."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self.run(1)
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def torch_side(engine, threads):
+    """A TorchSide, or None where torch cannot be imported."""
+    try:
+        import torch  # noqa: F401
+    except Exception:
+        return None
+    return TorchSide(engine, threads)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.model_ref",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("model", nargs="?", default="resnet50",
+                        help="a folder of prototxt/ or a deploy file (default resnet50)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="print PyTorch's profile of one iteration by operator")
+    args = parser.parse_args(argv)
+    threads = parallel().workers
+    engine = EngineSide(args.model, args.batch)
+    ref = torch_side(engine, threads)
+    splits = {"engine": [], "PyTorch": []}     # (forward s, backward s) of each round
+    per_f = per_b = 0.0
+    for _ in range(args.rounds):            # the sides take turns, so both see the same moments
+        fwd, bwd, layer_f, layer_b = engine.run(args.iterations)
+        splits["engine"].append((fwd, bwd))
+        per_f, per_b = per_f + layer_f / args.rounds, per_b + layer_b / args.rounds
+        if ref is not None:
+            splits["PyTorch"].append(ref.run(args.iterations))
+            time.sleep(PAUSE_S)             # PyTorch's OpenMP threads spin a while after a run
+    print(f"{model_path(args.model)}, batch {args.batch}, {threads} threads, {args.rounds} rounds "
+          f"of {args.iterations} iterations each side, taking turns; ms per iteration, median "
+          f"(min-max)")
+    totals = {side: [f + b for f, b in rounds_] for side, rounds_ in splits.items()}
+    for side, values in totals.items():
+        if not values:
+            print(f"{side:7s}: not installed (pip install torch==2.13.0 for the reference)")
+            continue
+        f = numpy.median([v[0] for v in splits[side]])
+        b = numpy.median([v[1] for v in splits[side]])
+        print(f"{side:7s}: total {numpy.median(values) * 1e3:6.0f} ({min(values) * 1e3:.0f}-"
+              f"{max(values) * 1e3:.0f})  forward {f * 1e3:6.0f}  backward {b * 1e3:6.0f}")
+    if totals["PyTorch"]:
+        ratios = [t / e for e, t in zip(totals["engine"], totals["PyTorch"])]
+        print(f"engine/PyTorch speed: {numpy.median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f}x over the rounds)")
+    print("engine by layer type (ms per iteration, forward / backward, mean of the rounds):")
+    for key, (f, b) in sorted(engine.by_type(per_f, per_b).items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {key:22s} {f * 1e3:8.1f} {b * 1e3:8.1f}")
+    if args.profile and ref is not None:
+        print("PyTorch, one iteration, by operator:")
+        print(ref.profile())
+
+
+if __name__ == "__main__":
+    main()
