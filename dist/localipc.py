@@ -4,7 +4,7 @@ Why: on one host, CURVE protects nothing the file system cannot, and it costs a 
 and decryption of every byte. fc_heavy with 1 worker and 1 server on one machine took 675-684 ms
 an iteration with CURVE over loopback TCP and 278-303 ms over Unix sockets (125-142 ms without
 the distributed path); cifar10_quick's single-node overhead fell by about 4 points
-(docs/benchmarks.md). So each process also
+(docs/benchmark-history.md). So each process also
 binds its inbox on a Unix socket, `inbox` in a directory of its own made with mode 0700, and a
 peer on the same host connects there with ZeroMQ's NULL mechanism instead of CURVE over TCP.
 

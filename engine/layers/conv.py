@@ -349,7 +349,7 @@ class _ConvCore:
         # partial (O, C) gradient per sample to sum; with the samples moved next to the plane
         # the weight gradient is one product with K = samples*plane, for the price of copying dy
         # and x (fewer numbers than the partials when plane*(O+C) < O*C). Batch 8, 2048 -> 512
-        # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmarks.md, "the layers that
+        # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmark-history.md, "the layers that
         # still ran on one core").
         one_product = plane * (og + cg) < og * cg
 

@@ -39,7 +39,7 @@ from .im2col import WorkerBuffers, bias_gradient_of, bias_gradient_part, paralle
 
 # The cost rule (fourier_pays), fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
 # AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
-# forward + both gradients, both routes; docs/benchmarks.md has the table):
+# forward + both gradients, both routes; docs/benchmark-history.md has the table):
 # - the frequency route's products are smaller (K = C, or a plane side) and it adds transposing
 #   copies, so it must need at most FOURIER_WORK_SHARE of im2col's FLOPs;
 # - each channel product streams the whole weight spectrum (F x C x O complex, 10-30x the weight)

@@ -39,11 +39,11 @@ from .im2col import (COLUMN_BLOCK_BYTES, WorkerBuffers, bias_gradient_of, bias_g
                      parallel, scratch)
 
 # The cost rule (winograd_pays), measured on the 2-core EPYC: forward and both gradients against
-# im2col, per layer, 2 threads (docs/benchmarks.md, "Winograd for wide 3x3 layers"). The transforms
-# are element-wise passes over arrays 4x the input's and the output's size whatever the channel
-# counts, while the GEMMs they save grow with C x O; small planes pay the per-sample cost of the
-# transforms (and 7x7 planes compute 8x8), and a thread's GEMMs need rows. Winograd / im2col time:
-# 0.63-0.67 for 256 and 512 channels at 56 and 28 px, 0.73-0.91 for 128-512 channels at 14-112 px;
+# im2col, per layer, 2 threads (docs/benchmark-history.md, "Winograd for wide 3x3 layers").
+# The transforms are element-wise passes over arrays 4x the input's and the output's size
+# whatever the channel counts, while the GEMMs they save grow with C x O; small planes pay the
+# per-sample cost of the transforms (and 7x7 planes compute 8x8), and a thread's GEMMs need rows.
+# Winograd / im2col time: 0.63-0.67 for 256 and 512 channels at 56 and 28 px, 0.73-0.91 for 128-512 channels at 14-112 px;
 # but 0.95-1.12 with 64-96 channels, 1.29 on 12x12 and 1.59 on 7x7 planes, 1.15 with 245 tiles a
 # thread (10 samples of 14x14).
 WINOGRAD_MIN_CHANNELS = 128

@@ -3,17 +3,17 @@
     python -m tools.bench.model_ref [MODEL] [--batch N] [--iterations N] [--rounds N] [--profile]
 
 MODEL is a folder of prototxt/ (resnet50, googlenet, inception_v3, alexnet, vgg19, ...) or the path
-of a deploy file (one Input layer for the image; default resnet50, batch 8). The engine runs it as in
-training: batch statistics in its BatchNorm layers, a random gradient on the last top and a backward
-through every layer but none for the image. PyTorch, when installed, runs the same graph built
-here from the same NetParameter (so the two cannot drift apart), the way a PyTorch user writes it:
-a BatchNorm followed by the Scale that scales its output is one affine `BatchNorm2d`, and a ReLU
-runs in place where the Caffe layer does (as torchvision's networks do). The two sides take turns, ROUNDS times ITERATIONS iterations each, as
-part a of the bench does, with a pause after each PyTorch run (its OpenMP threads spin for a while
-and would slow the engine's next run). Prints each side's median and range, the median of the
-per-round speed ratios, the engine's time per layer type and, with --profile, PyTorch's own
-profile of one iteration by operator. A benchmark-only reference: nothing in the engine imports
-torch.
+of a deploy file (one Input layer for the image; default resnet50, batch 8). The engine runs it as
+in training: batch statistics in its BatchNorm layers, a random gradient on the last top and a
+backward through every layer but none for the image. PyTorch, when installed, runs the same graph
+built here from the same NetParameter (so the two cannot drift apart), the way a PyTorch user
+writes it: a BatchNorm followed by the Scale that scales its output is one affine `BatchNorm2d`,
+and a ReLU runs in place where the Caffe layer does (as torchvision's networks do). The two sides
+take turns, ROUNDS times ITERATIONS iterations each, as part a of the bench does, with a pause
+after each PyTorch run (its OpenMP threads spin for a while and would slow the engine's next run).
+Prints each side's median and range, the median of the per-round speed ratios, the engine's time
+per layer type and, with --profile, PyTorch's own profile of one iteration by operator. A
+benchmark-only reference: nothing in the engine imports torch.
 """
 import argparse
 import time
