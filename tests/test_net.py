@@ -251,12 +251,12 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def _bn_scale_run(monkeypatch, paired):
+def _bn_scale_run(monkeypatch, paired, text=BN_SCALE):
     from engine import rng
     if not paired:
         monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
     rng.seed(5)
-    net = small_net(text=BN_SCALE)
+    net = small_net(text=text)
     rs = numpy.random.RandomState(2)
     net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
     net.blobs["label"].data[...] = rs.randint(0, 3, 4)
@@ -265,23 +265,52 @@ def _bn_scale_run(monkeypatch, paired):
         net.ClearParamDiffs()
         out.append(net.Forward())
         net.Backward()
-        out += [b.diff.copy() for b in net.learnable_params]
+        out.append([b.diff.copy() for b in net.learnable_params])
         out.append(net.blobs["conv"].diff.copy())
     monkeypatch.undo()
     return net, out
 
 
-def test_scale_in_place_after_batchnorm_reads_its_normalized_copy(monkeypatch):
-    """A Scale run in place on a BatchNorm's output keeps no copy of its input: it reads the
-    BatchNorm's normalized copy, and every loss and gradient is bitwise what it was with the
-    copy. A Scale not in place is left alone."""
-    net, paired = _bn_scale_run(monkeypatch, True)
+BN_SCALE_VARIANTS = {
+    "batch statistics": BN_SCALE,
+    "global statistics": BN_SCALE.replace('type: "BatchNorm" bottom: "conv" top: "conv" }',
+                                          'type: "BatchNorm" bottom: "conv" top: "conv" '
+                                          'batch_norm_param { use_global_stats: true } }'),
+    "frozen scale": BN_SCALE.replace('top: "conv"\n        scale_param { bias_term: true',
+                                     'top: "conv" param { lr_mult: 0 } param { lr_mult: 0 }\n'
+                                     '        scale_param { bias_term: true'),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BN_SCALE_VARIANTS))
+def test_scale_in_place_after_batchnorm_pairs_with_it(monkeypatch, variant):
+    """A Scale run in place on a BatchNorm's output (itself in place) keeps no copy of its
+    input: it reads the BatchNorm's normalized copy. In backward it leaves its input gradient to
+    the BatchNorm, handing over the per-channel sums of its own gradients (one formula for
+    both). Against the two layers apart, each computing Caffe's formulas: the losses and the
+    Scale's gradients are bitwise the same, the gradients below it equal to float rounding. A
+    Scale not in place is left alone."""
+    text = BN_SCALE_VARIANTS[variant]
+    net, paired = _bn_scale_run(monkeypatch, True, text)
     scale, scale2 = net.layer_dict["scale"], net.layer_dict["scale2"]
     assert scale.input_from is net.layer_dict["bn"] and scale._temp is None
+    assert scale._folds_into_norm(True)
     assert scale2.input_from is None                # not in place: it reads its bottom
-    plain_net, plain = _bn_scale_run(monkeypatch, False)
+    plain_net, plain = _bn_scale_run(monkeypatch, False, text)
     assert plain_net.layer_dict["scale"].input_from is None
     assert plain_net.layer_dict["scale"]._temp is not None
-    assert len(paired) == len(plain)
-    for a, b in zip(paired, plain):
-        numpy.testing.assert_array_equal(a, b)
+    if variant == "frozen scale":
+        assert not any(plain_net.layer_dict["scale"].param_propagate_down)
+    owner = {id(blob): name for name, layer in zip(net.layer_names, net.layers)
+             for blob in layer.blobs}
+    names = [owner[id(blob)] for blob in net.learnable_params]
+    assert len(paired) == len(plain) == 6
+    for k in range(0, 6, 3):
+        assert paired[k] == plain[k]                                       # the loss
+        for name, a, b in zip(names, paired[k + 1], plain[k + 1]):
+            if name in ("scale", "scale2", "ip", "bn2"):                   # above the pair
+                numpy.testing.assert_array_equal(a, b, err_msg=name)
+            else:
+                numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-13, err_msg=name)
+        numpy.testing.assert_allclose(paired[k + 2], plain[k + 2], rtol=1e-9, atol=1e-13)
+        assert numpy.abs(plain[k + 2]).max() > 1e-3          # a gradient reached below the pair

@@ -176,13 +176,15 @@ class BatchNormLayer(Layer):
                                  f"parameters: param {{ lr_mult }} #{i} must be 0 (or drop the "
                                  f"param specs), got {specs[i].lr_mult}")
         self.param_propagate_down = [False] * 3
+        self._from_scale = None        # set by a paired Scale's backward (take_scale)
 
     def reshape(self, bottom, top):
         x = bottom[0]
         c = 1 if x.ndim == 1 else x.shape[1]
         if c != self.channels:
             raise self.error(f"was set up for {self.channels} channels, input now has shape {x.shape}")
-        if top[0] is not bottom[0]:
+        self.in_place = top[0] is bottom[0]
+        if not self.in_place:
             top[0].reshape(x.shape)
         n = x.shape[0]
         s = x.count // (n * c) if n * c else 0
@@ -237,7 +239,14 @@ class BatchNormLayer(Layer):
         held after it (a Scale run in place next reads it instead of copying its input)."""
         return self._x_norm
 
+    def take_scale(self, scale, sum_dy, sum_dy_xn):
+        """From the Scale paired with this layer (Net._pair_batchnorm_scale), in its backward:
+        the top gradient was left unscaled, here is the scale and the two per-channel sums it
+        made for its own gradients; this layer's next backward folds them in."""
+        self._from_scale = (scale, sum_dy, sum_dy_xn)
+
     def backward(self, top, propagate_down, bottom):
+        fused, self._from_scale = self._from_scale, None
         if not propagate_down[0]:
             return
         xp = self.xp
@@ -247,6 +256,8 @@ class BatchNormLayer(Layer):
         xn = self._x_norm
         n, c, s = self._shape3
         m = n * s
+        if fused is not None:
+            return self._backward_fused(dy, out, fused)
 
         def part(lo, hi):
             d, o = dy[:, lo:hi], out[:, lo:hi]
@@ -260,6 +271,33 @@ class BatchNormLayer(Layer):
             xp.subtract(d, mean_dy[:, None], out=o)
             o -= y * mean_dyy[:, None]
             o *= inv[lo:hi, None]
+
+        split_range(part, c, dy.size, xp)
+
+    def _backward_fused(self, dy, out, fused):
+        """The BatchNorm + Scale pair's input gradient from the Scale's top gradient dy. With
+        k = scale / sqrt(var + eps) per channel, the Scale's dx = scale * dy makes Caffe's
+        formula dx = k * (dy - mean(dy) - mean(dy * xn) * xn), and both means are the sums the
+        Scale already made for its own gradients: two reductions and one pass over the
+        activations less than the two layers apart (the same numbers up to float rounding)."""
+        xp = self.xp
+        scale, sum_dy, sum_dy_xn = fused
+        k = scale.reshape(-1) * self._inv_std
+        n, c, s = self._shape3
+        if self.use_global_stats:        # dx = scale * dy / sqrt(var + eps)
+            split_range(lambda lo, hi: xp.multiply(dy[:, lo:hi], k[lo:hi, None],
+                                                   out=out[:, lo:hi]), c, dy.size, xp)
+            return
+        m = n * s
+        c1 = k * (sum_dy / m)
+        c2 = k * (sum_dy_xn / m)
+        xn = self._x_norm
+
+        def part(lo, hi):
+            o = out[:, lo:hi]
+            xp.multiply(dy[:, lo:hi], k[lo:hi, None], out=o)
+            o -= c1[lo:hi, None]
+            o -= xn[:, lo:hi] * c2[lo:hi, None]
 
         split_range(part, c, dy.size, xp)
 
@@ -451,6 +489,8 @@ class ScaleLayer(Layer):
         if want_bias:
             bias = self.blobs[-1]
             bo, bd, bi = self._bias_layout
+        if propagate_down[0] and self._folds_into_norm(one):
+            return self._backward_into_norm(d3, x3, scale, want_scale, want_bias)
 
         def part(lo, hi):
             if want_bias and same_axes:
@@ -467,3 +507,30 @@ class ScaleLayer(Layer):
                 xp.multiply(d3[:, lo:hi], s1[:, lo:hi], out=dx3[:, lo:hi])
 
         self._split(part)
+
+    def _folds_into_norm(self, one):
+        """Whether backward leaves its input gradient to the paired BatchNorm: a learned scale
+        (and bias) per channel, after a BatchNorm run in place too, so the blob whose diff is
+        left unscaled is the BatchNorm's bottom as well, and its backward overwrites it."""
+        norm = self.input_from
+        return (norm is not None and one and self._same_axes
+                and self._layout == getattr(norm, "_shape3", None) and norm.in_place)
+
+    def _backward_into_norm(self, d3, x3, scale, want_scale, want_bias):
+        """The parameter gradients, and the per-channel sums of dy and dy * x the paired
+        BatchNorm needs (BatchNormLayer.take_scale); no input gradient is written here."""
+        xp = self.xp
+        dim = self._layout[1]
+        sum_dy = xp.empty(dim, d3.dtype)
+        sum_dy_x = xp.empty(dim, d3.dtype)
+
+        def part(lo, hi):
+            sum_dy[lo:hi] = _reduce(d3[:, lo:hi])
+            sum_dy_x[lo:hi] = _reduce_product(xp, d3[:, lo:hi], x3[:, lo:hi])
+
+        self._split(part)
+        if want_bias:
+            self.blobs[-1].diff.reshape(-1)[...] += sum_dy
+        if want_scale:
+            scale.diff.reshape(-1)[...] += sum_dy_x
+        self.input_from.take_scale(scale.data, sum_dy, sum_dy_x)
