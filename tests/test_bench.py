@@ -57,12 +57,22 @@ def test_bench_quick_writes_results(tmp_path):
         if results["distributed"][part]["status"] != "measured":
             assert results["distributed"][part]["reason"]
     assert len(results["targets"]) == 6
+    real, = results["real_nets"]                       # part f, --quick: alexnet at batch 2
+    assert (real["model"], real["batch"]) == ("alexnet", 2)
+    assert real["engine_ms"]["median"] > 0 and len(real["engine_ms"]["runs"]) == meta["runs"]
+    assert {"Convolution 11x11/4", "InnerProduct", "LRN", "Pooling"} <= set(real["by_type_ms"])
+    if real["torch_ms"] is not None:
+        assert real["ratio"] > 0 and len(real["ratio_rounds"]) == meta["runs"]
+    else:
+        assert real["torch_note"] and real["ratio"] is None
     md = (out / "results.md").read_text()
     assert "## Targets" in md and "cifar10_quick" in md
+    assert "## f. Real networks" in md and "| alexnet | 2 |" in md
     if plots:
         for name in results["plots"]:
             assert (out / name).stat().st_size > 0
         assert "throughput.png" in results["plots"]
+        assert ("real_nets.png" in results["plots"]) == (real["ratio"] is not None)
 
 
 def test_transport_target_compares_like_for_like():

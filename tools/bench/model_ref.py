@@ -320,6 +320,66 @@ def torch_side(engine, threads):
     return TorchSide(engine, threads)
 
 
+def compare(engine, ref, rounds, iterations):
+    """The two sides taking turns, `rounds` times `iterations` iterations each, so both see the
+    same moments of the machine. Returns {"engine": [(forward s, backward s) per round],
+    "PyTorch": [...] (empty without a reference)} and the engine's {layer type: [forward s,
+    backward s]}, means over the rounds."""
+    splits = {"engine": [], "PyTorch": []}
+    per_f = per_b = 0.0
+    for _ in range(rounds):
+        fwd, bwd, layer_f, layer_b = engine.run(iterations)
+        splits["engine"].append((fwd, bwd))
+        per_f, per_b = per_f + layer_f / rounds, per_b + layer_b / rounds
+        if ref is not None:
+            splits["PyTorch"].append(ref.run(iterations))
+            time.sleep(PAUSE_S)             # PyTorch's OpenMP threads spin a while after a run
+    return splits, engine.by_type(per_f, per_b)
+
+
+def _summary(splits):
+    """Per side: total ms per round; and the per-round PyTorch / engine time ratios."""
+    totals = {side: [(f + b) * 1e3 for f, b in rounds_] for side, rounds_ in splits.items()}
+    ratios = [t / e for e, t in zip(totals["engine"], totals["PyTorch"])]
+    return totals, ratios
+
+
+def parse_models(text):
+    """"resnet50:8,googlenet:16" -> [("resnet50", 8), ("googlenet", 16)] (batch 8 if none)."""
+    models = []
+    for item in (x.strip() for x in text.split(",")):
+        if item:
+            name, _, batch = item.partition(":")
+            models.append((name, int(batch) if batch else 8))
+    return models
+
+
+def measure(models, threads, rounds=3, iterations=2, with_torch=True, log=print):
+    """Part f of `poseidon bench`: each (model, batch) beside PyTorch, the sides taking turns.
+    Rows with the engine's and PyTorch's forward + backward ms (median, min-max over the
+    rounds), the median of the per-round speed ratios and the engine's ms per layer type."""
+    from .env import stats
+    rows = []
+    for model, batch in models:
+        engine = EngineSide(model, batch)
+        ref = torch_side(engine, threads) if with_torch else None
+        splits, by_type = compare(engine, ref, rounds, iterations)
+        totals, ratios = _summary(splits)
+        row = {"model": model, "batch": batch, "engine_ms": stats(totals["engine"]),
+               "torch_ms": stats(totals["PyTorch"]) if ratios else None,
+               "ratio": float(numpy.median(ratios)) if ratios else None,
+               "ratio_rounds": ratios,
+               "by_type_ms": {k: [f * 1e3, b * 1e3] for k, (f, b) in by_type.items()}}
+        if ref is None:
+            row["torch_note"] = "--no-torch" if not with_torch else "torch is not importable"
+        rows.append(row)
+        log(f"  {model}, batch {batch}: engine {row['engine_ms']['median']:.0f} ms"
+            + (f", PyTorch {row['torch_ms']['median']:.0f} ms, engine / PyTorch speed "
+               f"{row['ratio']:.2f}x" if ratios else ""))
+        del engine, ref
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tools.bench.model_ref",
                                      description=__doc__.split("\n")[0])
@@ -334,33 +394,24 @@ def main(argv=None):
     threads = parallel().workers
     engine = EngineSide(args.model, args.batch)
     ref = torch_side(engine, threads)
-    splits = {"engine": [], "PyTorch": []}     # (forward s, backward s) of each round
-    per_f = per_b = 0.0
-    for _ in range(args.rounds):            # the sides take turns, so both see the same moments
-        fwd, bwd, layer_f, layer_b = engine.run(args.iterations)
-        splits["engine"].append((fwd, bwd))
-        per_f, per_b = per_f + layer_f / args.rounds, per_b + layer_b / args.rounds
-        if ref is not None:
-            splits["PyTorch"].append(ref.run(args.iterations))
-            time.sleep(PAUSE_S)             # PyTorch's OpenMP threads spin a while after a run
+    splits, by_type = compare(engine, ref, args.rounds, args.iterations)
+    totals, ratios = _summary(splits)
     print(f"{model_path(args.model)}, batch {args.batch}, {threads} threads, {args.rounds} rounds "
           f"of {args.iterations} iterations each side, taking turns; ms per iteration, median "
           f"(min-max)")
-    totals = {side: [f + b for f, b in rounds_] for side, rounds_ in splits.items()}
     for side, values in totals.items():
         if not values:
             print(f"{side:7s}: not installed (pip install torch==2.13.0 for the reference)")
             continue
         f = numpy.median([v[0] for v in splits[side]])
         b = numpy.median([v[1] for v in splits[side]])
-        print(f"{side:7s}: total {numpy.median(values) * 1e3:6.0f} ({min(values) * 1e3:.0f}-"
-              f"{max(values) * 1e3:.0f})  forward {f * 1e3:6.0f}  backward {b * 1e3:6.0f}")
-    if totals["PyTorch"]:
-        ratios = [t / e for e, t in zip(totals["engine"], totals["PyTorch"])]
+        print(f"{side:7s}: total {numpy.median(values):6.0f} ({min(values):.0f}-"
+              f"{max(values):.0f})  forward {f * 1e3:6.0f}  backward {b * 1e3:6.0f}")
+    if ratios:
         print(f"engine/PyTorch speed: {numpy.median(ratios):.2f}x "
               f"({min(ratios):.2f}-{max(ratios):.2f}x over the rounds)")
     print("engine by layer type (ms per iteration, forward / backward, mean of the rounds):")
-    for key, (f, b) in sorted(engine.by_type(per_f, per_b).items(), key=lambda kv: -sum(kv[1])):
+    for key, (f, b) in sorted(by_type.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {key:22s} {f * 1e3:8.1f} {b * 1e3:8.1f}")
     if args.profile and ref is not None:
         print("PyTorch, one iteration, by operator:")

@@ -275,6 +275,26 @@ def markdown(results):
                              f"{net['torch_layers_ms']['forward']:.1f} ms, backward "
                              f"{net['torch_layers_ms']['backward']:.1f} ms (its loss and update "
                              f"not included)." if net.get("torch_layers_ms") else ""), ""]
+    real = results.get("real_nets")
+    if real:
+        lines += ["## f. Real networks, forward + backward (batch statistics, no update)", "",
+                  "| deploy file | batch | engine ms | PyTorch CPU ms | engine / PyTorch (per "
+                  "round) | engine's largest layer types, ms forward / backward |",
+                  "|---|---|---|---|---|---|"]
+        for r in real:
+            top = sorted(r["by_type_ms"].items(), key=lambda kv: -sum(kv[1]))[:3]
+            kinds = "; ".join(f"{k} {f:.0f} / {b:.0f}" for k, (f, b) in top)
+            if r["ratio"] is None:
+                lines.append(f"| {r['model']} | {r['batch']} | {_mm(r['engine_ms'])} | not "
+                             f"measured ({r.get('torch_note')}) | - | {kinds} |")
+                continue
+            lines.append(f"| {r['model']} | {r['batch']} | {_mm(r['engine_ms'])} | "
+                         f"{_mm(r['torch_ms'])} | {r['ratio']:.2f}x ({min(r['ratio_rounds']):.2f}"
+                         f"–{max(r['ratio_rounds']):.2f}) | {kinds} |")
+        lines += ["", "PyTorch's graph is built from the same prototxt (tools/bench/model_ref.py): "
+                      "a BatchNorm and its Scale as one affine BatchNorm2d, ReLUs in place where "
+                      "Caffe's are. `python -m tools.bench.model_ref MODEL --profile` gives one "
+                      "net's per-type times beside PyTorch's own profile.", ""]
     d = results.get("distributed") or {}
     lines += ["## c–e. Distributed path", ""]
     c = d.get("single_node_overhead") or {}
@@ -437,6 +457,22 @@ def plots(results, out_dir):
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
         names.append(name)
+    real = [r for r in results.get("real_nets") or [] if r.get("ratio")]
+    if real:
+        fig, ax = plt.subplots(figsize=(6, 0.45 * len(real) + 1.2))
+        ratios = [r["ratio"] for r in real]
+        err = [[r["ratio"] - min(r["ratio_rounds"]) for r in real],
+               [max(r["ratio_rounds"]) - r["ratio"] for r in real]]
+        ax.barh(range(len(real)), ratios, xerr=err, capsize=3, color="tab:blue")
+        ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_yticks(list(range(len(real))))
+        ax.set_yticklabels([f"{r['model']} (batch {r['batch']})" for r in real], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("engine / PyTorch CPU speed, forward + backward (median, per-round range)")
+        fig.tight_layout()
+        fig.savefig(out_dir / "real_nets.png", dpi=110)
+        plt.close(fig)
+        names.append("real_nets.png")
     s = (results.get("distributed") or {}).get("scaling") or {}
     if s.get("status") == "measured":
         groups = sorted({(r["net"], r["workers"]) for r in s["rows"]})

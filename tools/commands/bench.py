@@ -7,7 +7,8 @@ command that writes results.json, results.md and PNG plots into --out (default b
     poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
 
 Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
-path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth (see tools/bench/). PyTorch is a
+path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth, f the real networks of prototxt/
+(--real-nets) forward and backward beside PyTorch (see tools/bench/). PyTorch is a
 benchmark-only reference: without it the PyTorch columns say so; matplotlib comes with the bench
 extra (pip install -e '.[bench]'), or pass --no-plots.
 """
@@ -21,7 +22,8 @@ from engine.errors import PoseidonError
 
 from .common import out, positive_int
 
-PARTS = ("a", "b", "c", "d", "e")
+PARTS = ("a", "b", "c", "d", "e", "f")
+REAL_NETS = "alexnet:32,googlenet:16,vgg19:4,resnet50:8,inception_v3:8"
 
 
 def add(sub):
@@ -35,10 +37,13 @@ def add(sub):
                    help="BLAS / PyTorch threads (default: the cores this process may use)")
     p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated parts to run: a throughput, b per-layer, c single-node "
-                        "overhead, d transport, e scaling (default all)")
+                        "overhead, d transport, e scaling, f real networks (default all)")
     p.add_argument("--bandwidth", default="1Gbit", help="send cap per process for part e")
     p.add_argument("--scaling-nets", default="fc_heavy,cifar10_quick",
                    help="nets of part e, comma-separated (default fc_heavy,cifar10_quick)")
+    p.add_argument("--real-nets", default=REAL_NETS,
+                   help="part f: folders of prototxt/ (or deploy files) with their batch, "
+                        f"comma-separated (default {REAL_NETS}; --quick alexnet:2)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib)")
     p.add_argument("--unpinned", action="store_true",
@@ -118,6 +123,14 @@ def run(args):
                                            call_peak_gflops=results["gemm_peak_call"]["peak"],
                                            runs=runs, iterations=1 if args.quick else 4, log=out,
                                            with_torch=not args.no_torch)
+    if "f" in parts:
+        from tools.bench import model_ref
+        out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
+        models = model_ref.parse_models("alexnet:2" if args.quick and args.real_nets == REAL_NETS
+                                        else args.real_nets)
+        results["real_nets"] = model_ref.measure(
+            models, threads, rounds=min(runs, 3), iterations=1 if args.quick else 2,
+            with_torch=not args.no_torch, log=out)
     dist_results = {}
     need_dist = [p for p in ("c", "d", "e") if p in parts]
     if need_dist:
