@@ -176,6 +176,24 @@ def test_model_ref_refuses_a_net_without_one_input(tmp_path):
         model_ref.training_param(str(path), 2)
     with pytest.raises(SystemExit, match="no deploy file for 'nonesuch'"):
         model_ref.model_path("nonesuch")
+    assert model_ref.parse_models("resnet50:4, googlenet") == [("resnet50", 4), ("googlenet", 8)]
+    assert model_ref.parse_models(f"{path}:2") == [(str(path), 2)]
+    with pytest.raises(SystemExit, match="'resnet50:x': give MODEL:BATCH"):
+        model_ref.parse_models("resnet50:x")
+    with pytest.raises(SystemExit, match="no deploy file for 'nonesuch'"):
+        model_ref.parse_models("alexnet:2,nonesuch:4")
+
+
+def test_bench_refuses_a_bad_real_net_before_measuring(tmp_path):
+    """A --real-nets item that names no deploy file stops the bench at once, with the item."""
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--parts", "a,f",
+                           "--real-nets", "alexnet:2,nonesuch:4", "--no-plots",
+                           "--out", str(tmp_path / "b")], cwd=str(ROOT), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode != 0
+    assert "--real-nets" in proc.stdout and "nonesuch" in proc.stdout
+    assert "a. training throughput" not in proc.stdout
+    assert not (tmp_path / "b" / "results.json").exists()
 
 
 SMALL_NET = """

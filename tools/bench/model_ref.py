@@ -345,12 +345,18 @@ def _summary(splits):
 
 
 def parse_models(text):
-    """"resnet50:8,googlenet:16" -> [("resnet50", 8), ("googlenet", 16)] (batch 8 if none)."""
+    """"resnet50:8,googlenet:16" -> [("resnet50", 8), ("googlenet", 16)] (batch 8 if none),
+    each model's deploy file found (SystemExit naming the bad item otherwise)."""
     models = []
     for item in (x.strip() for x in text.split(",")):
-        if item:
-            name, _, batch = item.partition(":")
-            models.append((name, int(batch) if batch else 8))
+        if not item:
+            continue
+        name, _, batch = item.rpartition(":") if ":" in item else (item, "", "8")
+        if not batch.isdigit() or int(batch) < 1:
+            raise SystemExit(f"model_ref: '{item}': give MODEL:BATCH with a positive batch, "
+                             f"e.g. resnet50:8")
+        model_path(name)
+        models.append((name, int(batch)))
     return models
 
 

@@ -61,6 +61,13 @@ def run(args):
     if bad:
         raise PoseidonError(f"--parts: unknown part(s) {', '.join(bad)}; choose from "
                             f"{', '.join(PARTS)}")
+    if "f" in parts:              # a bad --real-nets item stops here, not after parts a-b
+        from tools.bench import model_ref
+        try:
+            real_nets = model_ref.parse_models(
+                "alexnet:2" if args.quick and args.real_nets == REAL_NETS else args.real_nets)
+        except SystemExit as e:
+            raise PoseidonError(f"--real-nets: {e}") from None
     if not args.no_plots:
         try:
             report._pyplot()
@@ -124,12 +131,9 @@ def run(args):
                                            runs=runs, iterations=1 if args.quick else 4, log=out,
                                            with_torch=not args.no_torch)
     if "f" in parts:
-        from tools.bench import model_ref
         out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
-        models = model_ref.parse_models("alexnet:2" if args.quick and args.real_nets == REAL_NETS
-                                        else args.real_nets)
         results["real_nets"] = model_ref.measure(
-            models, threads, rounds=min(runs, 3), iterations=1 if args.quick else 2,
+            real_nets, threads, rounds=min(runs, 3), iterations=1 if args.quick else 2,
             with_torch=not args.no_torch, log=out)
     dist_results = {}
     need_dist = [p for p in ("c", "d", "e") if p in parts]
