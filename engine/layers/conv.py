@@ -78,10 +78,14 @@ class _ConvCore:
         self.pointwise = (g.kh == 1 and g.kw == 1 and g.sh == 1 and g.sw == 1
                           and g.ph == 0 and g.pw == 0)
 
-    def _chunks(self, lo, hi, out_h, row_bytes, xp, whole_samples=False):
+    def _chunks(self, lo, hi, out_h, row_bytes, xp, whole_samples=False, rows=None):
         """(first sample, samples, first row, end row) pieces of samples lo..hi whose columns
         (row_bytes per output row) fit the block size: several whole samples, or bands of output
-        rows of one sample (unless whole_samples)."""
+        rows of one sample (unless whole_samples). rows=(r0, r1): only those output rows of the
+        one sample lo (a band of `_bands`)."""
+        if rows is not None:
+            band = max(1, self.COLUMN_BLOCK_BYTES // max(row_bytes, 1))
+            return [(lo, 1, r, min(r + band, rows[1])) for r in range(rows[0], rows[1], band)]
         if xp is numpy:
             if parallel().workers == 1:   # one thread: BLAS keeps its threads, large GEMMs
                 return [(lo, hi - lo, 0, out_h)]
@@ -95,6 +99,17 @@ class _ConvCore:
         band = max(1, limit // max(row_bytes, 1))
         return [(s, 1, r, min(r + band, out_h)) for s in range(lo, hi)
                 for r in range(0, out_h, band)]
+
+    @staticmethod
+    def _bands(n, out_h, xp):
+        """When the batch has fewer samples than there are cores (numpy only): the work cut into
+        bands of output rows instead, (sample, first row, end row), at least one per core, so no
+        core idles at batch 1 (or at batch 8 on 16 cores). None when whole samples go round."""
+        workers = parallel().workers if xp is numpy else 1
+        if workers <= 1 or n >= workers:
+            return None
+        per = min(out_h, -(-workers // n))
+        return [(s, lo, hi) for s in range(n) for lo, hi in parallel().ranges(out_h, per)]
 
     # ----- the padded channels-last input -------------------------------------------------------
     def _padded(self, x, name, ph, pw):
@@ -126,7 +141,7 @@ class _ConvCore:
         col[...] = view[s0:s0 + m, r0:r1]
         return col
 
-    def _conv_pass(self, buf, src, geom, wt, out, bias, lo, hi, name, wgrad=None):
+    def _conv_pass(self, buf, src, geom, wt, out, bias, lo, hi, name, wgrad=None, rows=None):
         """out[lo:hi] (NCHW) = the windows of src (padded channels-last) x wt (grp, K/grp, O/grp)
         (+ bias): chunked im2col, one GEMM per chunk, one transposing copy into NCHW.
 
@@ -138,7 +153,8 @@ class _ConvCore:
         out_h, out_w = out.shape[2:]
         plane = out_h * out_w
         view = nhwc_window_view(src, geom, out_h, out_w, grp, xp)
-        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * out.itemsize, xp):
+        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * out.itemsize, xp,
+                                          rows=rows):
             cells = m * (r1 - r0) * out_w
             col = self._columns(buf, view, s0, m, r0, r1, name)
             cmat = col.reshape(cells, grp, kg)
@@ -174,6 +190,14 @@ class _ConvCore:
         wt = xp.ascontiguousarray(weight.reshape(grp, og, cg, g.kh, g.kw).transpose(0, 3, 4, 2, 1)
                                   ).reshape(grp, g.kh * g.kw * cg, og)
         src = self.sources[key] = self._padded(x, f"xpad{key}", g.ph, g.pw)
+        bands = self._bands(x.shape[0], out.shape[2], xp)
+        if bands is not None:         # fewer samples than cores: bands of output rows
+            parallel().run(lambda worker, lo, hi: self._fill(x, src, g.ph, g.pw, lo, hi),
+                           x.shape[0], xp)
+            parallel().run(lambda worker, lo, hi: [
+                self._conv_pass(self._wbuf(worker), src, g, wt, out, bias, s, s + 1, "col",
+                                rows=(r0, r1)) for s, r0, r1 in bands[lo:hi]], len(bands), xp)
+            return out
 
         def work(worker, lo, hi):
             self._fill(x, src, g.ph, g.pw, lo, hi)
@@ -224,6 +248,10 @@ class _ConvCore:
         # input gradient's GEMM and, against the input cells, the flipped weight gradient), so
         # the input is never unrolled again in backward
         shared = weight_diff is not None and data is not None and data["mode"] == "correlate"
+        if self._bands(n, dy.shape[2], xp) is not None:
+            parts = self._backward_bands(dy, weight_diff, bias_diff, dx, src, data, shared, cg)
+            self._add_weight_partials(weight_diff, parts, shared, dy.dtype, xp, grp, og, cg)
+            return dx
 
         def work(worker, lo, hi):
             buf = self._wbuf(worker)
@@ -240,25 +268,79 @@ class _ConvCore:
                 self._data_grad_pass(buf, data, dy, dx, lo, hi)
 
         parts = parallel().run(work, n, xp)
-        w5 = weight_diff.reshape(grp, og, cg, g.kh, g.kw) if weight_diff is not None else None
+        self._add_weight_partials(weight_diff, parts, shared, dy.dtype, xp, grp, og, cg)
+        if bias_diff is not None:
+            for worker in range(parts):
+                bias_diff += bias_gradient_of(self._wbuf(worker), dy)
+        return dx
+
+    def _add_weight_partials(self, weight_diff, parts, shared, dtype, xp, grp, og, cg):
+        """weight_diff += the per-thread partials of the first `parts` workers, in their order."""
+        if weight_diff is None:
+            return
+        g = self.geom
+        kg = g.kh * g.kw * cg
+        w5 = weight_diff.reshape(grp, og, cg, g.kh, g.kw)
         for worker in range(parts):
             buf = self._wbuf(worker)
             if shared:
                 # (g, kh', kw', O/g, C/g) with kh' = kh-1-i -> Caffe's (O, C/g, kh, kw)
-                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
+                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dtype, xp)
                 w5[...] += dwp.reshape(grp, g.kh, g.kw, og, cg)[:, ::-1, ::-1].transpose(
                     0, 3, 4, 1, 2)
-            elif weight_diff is not None:
-                dwp = buf.get("dw", (grp, og, kg), dy.dtype, xp)
+            else:
+                dwp = buf.get("dw", (grp, og, kg), dtype, xp)
                 # (g, O/g, kh, kw, C/g) -> Caffe's (O, C/g, kh, kw)
                 w5[...] += dwp.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
-            if bias_diff is not None:
-                bias_diff += bias_gradient_of(buf, dy)
-        return dx
 
-    def _weight_grad_pass(self, buf, src, dy, grp, kg, lo, hi):
+    def _backward_bands(self, dy, weight_diff, bias_diff, dx, src, data, shared, cg):
+        """backward when the batch has fewer samples than cores: the weight gradient and a
+        stride-1 input gradient per band of rows (`_bands`; their columns need no other rows'
+        results), a strided input gradient (col2im, whose windows overlap across rows) per
+        sample. Returns how many workers hold weight partials."""
+        xp = _xp(dy)
+        g = self.geom
+        grp = self.group
+        n, o = dy.shape[:2]
+        og = o // grp
+        kg = g.kh * g.kw * cg
+        if bias_diff is not None:    # one call: the same sums as one worker over the batch
+            bias_diff += dy.reshape(n, o, -1).sum(axis=2).sum(axis=0)
+        correlate = data is not None and data["mode"] == "correlate"
+        if correlate:
+            qh, qw, dpad = data["qh"], data["qw"], data["dpad"]
+            parallel().run(lambda worker, lo, hi: self._fill(dy, dpad, qh, qw, lo, hi), n, xp)
+        parts = 0
+        if shared:
+            bands = self._bands(n, dx.shape[2], xp)
+
+            def work(worker, lo, hi):
+                buf = self._wbuf(worker)
+                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dy.dtype, xp)
+                dwp.fill(0)
+                for s, r0, r1 in bands[lo:hi]:
+                    self._conv_pass(buf, dpad, data["geom"], data["wt"], dx, None, s, s + 1,
+                                    "dcol", (src, g.ph, g.pw, dwp), rows=(r0, r1))
+
+            return parallel().run(work, len(bands), xp)
+        if weight_diff is not None:
+            bands = self._bands(n, dy.shape[2], xp)
+            parts = parallel().run(lambda worker, lo, hi: self._weight_grad_pass(
+                self._wbuf(worker), src, dy, grp, kg, bands[lo:hi]), len(bands), xp)
+        if correlate:
+            bands = self._bands(n, dx.shape[2], xp)
+            parallel().run(lambda worker, lo, hi: [
+                self._conv_pass(self._wbuf(worker), dpad, data["geom"], data["wt"], dx, None,
+                                s, s + 1, "dcol", rows=(r0, r1)) for s, r0, r1 in bands[lo:hi]],
+                len(bands), xp)
+        elif data is not None:
+            parallel().run(lambda worker, lo, hi: self._data_grad_pass(
+                self._wbuf(worker), data, dy, dx, lo, hi), n, xp)
+        return parts
+
+    def _weight_grad_pass(self, buf, src, dy, grp, kg, lo, hi=None):
         """Per-thread partial weight gradient (g, O/g, K/g) over samples lo..hi from the columns
-        of the kept input."""
+        of the kept input; lo may instead be a list of (sample, first row, end row) bands."""
         xp = _xp(dy)
         g = self.geom
         o, out_h, out_w = dy.shape[1:]
@@ -268,7 +350,11 @@ class _ConvCore:
         dwp.fill(0)
         tmp = buf.get("dwtmp", (grp, og, kg), dy.dtype, xp)
         view = nhwc_window_view(src, g, out_h, out_w, grp, xp)
-        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp):
+        pieces = (self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp)
+                  if hi is not None else
+                  [c for s, r0, r1 in lo for c in self._chunks(
+                      s, s + 1, out_h, out_w * grp * kg * dy.itemsize, xp, rows=(r0, r1))])
+        for s0, m, r0, r1 in pieces:
             cells = m * (r1 - r0) * out_w
             band = dy[s0:s0 + m].reshape(m, o, plane)[:, :, r0 * out_w:r1 * out_w]
             if m == 1:   # one sample: its (O, cells) rows are a strided matrix already
