@@ -358,7 +358,7 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
         numpy.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-10)
 
 
-BAND_CONFIGS = [c for c in CONV_CONFIGS if not c[0].startswith("pointwise")]
+BAND_CONFIGS = CONV_CONFIGS + [("pointwise", (2, 5, 3, 4), 7, "kernel_size: 1", dict(kh=1, kw=1))]
 
 
 @pytest.mark.parametrize("gradients", ["both", "weights_only", "input_only"])
@@ -370,7 +370,8 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
                                                   workers, block, gradients, monkeypatch):
     """Fewer samples than threads: im2col cuts the output rows into bands instead (_bands), in
     forward, in the weight gradient and in a stride-1 input gradient (a strided one goes per
-    sample). Forward matches the loops; the gradients asked for match one thread on the whole
+    sample); a 1x1 layer of one group cuts its output channels (forward, weight gradient) and
+    its plane (input gradient). Forward matches the loops; the gradients asked for match one thread on the whole
     batch, and one not asked for is left alone."""
     from engine.layers import im2col
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
