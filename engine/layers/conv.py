@@ -18,7 +18,11 @@ How the im2col work is laid out (the column layout is in im2col.py, the threads 
 - the batch is cut into one range of samples per core (im2col.parallel, OpenBLAS held to one
   thread) and each range into chunks whose columns stay in L2 (COLUMN_BLOCK_BYTES): several
   samples when they are small, a band of output rows of one sample when one sample is too large
-  (the VGG block's 56x56 planes);
+  (the VGG block's 56x56 planes); with fewer samples than cores the output rows are cut into
+  bands instead (`_bands`: batch 1, or batch 8 on 16 cores), and 1x1 layers cut their output
+  channels and their plane;
+- the weight goes to the GEMM as a transposed view of (O, kh, kw, C): making that copy only
+  reorders each output channel's numbers, where a (K, O) copy moved them all across the array;
 - weight gradient, per chunk: the columns are made again from the padded input kept from forward
   (a copy in cache is cheaper than reading stored columns back from memory), one GEMM of the
   chunk's top gradient (O, cells) against them into a per-thread partial; partials are added in
@@ -27,7 +31,7 @@ How the im2col work is laid out (the column layout is in im2col.py, the threads 
   with the flipped, transposed kernel (the same chunked pass as forward); other strides: GEMM to
   columns, then col2im into a padded channels-last buffer, per chunk of whole samples;
 - 1x1 kernels with stride 1 and no pad: no im2col, batched GEMMs straight on the NCHW arrays,
-  one range of samples per core as well.
+  one range of samples per core as well (output channels or plane ranges below that batch).
 Scratch buffers are cached per thread and reallocated only when a shape changes. On CuPy the
 whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 """

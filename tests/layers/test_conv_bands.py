@@ -1,0 +1,61 @@
+"""Convolution with fewer samples than threads (engine/layers/conv.py, `_bands`): the work is cut
+into bands of output rows, or for 1x1 layers into output channels and plane ranges. Apart from
+test_conv.py, whose fixture runs every test through all the routes: these force im2col."""
+import numpy
+import pytest
+
+from engine.layers.conv import _ConvCore
+from tests.layers.test_conv import CONV_CONFIGS, conv, ref_conv
+from tests.harness import run_forward
+
+
+BAND_CONFIGS = CONV_CONFIGS + [("pointwise", (2, 5, 3, 4), 7, "kernel_size: 1", dict(kh=1, kw=1))]
+
+
+@pytest.mark.parametrize("gradients", ["both", "weights_only", "input_only"])
+@pytest.mark.parametrize("batch,workers,block", [(1, 2, 1 << 30), (1, 3, 1), (2, 3, 1 << 30),
+                                                  (2, 4, 1)])
+@pytest.mark.parametrize("name,shape,num_output,extra,kw", BAND_CONFIGS,
+                         ids=[c[0] for c in BAND_CONFIGS])
+def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra, kw, batch,
+                                                  workers, block, gradients, monkeypatch):
+    """Fewer samples than threads: im2col cuts the output rows into bands instead (_bands), in
+    forward, in the weight gradient and in a stride-1 input gradient (a strided one goes per
+    sample); a 1x1 layer of one group cuts its output channels (forward, weight gradient) and
+    its plane (input gradient). Forward matches the loops; the gradients asked for match one thread on the whole
+    batch, and one not asked for is left alone."""
+    from engine.layers import im2col
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    x = numpy.random.RandomState(3).standard_normal((batch,) + shape[1:])
+    dy = None
+
+    def run(n_workers, block_bytes):
+        nonlocal dy
+        monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(im2col.parallel(), "workers", n_workers)
+        layer = conv(extra, num_output)
+        bottom, top = run_forward(layer, [x])
+        if dy is None:
+            dy = numpy.random.RandomState(4).standard_normal(top[0].shape)
+        top[0].diff[...] = dy
+        bottom[0].diff[...] = 7.0
+        if gradients == "input_only":
+            layer.param_propagate_down = [False] * len(layer.blobs)
+        layer.backward(top, [gradients != "weights_only"], bottom)
+        return top[0].data.copy(), bottom[0].diff.copy(), [b.diff.copy() for b in layer.blobs], \
+            layer
+
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    assert _ConvCore._bands(batch, 5, numpy) is not None      # the band path is the one tested
+    assert _ConvCore._bands(workers, 5, numpy) is None
+    y1, dx1, dp1, layer = run(workers, block)
+    w = layer.blobs[0].data
+    b = layer.blobs[1].data if "bias_term: false" not in extra else None
+    numpy.testing.assert_allclose(y1, ref_conv(x, w, b, **kw), rtol=1e-10, atol=1e-10)
+    y0, dx0, dp0, _ = run(1, 1 << 30)
+    numpy.testing.assert_allclose(dx1, dx0, rtol=1e-12, atol=1e-12)
+    if gradients == "weights_only":
+        assert (dx1 == 7.0).all()
+    for a, c in zip(dp1, dp0):
+        numpy.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-10)
+        assert (a == 0).all() if gradients == "input_only" else numpy.abs(a).max() > 0
