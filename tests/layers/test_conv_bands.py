@@ -59,3 +59,26 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
     for a, c in zip(dp1, dp0):
         numpy.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-10)
         assert (a == 0).all() if gradients == "input_only" else numpy.abs(a).max() > 0
+
+
+@pytest.mark.parametrize("extra", ["kernel_size: 3 stride: 2 pad: 1", "kernel_size: 3 pad: 1",
+                                   "kernel_size: 4 stride: 2 pad: 1 group: 2"])
+def test_deconv_fewer_samples_than_threads_match_one_thread(extra, monkeypatch):
+    """Deconvolution runs the convolution's input gradient as its forward (and the convolution's
+    forward as its input gradient): at batch 1 on 2 and 3 threads those go through the bands too,
+    and every output and gradient equals one thread's."""
+    from engine.layers import im2col
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    x = numpy.random.RandomState(0).standard_normal((1, 4, 5, 5))
+    results = []
+    for workers in (1, 2, 3):
+        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        layer = conv(extra, 4, kind="Deconvolution")
+        bottom, top = run_forward(layer, [x])
+        top[0].diff[...] = numpy.random.RandomState(1).standard_normal(top[0].shape)
+        layer.backward(top, [True], bottom)
+        results.append([top[0].data.copy(), bottom[0].diff.copy()] +
+                       [b.diff.copy() for b in layer.blobs])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            numpy.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
