@@ -175,17 +175,35 @@ class WinogradConvCore:
     @staticmethod
     def kernel_transform(weight, xp):
         """U (16, C, O) = G g G^T of weight (O, C, 3, 3), position-major: one (16 x 9) x (9 x C*O)
-        product (as a batch of 4x3 products it took 48 ms for 512 x 512 kernels, this 6.5)."""
+        product (as a batch of 4x3 products it took 48 ms for 512 x 512 kernels, this 6.5), cut
+        into ranges of input channels on the cores (its relayout moves every number across the
+        array, at cache-miss speed on one core)."""
         o, c = weight.shape[:2]
-        taps = xp.ascontiguousarray(weight.reshape(o, c, 9).transpose(2, 1, 0)).reshape(9, c * o)
-        return xp.matmul(_kernel_matrix(weight.dtype, xp).T, taps).reshape(16, c, o)
+        g = _kernel_matrix(weight.dtype, xp).T
+        w3 = weight.reshape(o, c, 9)
+        u = xp.empty((16, c, o), weight.dtype)
+
+        def part(worker, lo, hi):
+            taps = xp.ascontiguousarray(w3[:, lo:hi].transpose(2, 1, 0)).reshape(9, -1)
+            xp.matmul(g, taps, out=u[:, lo:hi].reshape(16, -1))
+
+        parallel().run(part, c, xp, min_per_worker=16)
+        return u
 
     @staticmethod
     def kernel_untransform(du, weight_shape, xp):
-        """dW (O, C, 3, 3) = G^T dU G of dU (16, O, C), the transpose of kernel_transform."""
+        """dW (O, C, 3, 3) = G^T dU G of dU (16, O, C), the transpose of kernel_transform, by
+        ranges of output channels on the cores."""
         o, c = weight_shape[:2]
-        taps = xp.matmul(_kernel_matrix(du.dtype, xp), du.reshape(16, o * c))       # (9, O*C)
-        return xp.ascontiguousarray(taps.reshape(3, 3, o, c).transpose(2, 3, 0, 1))
+        g = _kernel_matrix(du.dtype, xp)
+        dw = xp.empty((o, c, 3, 3), du.dtype)
+
+        def part(worker, lo, hi):
+            taps = xp.matmul(g, du[:, lo:hi].reshape(16, -1))                 # (9, range*C)
+            dw[lo:hi] = taps.reshape(3, 3, hi - lo, c).transpose(2, 3, 0, 1)
+
+        parallel().run(part, o, xp, min_per_worker=16)
+        return dw
 
     @staticmethod
     def _input_transform(xq, s, s0, m, take):

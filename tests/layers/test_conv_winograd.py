@@ -28,6 +28,24 @@ def test_kernel_transform_is_g_g_gt_and_its_transpose_is_the_adjoint():
     assert numpy.sum(u * du.transpose(0, 2, 1)) == pytest.approx(numpy.sum(g * dg))
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_kernel_transforms_split_over_threads_equal_one_call(workers, monkeypatch):
+    """The transforms cut their channels over the threads (16 at least a range): with 40 input
+    and 50 output channels, 2 and 3 threads give one thread's numbers."""
+    from engine.layers import im2col
+    rs = numpy.random.RandomState(2)
+    g = rs.standard_normal((50, 40, 3, 3))
+    du = rs.standard_normal((16, 50, 40))
+    monkeypatch.setattr(im2col.parallel(), "workers", 1)
+    u1 = WinogradConvCore.kernel_transform(g, numpy)
+    dg1 = WinogradConvCore.kernel_untransform(du, g.shape, numpy)
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    numpy.testing.assert_allclose(WinogradConvCore.kernel_transform(g, numpy), u1,
+                                  rtol=1e-13, atol=1e-13)
+    numpy.testing.assert_allclose(WinogradConvCore.kernel_untransform(du, g.shape, numpy), dg1,
+                                  rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.parametrize("h,w,pad", [(5, 6, 1), (4, 4, 0), (7, 3, 2)])
 def test_input_transform_and_its_transpose_are_adjoint(h, w, pad):
     """<V(x), dV> = <x, V^T(dV)> through the parity-split padded buffer: the input gradient is
