@@ -299,17 +299,19 @@ class _ConvCore:
         g = self.geom
         kg = g.kh * g.kw * cg
         w5 = weight_diff.reshape(grp, og, cg, g.kh, g.kw)
-        for worker in range(parts):
-            buf = self._wbuf(worker)
-            if shared:
-                # (g, kh', kw', O/g, C/g) with kh' = kh-1-i -> Caffe's (O, C/g, kh, kw)
-                dwp = buf.get("dwflip", (grp, kg // cg * og, cg), dtype, xp)
-                w5[...] += dwp.reshape(grp, g.kh, g.kw, og, cg)[:, ::-1, ::-1].transpose(
-                    0, 3, 4, 1, 2)
-            else:
-                dwp = buf.get("dw", (grp, og, kg), dtype, xp)
-                # (g, O/g, kh, kw, C/g) -> Caffe's (O, C/g, kh, kw)
-                w5[...] += dwp.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
+        name, shape = ("dwflip", (grp, kg // cg * og, cg)) if shared else ("dw", (grp, og, kg))
+        total = self._wbuf(0).get(name, shape, dtype, xp)
+        for worker in range(1, parts):          # in thread order: the sum does not depend on timing
+            total += self._wbuf(worker).get(name, shape, dtype, xp)
+        if shared:   # (g, kh', kw', O/g, C/g) with kh' = kh-1-i -> Caffe's (O, C/g, kh, kw)
+            view = total.reshape(grp, g.kh, g.kw, og, cg)[:, ::-1, ::-1].transpose(0, 3, 4, 1, 2)
+        else:        # (g, O/g, kh, kw, C/g) -> Caffe's (O, C/g, kh, kw)
+            view = total.reshape(grp, og, g.kh, g.kw, cg).transpose(0, 1, 4, 2, 3)
+
+        def part(worker, lo, hi):               # a transposing add: every core takes some rows
+            w5[:, lo:hi] += view[:, lo:hi]
+
+        parallel().run(part, og, xp, min_per_worker=64)
 
     def _backward_bands(self, dy, weight_diff, bias_diff, dx, src, data, shared, cg):
         """backward when the batch has fewer samples than cores: the weight gradient and a
