@@ -201,9 +201,13 @@ class _ConvCore:
         if bands is not None:         # fewer samples than cores: bands of output rows
             parallel().run(lambda worker, lo, hi: self._fill(x, src, g.ph, g.pw, lo, hi),
                            x.shape[0], xp)
-            parallel().run(lambda worker, lo, hi: [
-                self._conv_pass(self._wbuf(worker), src, g, wt, out, bias, s, s + 1, "col",
-                                rows=(r0, r1)) for s, r0, r1 in bands[lo:hi]], len(bands), xp)
+
+            def band_work(worker, lo, hi):
+                for s, r0, r1 in bands[lo:hi]:
+                    self._conv_pass(self._wbuf(worker), src, g, wt, out, bias, s, s + 1, "col",
+                                    rows=(r0, r1))
+
+            parallel().run(band_work, len(bands), xp)
             return out
 
         def work(worker, lo, hi):
@@ -349,10 +353,13 @@ class _ConvCore:
                 self._wbuf(worker), src, dy, grp, kg, bands[lo:hi]), len(bands), xp)
         if correlate:
             bands = self._bands(n, dx.shape[2], xp)
-            parallel().run(lambda worker, lo, hi: [
-                self._conv_pass(self._wbuf(worker), dpad, data["geom"], data["wt"], dx, None,
-                                s, s + 1, "dcol", rows=(r0, r1)) for s, r0, r1 in bands[lo:hi]],
-                len(bands), xp)
+
+            def data_work(worker, lo, hi):
+                for s, r0, r1 in bands[lo:hi]:
+                    self._conv_pass(self._wbuf(worker), dpad, data["geom"], data["wt"], dx, None,
+                                    s, s + 1, "dcol", rows=(r0, r1))
+
+            parallel().run(data_work, len(bands), xp)
         elif data is not None:
             parallel().run(lambda worker, lo, hi: self._data_grad_pass(
                 self._wbuf(worker), data, dy, dx, lo, hi), n, xp)
@@ -530,9 +537,12 @@ class _ConvCore:
         if dx is not None:
             wt = weight.reshape(o, c).T
             dx3 = dx.reshape(n, c, -1)
-            parallel().run(lambda worker, lo, hi: [
-                matmul(xp, wt, d3[s, :, lo:hi], out=dx3[s, :, lo:hi]) for s in range(n)],
-                plane, xp)
+
+            def cells(worker, lo, hi):
+                for s in range(n):
+                    matmul(xp, wt, d3[s, :, lo:hi], out=dx3[s, :, lo:hi])
+
+            parallel().run(cells, plane, xp)
 
 
 def _pair(layer, cp, name, h_name, w_name, default):
