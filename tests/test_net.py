@@ -294,7 +294,7 @@ def test_scale_in_place_after_batchnorm_pairs_with_it(monkeypatch, variant):
     net, paired = _bn_scale_run(monkeypatch, True, text)
     scale, scale2 = net.layer_dict["scale"], net.layer_dict["scale2"]
     assert scale.input_from is net.layer_dict["bn"] and scale._temp is None
-    assert scale._folds_into_norm(True)
+    assert scale._into_norm
     assert scale2.input_from is None                # not in place: it reads its bottom
     plain_net, plain = _bn_scale_run(monkeypatch, False, text)
     assert plain_net.layer_dict["scale"].input_from is None

@@ -46,7 +46,8 @@ from ..proto import caffe_pb2
 from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
 from .conv_winograd import WinogradConvCore, winograd_applies, winograd_pays
 from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, bias_gradient_of,
-                     bias_gradient_part, nhwc_col2im, nhwc_window_view, parallel)
+                     bias_gradient_part, bias_gradient_sum, nhwc_col2im, nhwc_window_view,
+                     parallel)
 
 
 ALGORITHMS = ("auto", "im2col", "fourier", "winograd")
@@ -105,14 +106,18 @@ class _ConvCore:
                 for r in range(0, out_h, band)]
 
     @staticmethod
-    def _bands(n, out_h, xp):
-        """When the batch has fewer samples than there are cores (numpy only): the work cut into
-        bands of output rows instead, (sample, first row, end row), at least one per core, so no
-        core idles at batch 1 (or at batch 8 on 16 cores). None when whole samples go round."""
-        workers = parallel().workers if xp is numpy else 1
-        if workers <= 1 or n >= workers:
+    def _short_batch(n, xp):
+        """Whether the batch has fewer samples than there are cores (numpy only): then cutting
+        it by samples would leave cores idle (batch 1, or batch 8 on 16 cores)."""
+        return xp is numpy and 0 < n < parallel().workers
+
+    @classmethod
+    def _bands(cls, n, out_h, xp):
+        """For a short batch (_short_batch): the work cut into bands of output rows instead,
+        (sample, first row, end row), at least one per core. None when whole samples go round."""
+        if not cls._short_batch(n, xp):
             return None
-        per = min(out_h, -(-workers // n))
+        per = min(out_h, -(-parallel().workers // n))
         return [(s, lo, hi) for s in range(n) for lo, hi in parallel().ranges(out_h, per)]
 
     # ----- the padded channels-last input -------------------------------------------------------
@@ -225,9 +230,8 @@ class _ConvCore:
         grp = self.group
         o = weight.shape[0]
         c = x.shape[1]
-        w3 = weight.reshape(grp, o // grp, c // grp)
         n = x.shape[0]
-        if grp == 1 and self._bands(n, 1, xp) is not None:
+        if grp == 1 and self._short_batch(n, xp):
             # fewer samples than cores: each core makes a range of output channels
             def rows(worker, lo, hi):
                 matmul(xp, weight.reshape(o, c)[lo:hi], x.reshape(n, c, -1),
@@ -237,6 +241,7 @@ class _ConvCore:
 
             parallel().run(rows, o, xp)
             return out
+        w3 = weight.reshape(grp, o // grp, c // grp)
 
         def work(worker, lo, hi):
             m = hi - lo
@@ -270,7 +275,7 @@ class _ConvCore:
         # input gradient's GEMM and, against the input cells, the flipped weight gradient), so
         # the input is never unrolled again in backward
         shared = weight_diff is not None and data is not None and data["mode"] == "correlate"
-        if self._bands(n, dy.shape[2], xp) is not None:
+        if self._short_batch(n, xp):
             parts = self._backward_bands(dy, weight_diff, bias_diff, dx, src, data, shared, cg)
             self._add_weight_partials(weight_diff, parts, shared, dy.dtype, xp, grp, og, cg)
             return dx
@@ -329,7 +334,7 @@ class _ConvCore:
         og = o // grp
         kg = g.kh * g.kw * cg
         if bias_diff is not None:    # one call: the same sums as one worker over the batch
-            bias_diff += dy.reshape(n, o, -1).sum(axis=2).sum(axis=0)
+            bias_diff += bias_gradient_sum(dy)
         correlate = data is not None and data["mode"] == "correlate"
         if correlate:
             qh, qw, dpad = data["qh"], data["qw"], data["dpad"]
@@ -471,10 +476,10 @@ class _ConvCore:
         # and x (fewer numbers than the partials when plane*(O+C) < O*C). Batch 8, 2048 -> 512
         # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmark-history.md, "the layers that
         # still ran on one core").
-        one_product = plane * (og + cg) < og * cg
-        if grp == 1 and self._bands(n, 1, xp) is not None:
+        if grp == 1 and self._short_batch(n, xp):
             self._backward_pointwise_split(dy, weight, weight_diff, bias_diff, dx, x)
             return dx
+        one_product = plane * (og + cg) < og * cg
 
         def work(worker, lo, hi):
             buf = self._wbuf(worker)
@@ -519,7 +524,7 @@ class _ConvCore:
         d3 = dy.reshape(n, o, -1)
         plane = d3.shape[2]
         if bias_diff is not None:
-            bias_diff += d3.sum(axis=2).sum(axis=0)
+            bias_diff += bias_gradient_sum(dy)
         if weight_diff is not None:
             x3 = x.reshape(n, c, -1)
             grad = self.buffers.get("pw_rows", (o, c), dy.dtype, xp)
@@ -731,8 +736,7 @@ class DeconvolutionLayer(ConvolutionLayer):
         weight = self.blobs[0]
         for k, (t, b) in enumerate(zip(top, bottom)):
             if self.bias_term and self.param_propagate_down[1]:
-                n = t.diff.shape[0]
-                self.blobs[1].diff += t.diff.reshape(n, self.num_output, -1).sum(axis=2).sum(axis=0)
+                self.blobs[1].diff += bias_gradient_sum(t.diff)
             if not (self.param_propagate_down[0] or propagate_down[k]):
                 continue
             # the top gradient plays the convolution's input: bottom diff = its convolution

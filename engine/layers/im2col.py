@@ -147,13 +147,18 @@ class WorkerBuffers:
         self._caches.clear()
 
 
+def bias_gradient_sum(dy, lo=0, hi=None):
+    """A convolution's bias gradient over samples lo..hi: the top gradient summed over its cells,
+    then over the samples."""
+    part = dy[lo:hi]
+    return part.reshape(part.shape[0], dy.shape[1], -1).sum(axis=2).sum(axis=0)
+
+
 def bias_gradient_part(buf, dy, lo, hi):
-    """A thread's share of a convolution's bias gradient: the top gradient of samples lo..hi
-    summed over samples and cells, into buf's "db" (bias_gradient_of then gives it back, to be
-    added in thread order, so the sum does not depend on timing)."""
-    n_out = dy.shape[1]
-    part = bias_gradient_of(buf, dy)
-    part[...] = dy[lo:hi].reshape(hi - lo, n_out, -1).sum(axis=2).sum(axis=0)
+    """A thread's share of a convolution's bias gradient (bias_gradient_sum of samples lo..hi)
+    into buf's "db" (bias_gradient_of then gives it back, to be added in thread order, so the
+    sum does not depend on timing)."""
+    bias_gradient_of(buf, dy)[...] = bias_gradient_sum(dy, lo, hi)
 
 
 def bias_gradient_of(buf, dy):

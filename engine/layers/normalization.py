@@ -252,12 +252,12 @@ class BatchNormLayer(Layer):
         xp = self.xp
         dy = top[0].diff.reshape(self._shape3)
         out = bottom[0].diff.reshape(self._shape3)  # may be dy itself (in place)
+        if fused is not None:
+            return self._backward_fused(dy, out, fused)
         inv = self._inv_std
         xn = self._x_norm
         n, c, s = self._shape3
         m = n * s
-        if fused is not None:
-            return self._backward_fused(dy, out, fused)
 
         def part(lo, hi):
             d, o = dy[:, lo:hi], out[:, lo:hi]
@@ -423,6 +423,13 @@ class ScaleLayer(Layer):
         # the bias over the same axes as the scale (always, unless loaded blobs say otherwise):
         # both can be cut into the same ranges
         self._same_axes = not self.bias_term or self._bias_layout == self._layout
+        # backward leaves its input gradient to the paired BatchNorm (_backward_into_norm): a
+        # learned scale (and bias) per channel, after a BatchNorm run in place too, so the blob
+        # whose diff is left unscaled is the BatchNorm's bottom as well, and its backward
+        # overwrites it
+        norm = self.input_from
+        self._into_norm = (norm is not None and len(bottom) == 1 and self._same_axes
+                           and self._layout == norm._shape3 and norm.in_place)
         if top[0] is bottom[0] and self.input_from is None:
             self._temp = _buffer(self, "_temp_buf", bottom[0].shape, bottom[0].dtype, self.xp)
         elif top[0] is bottom[0]:
@@ -483,14 +490,14 @@ class ScaleLayer(Layer):
         d3 = dy.reshape(outer, dim, inner)
         x = self._saved_input(bottom) if top[0] is bottom[0] else bottom[0].data
         x3 = x.reshape(outer, dim, inner)
+        if propagate_down[0] and self._into_norm:
+            return self._backward_into_norm(d3, x3, scale, want_scale, want_bias)
         s1 = scale.data.reshape(1, dim, 1)
         dx3 = bottom[0].diff.reshape(outer, dim, inner)
         scale_diff = scale.diff.reshape(-1)
         if want_bias:
             bias = self.blobs[-1]
             bo, bd, bi = self._bias_layout
-        if propagate_down[0] and self._folds_into_norm(one):
-            return self._backward_into_norm(d3, x3, scale, want_scale, want_bias)
 
         def part(lo, hi):
             if want_bias and same_axes:
@@ -507,14 +514,6 @@ class ScaleLayer(Layer):
                 xp.multiply(d3[:, lo:hi], s1[:, lo:hi], out=dx3[:, lo:hi])
 
         self._split(part)
-
-    def _folds_into_norm(self, one):
-        """Whether backward leaves its input gradient to the paired BatchNorm: a learned scale
-        (and bias) per channel, after a BatchNorm run in place too, so the blob whose diff is
-        left unscaled is the BatchNorm's bottom as well, and its backward overwrites it."""
-        norm = self.input_from
-        return (norm is not None and one and self._same_axes
-                and self._layout == getattr(norm, "_shape3", None) and norm.in_place)
 
     def _backward_into_norm(self, d3, x3, scale, want_scale, want_bias):
         """The parameter gradients, and the per-channel sums of dy and dy * x the paired
