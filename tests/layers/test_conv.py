@@ -119,6 +119,11 @@ CONV_CONFIGS = [
     ("pointwise_small_plane_group", (3, 16, 1, 3), 16, "kernel_size: 1 group: 2",
      dict(kh=1, kw=1, group=2)),
     ("pad_beyond_kernel", (2, 3, 4, 4), 2, "kernel_size: 1 pad: 1", dict(kh=1, kw=1, ph=1, pw=1)),
+    # strided 1x1 (ResNet's downsampling): the pointwise GEMMs on the cells the kernel meets
+    ("pointwise_stride2", (2, 3, 5, 5), 4, "kernel_size: 1 stride: 2", dict(kh=1, kw=1, sh=2, sw=2)),
+    ("pointwise_stride_hw_group", (2, 4, 7, 6), 6,
+     "kernel_size: 1 stride_h: 3 stride_w: 2 dilation: 2 group: 2",
+     dict(kh=1, kw=1, sh=3, sw=2, dh=2, dw=2, group=2)),
     ("stride_dilation_group", (2, 4, 7, 6), 2,
      "kernel_size: 2 stride: 2 dilation: 2 pad: 1 group: 2",
      dict(kh=2, kw=2, sh=2, sw=2, ph=1, pw=1, dh=2, dw=2, group=2)),
@@ -144,6 +149,25 @@ def test_conv_forward(name, shape, num_output, extra, kw):
 def test_conv_gradient(name, shape, num_output, extra, kw):
     x = numpy.random.RandomState(1).standard_normal(shape)
     check_gradient(conv(extra, num_output), [x])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_strided_pointwise_input_gradient_overwrites_the_diff(batch):
+    """A strided 1x1 layer's input gradient is W^T dy at the cells its kernel meets and zero
+    between them, whatever the diff held before (the backward overwrites it)."""
+    layer = conv("kernel_size: 1 stride_h: 2 stride_w: 3 group: 2", 6)
+    x = numpy.random.RandomState(4).standard_normal((batch, 4, 7, 8))
+    bottom, top = run_forward(layer, [x])
+    assert top[0].shape == (batch, 6, 4, 3)
+    dy = numpy.random.RandomState(5).standard_normal(top[0].shape)
+    top[0].diff[...] = dy
+    bottom[0].diff[...] = numpy.nan
+    layer.backward(top, [True], bottom)
+    w = layer.blobs[0].data.reshape(2, 3, 2)                  # (group, O/g, C/g)
+    expected = numpy.zeros(x.shape)
+    expected[:, :, ::2, ::3] = numpy.einsum(
+        "goc,ngohw->ngchw", w, dy.reshape(batch, 2, 3, 4, 3)).reshape(batch, 4, 4, 3)
+    numpy.testing.assert_allclose(bottom[0].diff, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,shape,num_output,extra,kw", CONV_CONFIGS, ids=CONV_IDS)
@@ -230,6 +254,7 @@ DECONV_CONFIGS = [
      "kernel_h: 2 kernel_w: 3 stride_h: 2 stride_w: 1 pad_h: 0 pad_w: 1 bias_term: false",
      dict(kh=2, kw=3, sh=2, sw=1, ph=0, pw=1)),
     ("pointwise", (2, 3, 3, 3), 4, "kernel_size: 1", dict(kh=1, kw=1)),
+    ("pointwise_stride2", (2, 3, 3, 4), 4, "kernel_size: 1 stride: 2", dict(kh=1, kw=1, sh=2, sw=2)),
     ("upsample4", (1, 2, 3, 3), 2, "kernel_size: 8 stride: 4 pad: 2 group: 2",
      dict(kh=8, kw=8, sh=4, sw=4, ph=2, pw=2, group=2)),
 ]
@@ -320,7 +345,8 @@ def test_deconv_errors():
 # ----- batch blocks and worker threads (im2col.parallel) -----------------------------------------
 BLOCK_CONFIGS = [c for c in CONV_CONFIGS if c[0] in (
     "basic", "pad_stride", "group2", "dilation2", "stride_dilation_group", "pointwise_group",
-    "pointwise_small_plane", "pointwise_small_plane_group")]
+    "pointwise_small_plane", "pointwise_small_plane_group", "pointwise_stride2",
+    "pointwise_stride_hw_group")]
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
