@@ -71,6 +71,10 @@ class _ConvCore:
 
     # a chunk's columns stay under this many bytes (L2-sized); tests make it tiny to get chunks
     COLUMN_BLOCK_BYTES = COLUMN_BLOCK_BYTES
+    # and, past that size, at least as many cells (GEMM rows) as the GEMM has output columns, up
+    # to this many: OpenBLAS packs the whole weight again for every call, which a few rows do not
+    # pay for, while a wide product makes up for columns spilling out of L2 (see _chunks)
+    MIN_CHUNK_CELLS = 512
     # on CuPy (one range, one thread) chunks are only cut to bound the columns' memory
     GPU_BLOCK_BYTES = 1 << 28
 
@@ -86,13 +90,27 @@ class _ConvCore:
         self.pointwise = g.kh == 1 and g.kw == 1 and g.ph == 0 and g.pw == 0
         self.strided = self.pointwise and (g.sh > 1 or g.sw > 1)
 
-    def _chunks(self, lo, hi, out_h, row_bytes, xp, whole_samples=False, rows=None):
+    def _chunks(self, lo, hi, out_h, out_w, cell_bytes, width, xp, whole_samples=False,
+                rows=None):
         """(first sample, samples, first row, end row) pieces of samples lo..hi whose columns
-        (row_bytes per output row) fit the block size: several whole samples, or bands of output
-        rows of one sample (unless whole_samples). rows=(r0, r1): only those output rows of the
-        one sample lo (a band of `_bands`)."""
+        (cell_bytes per output cell, out_w cells per output row) fit the block size, or hold
+        min(width, MIN_CHUNK_CELLS) cells where that is more (width: the GEMM's output columns):
+        several whole samples, or bands of output rows of one sample (unless whole_samples).
+        rows=(r0, r1): only those output rows of the one sample lo (a band of `_bands`).
+
+        Why the least cells: each GEMM packs the whole weight, paid for by the chunk's rows, and
+        a chunk past L2 costs a trip to memory per cell, paid for by the product's width. 2
+        threads, forward / backward ms, one process taking turns, 2 MiB blocks against at least
+        512 cells: 512 -> 512 channels at 7x7, batch 8, 13.1 / 27.1 against 12.2 / 24.3 (batch
+        32: 48.7 / 96.2 against 42.1 / 81.8); 288 -> 384 at 35x35, stride 2, 41.3 / 72.6
+        against 34.4 / 69.6; 448 -> 384 at 8x8, 10.6 / 20.8 against 9.9 / 19.6. The width bound
+        keeps narrow products in L2: Inception's 80 -> 192 at 71x71 lost 140 -> 153 ms in
+        backward when its input gradient (80 wide) took 512-cell chunks; cifar10_quick's and
+        the VGG block's layers are unchanged."""
+        row_bytes = max(out_w * cell_bytes, 1)
+        least = min(self.MIN_CHUNK_CELLS, width) if xp is numpy else 1
         if rows is not None:
-            band = max(1, self.COLUMN_BLOCK_BYTES // max(row_bytes, 1))
+            band = max(self.COLUMN_BLOCK_BYTES // row_bytes, -(-least // out_w), 1)
             return [(lo, 1, r, min(r + band, rows[1])) for r in range(rows[0], rows[1], band)]
         if xp is numpy:
             if parallel().workers == 1:   # one thread: BLAS keeps its threads, large GEMMs
@@ -100,11 +118,11 @@ class _ConvCore:
             limit = self.COLUMN_BLOCK_BYTES
         else:
             limit = self.GPU_BLOCK_BYTES
-        sample_bytes = max(out_h * row_bytes, 1)
-        if sample_bytes <= limit or whole_samples:
-            m = max(1, limit // sample_bytes)
+        sample_bytes = out_h * row_bytes
+        if sample_bytes <= limit or out_h * out_w < least or whole_samples:
+            m = max(limit // sample_bytes, -(-least // (out_h * out_w)), 1)
             return [(s, min(m, hi - s), 0, out_h) for s in range(lo, hi, m)]
-        band = max(1, limit // max(row_bytes, 1))
+        band = max(limit // row_bytes, -(-least // out_w), 1)
         return [(s, 1, r, min(r + band, out_h)) for s in range(lo, hi)
                 for r in range(0, out_h, band)]
 
@@ -198,7 +216,7 @@ class _ConvCore:
         out_h, out_w = out.shape[2:]
         plane = out_h * out_w
         view = nhwc_window_view(src, geom, out_h, out_w, grp, xp)
-        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w * grp * kg * out.itemsize, xp,
+        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w, grp * kg * out.itemsize, og, xp,
                                           rows=rows):
             cells = m * (r1 - r0) * out_w
             col = self._columns(buf, view, s0, m, r0, r1, name)
@@ -426,10 +444,11 @@ class _ConvCore:
         dwp.fill(0)
         tmp = buf.get("dwtmp", (grp, og, kg), dy.dtype, xp)
         view = nhwc_window_view(src, g, out_h, out_w, grp, xp)
-        pieces = (self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp)
+        cell_bytes = grp * kg * dy.itemsize
+        pieces = (self._chunks(lo, hi, out_h, out_w, cell_bytes, og, xp)
                   if hi is not None else
                   [c for s, r0, r1 in lo for c in self._chunks(
-                      s, s + 1, out_h, out_w * grp * kg * dy.itemsize, xp, rows=(r0, r1))])
+                      s, s + 1, out_h, out_w, cell_bytes, og, xp, rows=(r0, r1))])
         for s0, m, r0, r1 in pieces:
             cells = m * (r1 - r0) * out_w
             band = dy[s0:s0 + m].reshape(m, o, plane)[:, :, r0 * out_w:r1 * out_w]
@@ -488,7 +507,7 @@ class _ConvCore:
         o, out_h, out_w = dy.shape[1:]
         c, h, w = dx.shape[1:]
         plane = out_h * out_w
-        for s0, m, _, _ in self._chunks(lo, hi, out_h, out_w * grp * kg * dy.itemsize, xp,
+        for s0, m, _, _ in self._chunks(lo, hi, out_h, out_w, grp * kg * dy.itemsize, kg, xp,
                                         whole_samples=True):
             cells = m * plane
             dyc = buf.get(f"dyc{m}", (grp, cells, og), dy.dtype, xp)

@@ -28,6 +28,7 @@ def chunking(request, monkeypatch):
     monkeypatch.setattr(im2col.parallel(), "workers", 1 if one else 2)
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
                         1 if request.param == "row_bands" else 1 << 30)
+    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
     return request.param
 
 
@@ -363,6 +364,7 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
 
     def run(block_bytes, n_workers):
         monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
         monkeypatch.setattr(im2col.parallel(), "workers", n_workers)
         layer = conv(extra, num_output)
         bottom, top = run_forward(layer, [x])
@@ -389,6 +391,7 @@ def test_conv_threads_are_deterministic(monkeypatch):
     the frequency route or Winograd under the fourier_* and winograd_* modes of the fixture)."""
     from engine.layers import im2col
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
     monkeypatch.setattr(im2col.parallel(), "workers", 2)
     x = numpy.random.RandomState(7).standard_normal((9, 3, 6, 6)).astype(numpy.float32)
     grads = []

@@ -32,6 +32,7 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
     def run(n_workers, block_bytes):
         nonlocal dy
         monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
         monkeypatch.setattr(im2col.parallel(), "workers", n_workers)
         layer = conv(extra, num_output)
         bottom, top = run_forward(layer, [x])
@@ -82,3 +83,31 @@ def test_deconv_fewer_samples_than_threads_match_one_thread(extra, monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             numpy.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("width,expect_least", [(64, 6), (3, 3), (1, 1)])
+@pytest.mark.parametrize("shape", [(5, 2, 3), (3, 4, 5)])
+def test_chunks_hold_the_least_cells_and_cover_every_row_once(width, expect_least, shape,
+                                                              monkeypatch):
+    """_chunks: with blocks of one row's columns, a chunk still holds min(width,
+    MIN_CHUNK_CELLS) cells (but the last of a sample or range), and the chunks cover every
+    output row of every sample once, whole samples together or one sample's rows in bands."""
+    from engine.layers import im2col
+    from engine.layers.im2col import Geometry
+    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    n, out_h, out_w = shape
+    cell_bytes = 8
+    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", out_w * cell_bytes)
+    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 6)
+    core = _ConvCore(Geometry(3, 3, 1, 1, 1, 1, 1, 1), 1)
+    pieces = core._chunks(0, n, out_h, out_w, cell_bytes, width, numpy)
+    covered = [(s, r) for s0, m, r0, r1 in pieces for s in range(s0, s0 + m)
+               for r in range(r0, r1)]
+    assert sorted(covered) == [(s, r) for s in range(n) for r in range(out_h)]
+    cells = [m * (r1 - r0) * out_w for _, m, r0, r1 in pieces]
+    ends = {i for i, (s0, m, r0, r1) in enumerate(pieces) if s0 + m == n or r1 == out_h}
+    assert all(c >= expect_least for i, c in enumerate(cells) if i not in ends)
+    if expect_least <= out_w:            # one row already holds them: the block size rules
+        assert all((r1 - r0) * m == 1 for _, m, r0, r1 in pieces)
+    else:
+        assert len(pieces) < n * out_h
