@@ -4,8 +4,41 @@ All run in place (top[0] is bottom[0], as Caffe files write them): then backward
 bottom.data, so ReLU, Sigmoid and TanH take their derivatives from the output, and PReLU keeps a copy
 of its input as Caffe does.
 """
+import numpy
+
 from ..layer import Layer, register
 from .im2col import split_rows
+
+# numpy's maximum against a scalar runs without SIMD (numpy 2.4 here, an AVX-512 machine): 0.41 ms
+# for 3.2 MB in cache where maximum against an array of zeros takes 0.10, and 1.6 against 0.9 ms
+# for 12.8 MB. So on the CPU the input is taken as rows of ZERO_ROW_LENGTH numbers against one
+# row of zeros, broadcast (rows of 2,048-4,096 numbers ran no faster than the scalar: 8 or 16 KiB
+# apart, they share cache sets with the zeros).
+ZERO_ROW_LENGTH = 16384
+_ZERO_ROWS = {}
+
+
+def _zero_row(dtype):
+    row = _ZERO_ROWS.get(dtype)
+    if row is None:
+        row = numpy.zeros(ZERO_ROW_LENGTH, dtype)
+        row.flags.writeable = False
+        _ZERO_ROWS[dtype] = row
+    return row
+
+
+def relu_into(x, y, xp):
+    """y = max(x, 0) elementwise, for contiguous arrays of one shape (y may be x)."""
+    if xp is not numpy or x.size < ZERO_ROW_LENGTH:
+        xp.maximum(x, 0, out=y)
+        return
+    a, b = x.reshape(-1), y.reshape(-1)
+    bulk = a.size - a.size % ZERO_ROW_LENGTH
+    zeros = _zero_row(a.dtype)
+    xp.maximum(a[:bulk].reshape(-1, ZERO_ROW_LENGTH), zeros,
+               out=b[:bulk].reshape(-1, ZERO_ROW_LENGTH))
+    if bulk < a.size:
+        xp.maximum(a[bulk:], zeros[:a.size - bulk], out=b[bulk:])
 
 
 class ElementwiseLayer(Layer):
@@ -29,7 +62,7 @@ class ReLULayer(ElementwiseLayer):
         x, y = bottom[0].data, top[0].data
         s = self.slope
         if s == 0.0:
-            split_rows(lambda a, b: xp.maximum(a, 0, out=b), (x, y), xp)
+            split_rows(lambda a, b: relu_into(a, b, xp), (x, y), xp)
         elif 0.0 < s <= 1.0:
             xp.maximum(x, x * self.dtype.type(s), out=y)   # max(x, s·x) is leaky ReLU for 0 < s <= 1
         else:

@@ -6,6 +6,7 @@ from engine import rng
 from engine.blob import Blob
 from engine.errors import LayerError
 from engine.layer import TEST, TRAIN
+from engine.layers.activation import ZERO_ROW_LENGTH, relu_into
 from tests.harness import check_gradient, make_layer, run_forward
 
 SHAPE = (2, 3, 2, 2)
@@ -106,6 +107,34 @@ def test_relu_float32():
 
 
 # ----- Sigmoid / TanH --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+@pytest.mark.parametrize("size", [5, ZERO_ROW_LENGTH, 3 * ZERO_ROW_LENGTH, 3 * ZERO_ROW_LENGTH + 7])
+def test_relu_into_matches_maximum(size, dtype):
+    """The rows-against-zeros ReLU (relu_into) equals numpy.maximum(x, 0) on every element, the
+    rows' bulk and the tail alike, into another array and in place; NaN stays NaN."""
+    x = numpy.random.RandomState(size).standard_normal(size).astype(dtype)
+    x[size // 2] = numpy.nan
+    expected = numpy.maximum(x, 0)
+    out = numpy.full_like(x, 7)
+    relu_into(x, out, numpy)
+    numpy.testing.assert_array_equal(out, expected)
+    relu_into(x, x, numpy)
+    numpy.testing.assert_array_equal(x, expected)
+
+
+def test_relu_layer_on_a_large_blob_forward_and_backward():
+    """A ReLU large enough for the rows path, on several threads: forward is max(x, 0), the
+    backward passes the gradient where the output is positive."""
+    x = numpy.random.RandomState(3).standard_normal((4, 3, 40, 50)).astype(numpy.float32)
+    layer = make_layer('type: "ReLU"', dtype=numpy.float32)
+    bottom, top = run_forward(layer, [x], dtype=numpy.float32)
+    numpy.testing.assert_array_equal(top[0].data, numpy.maximum(x, 0))
+    dy = numpy.random.RandomState(4).standard_normal(x.shape).astype(numpy.float32)
+    top[0].diff[...] = dy
+    layer.backward(top, [True], bottom)
+    numpy.testing.assert_array_equal(bottom[0].diff, dy * (x > 0))
+
+
 def test_sigmoid_forward():
     x = numpy.random.RandomState(1).standard_normal(SHAPE) * 3
     x.reshape(-1)[:2] = [-800.0, 800.0]   # no overflow
