@@ -96,6 +96,8 @@ class Net:
                     and self.bottom_vecs[li][0] is self.top_vecs[li - 1][0]
                     and self.top_vecs[li][0] is self.bottom_vecs[li][0]):
                 scale.input_from = norm
+                norm.scale_after = scale
+                scale.reshape(self.bottom_vecs[li], self.top_vecs[li])   # decides the fold
 
     @staticmethod
     def _copy(param):

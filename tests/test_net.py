@@ -284,17 +284,19 @@ BN_SCALE_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(BN_SCALE_VARIANTS))
 def test_scale_in_place_after_batchnorm_pairs_with_it(monkeypatch, variant):
-    """A Scale run in place on a BatchNorm's output (itself in place) keeps no copy of its
-    input: it reads the BatchNorm's normalized copy. In backward it leaves its input gradient to
-    the BatchNorm, handing over the per-channel sums of its own gradients (one formula for
-    both). Against the two layers apart, each computing Caffe's formulas: the losses and the
-    Scale's gradients are bitwise the same, the gradients below it equal to float rounding. A
-    Scale not in place is left alone."""
+    """A Scale run in place on a BatchNorm's output (itself in place) folds into it: the
+    BatchNorm's forward writes the pair's output in one pass (keeping x - mean, not x-hat) and
+    the Scale's forward does nothing; in backward the Scale leaves its input gradient to the
+    BatchNorm, handing over the per-channel sums of its own gradients (one formula for both).
+    Against the two layers apart, each computing Caffe's formulas: the losses and every
+    gradient equal to float rounding (the same formulas, factored). A Scale not in place is
+    left alone."""
     text = BN_SCALE_VARIANTS[variant]
     net, paired = _bn_scale_run(monkeypatch, True, text)
     scale, scale2 = net.layer_dict["scale"], net.layer_dict["scale2"]
     assert scale.input_from is net.layer_dict["bn"] and scale._temp is None
-    assert scale._into_norm
+    assert scale._into_norm and scale.folds_into(net.layer_dict["bn"])
+    assert net.layer_dict["bn"]._centered and not scale.prescaled     # folded, and consumed
     assert scale2.input_from is None                # not in place: it reads its bottom
     plain_net, plain = _bn_scale_run(monkeypatch, False, text)
     assert plain_net.layer_dict["scale"].input_from is None
@@ -305,12 +307,43 @@ def test_scale_in_place_after_batchnorm_pairs_with_it(monkeypatch, variant):
              for blob in layer.blobs}
     names = [owner[id(blob)] for blob in net.learnable_params]
     assert len(paired) == len(plain) == 6
+    assert not plain_net.layer_dict["bn"]._centered
     for k in range(0, 6, 3):
-        assert paired[k] == plain[k]                                       # the loss
+        numpy.testing.assert_allclose(paired[k], plain[k], rtol=1e-12)   # the loss
         for name, a, b in zip(names, paired[k + 1], plain[k + 1]):
-            if name in ("scale", "scale2", "ip", "bn2"):                   # above the pair
-                numpy.testing.assert_array_equal(a, b, err_msg=name)
-            else:
-                numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-13, err_msg=name)
+            numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-13, err_msg=name)
         numpy.testing.assert_allclose(paired[k + 2], plain[k + 2], rtol=1e-9, atol=1e-13)
         assert numpy.abs(plain[k + 2]).max() > 1e-3          # a gradient reached below the pair
+
+
+def test_batchnorm_after_a_folded_forward_gives_xhat_and_its_own_gradient(monkeypatch):
+    """After a folded forward the BatchNorm keeps x - mean, not x-hat: normalized() still gives
+    x-hat, and its own backward (run without the Scale's sums, as when the Scale passes no
+    gradient down) still gives Caffe's input gradient for its top gradient."""
+    from engine import rng
+    nets = []
+    for paired in (True, False):
+        if not paired:
+            monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
+        rng.seed(5)
+        net = small_net(text=BN_SCALE)
+        rs = numpy.random.RandomState(2)
+        net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
+        net.blobs["label"].data[...] = rs.randint(0, 3, 4)
+        net.Forward()
+        nets.append(net)
+    monkeypatch.undo()
+    folded, plain = (n.layer_dict["bn"] for n in nets)
+    assert folded._centered and not plain._centered
+    numpy.testing.assert_allclose(folded.normalized(), plain.normalized(), rtol=1e-12,
+                                  atol=1e-14)
+    dy = numpy.random.RandomState(7).standard_normal(nets[0].blobs["conv"].shape)
+    grads = []
+    for net in nets:
+        li = net.layer_names.index("bn")
+        blob = net.top_vecs[li][0]
+        blob.diff[...] = dy
+        net.layers[li].backward(net.top_vecs[li], [True], net.bottom_vecs[li])
+        grads.append(blob.diff.copy())
+    numpy.testing.assert_allclose(grads[0], grads[1], rtol=1e-10, atol=1e-13)
+    assert numpy.abs(grads[1]).max() > 1e-3

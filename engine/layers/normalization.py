@@ -143,6 +143,11 @@ class BatchNormLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     stores_statistics = True   # its blobs are running statistics, not learnable parameters
+    # The Scale run in place right after this layer (Net._pair_batchnorm_scale), or None. When
+    # that Scale folds into this layer (ScaleLayer._into_norm), forward writes the pair's output
+    # scale * (x - mean) / sqrt(var + eps) + bias in one pass and keeps x - mean instead of x-hat:
+    # four passes over the activations less than the two layers apart
+    scale_after = None
 
     def layer_setup(self, bottom, top):
         p = self.param.batch_norm_param
@@ -177,6 +182,7 @@ class BatchNormLayer(Layer):
                                  f"param specs), got {specs[i].lr_mult}")
         self.param_propagate_down = [False] * 3
         self._from_scale = None        # set by a paired Scale's backward (take_scale)
+        self._centered = False         # _x_norm holds x - mean (a folded forward), not x-hat
 
     def reshape(self, bottom, top):
         x = bottom[0]
@@ -212,6 +218,12 @@ class BatchNormLayer(Layer):
             var = self.blobs[1].data * factor
             inv_std = 1.0 / xp.sqrt(var + self.eps)
 
+        scale = self.scale_after
+        fold = scale is not None and scale.folds_into(self)
+        if fold:
+            gamma = scale.blobs[0].data.reshape(-1)
+            beta = scale.blobs[-1].data.reshape(-1) if scale.bias_term else None
+
         def part(lo, hi):
             xs, ns = x3[:, lo:hi], xn[:, lo:hi]
             if batch_stats:
@@ -220,11 +232,20 @@ class BatchNormLayer(Layer):
             if batch_stats:
                 var[lo:hi] = _reduce_product(xp, ns, ns) / m
                 inv_std[lo:hi] = 1.0 / xp.sqrt(var[lo:hi] + self.eps)
+            if fold:                     # the pair's output; ns stays x - mean
+                ys = y3[:, lo:hi]
+                xp.multiply(ns, (gamma[lo:hi] * inv_std[lo:hi])[:, None], out=ys)
+                if beta is not None:
+                    ys += beta[lo:hi, None]
+                return
             ns *= inv_std[lo:hi, None]
             y3[:, lo:hi] = ns
 
         split_range(part, c, x3.size, xp)
         self._inv_std = inv_std
+        self._centered = fold
+        if fold:
+            scale.prescaled = True
         if batch_stats:
             b0, b1, b2 = (b.data for b in self.blobs)
             b2 *= self.maf
@@ -236,8 +257,16 @@ class BatchNormLayer(Layer):
 
     def normalized(self):
         """(x - mean) / sqrt(var + eps) of the last forward, as (N, C, spatial): what the top
-        held after it (a Scale run in place next reads it instead of copying its input)."""
+        held after it (a Scale run in place next reads it instead of copying its input). After a
+        folded forward it is made here from x - mean (normalized_parts avoids that)."""
+        if self._centered:
+            return self._x_norm * self._inv_std.reshape(1, -1, 1)
         return self._x_norm
+
+    def normalized_parts(self):
+        """(a, f): the last forward's x-hat is a * f[channel], f None when a is x-hat itself
+        (f = 1 / sqrt(var + eps) after a folded forward, a = x - mean)."""
+        return self._x_norm, (self._inv_std if self._centered else None)
 
     def take_scale(self, scale, sum_dy, sum_dy_xn):
         """From the Scale paired with this layer (Net._pair_batchnorm_scale), in its backward:
@@ -255,7 +284,7 @@ class BatchNormLayer(Layer):
         if fused is not None:
             return self._backward_fused(dy, out, fused)
         inv = self._inv_std
-        xn = self._x_norm
+        xn, f = self.normalized_parts()
         n, c, s = self._shape3
         m = n * s
 
@@ -264,12 +293,15 @@ class BatchNormLayer(Layer):
             if self.use_global_stats:
                 xp.multiply(d, inv[lo:hi, None], out=o)
                 return
-            # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial)
-            y = xn[:, lo:hi]
+            # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial);
+            # with y = a * f: mean(dy * y) * y = f^2 * mean(dy * a) * a
+            a = xn[:, lo:hi]
             mean_dy = _reduce(d) / m
-            mean_dyy = _reduce_product(xp, d, y) / m
+            mean_dyy = _reduce_product(xp, d, a) / m
+            if f is not None:
+                mean_dyy *= f[lo:hi] * f[lo:hi]
             xp.subtract(d, mean_dy[:, None], out=o)
-            o -= y * mean_dyy[:, None]
+            o -= a * mean_dyy[:, None]
             o *= inv[lo:hi, None]
 
         split_range(part, c, dy.size, xp)
@@ -291,7 +323,9 @@ class BatchNormLayer(Layer):
         m = n * s
         c1 = k * (sum_dy / m)
         c2 = k * (sum_dy_xn / m)
-        xn = self._x_norm
+        xn, f = self.normalized_parts()
+        if f is not None:                # x-hat = xn * f
+            c2 = c2 * f
 
         def part(lo, hi):
             o = out[:, lo:hi]
@@ -390,6 +424,9 @@ class ScaleLayer(Layer):
     # scales: backward then reads its input from that layer's normalized copy (bitwise the same
     # numbers) instead of keeping a copy of its own (Net._pair_batchnorm_scale)
     input_from = None
+    # Set by that BatchNorm's forward when it already wrote this layer's output (folds_into):
+    # this layer's next forward then has nothing to do
+    prescaled = False
 
     def layer_setup(self, bottom, top):
         p = self.param.scale_param
@@ -437,6 +474,11 @@ class ScaleLayer(Layer):
         else:
             top[0].reshape(bottom[0].shape)
 
+    def folds_into(self, norm):
+        """Whether this layer's forward and input gradient are made by BatchNorm `norm` (its
+        pair, run in place before it, per-channel scale and bias: _into_norm)."""
+        return self.input_from is norm and self._into_norm
+
     def _saved_input(self, bottom):
         """The input forward saw, when it ran in place (and overwrote it)."""
         if self.input_from is not None:
@@ -453,6 +495,9 @@ class ScaleLayer(Layer):
         split_range(fn, dim, outer * dim * inner, self.xp)
 
     def forward(self, bottom, top):
+        if self.prescaled:               # the paired BatchNorm made the output (folds_into)
+            self.prescaled = False
+            return
         xp = self.xp
         scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
         outer, dim, inner = self._layout
@@ -488,10 +533,10 @@ class ScaleLayer(Layer):
         want_scale = (one and self.param_propagate_down[0]) or (not one and propagate_down[1])
         same_axes = self._same_axes
         d3 = dy.reshape(outer, dim, inner)
+        if propagate_down[0] and self._into_norm:
+            return self._backward_into_norm(d3, scale, want_scale, want_bias)
         x = self._saved_input(bottom) if top[0] is bottom[0] else bottom[0].data
         x3 = x.reshape(outer, dim, inner)
-        if propagate_down[0] and self._into_norm:
-            return self._backward_into_norm(d3, x3, scale, want_scale, want_bias)
         s1 = scale.data.reshape(1, dim, 1)
         dx3 = bottom[0].diff.reshape(outer, dim, inner)
         scale_diff = scale.diff.reshape(-1)
@@ -515,19 +560,23 @@ class ScaleLayer(Layer):
 
         self._split(part)
 
-    def _backward_into_norm(self, d3, x3, scale, want_scale, want_bias):
+    def _backward_into_norm(self, d3, scale, want_scale, want_bias):
         """The parameter gradients, and the per-channel sums of dy and dy * x the paired
-        BatchNorm needs (BatchNormLayer.take_scale); no input gradient is written here."""
+        BatchNorm needs (BatchNormLayer.take_scale); no input gradient is written here. The
+        input x is the BatchNorm's x-hat = a * f (normalized_parts)."""
         xp = self.xp
         dim = self._layout[1]
+        a3, f = self.input_from.normalized_parts()
         sum_dy = xp.empty(dim, d3.dtype)
         sum_dy_x = xp.empty(dim, d3.dtype)
 
         def part(lo, hi):
             sum_dy[lo:hi] = _reduce(d3[:, lo:hi])
-            sum_dy_x[lo:hi] = _reduce_product(xp, d3[:, lo:hi], x3[:, lo:hi])
+            sum_dy_x[lo:hi] = _reduce_product(xp, d3[:, lo:hi], a3[:, lo:hi])
 
         self._split(part)
+        if f is not None:
+            sum_dy_x *= f
         if want_bias:
             self.blobs[-1].diff.reshape(-1)[...] += sum_dy
         if want_scale:
