@@ -270,7 +270,12 @@ class Net:
         self.layers_with_params = [li for li, layer in enumerate(self.layers) if layer.blobs]
 
     # ----- running -----------------------------------------------------------------------------
-    def ForwardLayer(self, li):
+    def ForwardLayer(self, li, alone=True):
+        """Reshape and run the forward of layer li. A BatchNorm whose Scale folds into it
+        writes the Scale's output as well (BatchNormLayer.scale_after); run `alone` (the
+        default: the caller may stop here and read the top) it then puts its own output back,
+        which the Scale's forward scales as usual. Forward, and the per-layer timers, which run
+        the next layer right after, pass alone=False."""
         layer = self.layers[li]
         bottom, top = self.bottom_vecs[li], self.top_vecs[li]
         try:
@@ -278,12 +283,14 @@ class Net:
             layer.forward(bottom, top)
         except (ModelError, DataError) as e:   # e.g. a corrupt record met by a Data layer
             raise self._locate(e) from None
+        if alone and getattr(layer, "unfold", None) is not None:
+            layer.unfold(top)
 
     def Forward(self, start=0, end=None):
         """Run layers start..end (inclusive); returns the weighted loss of the net."""
         end = len(self.layers) - 1 if end is None else end
         for li in range(start, end + 1):
-            self.ForwardLayer(li)
+            self.ForwardLayer(li, alone=li == end)
         loss = 0.0
         for li, ti, w in self._loss_tops:
             top = self.top_vecs[li][ti]

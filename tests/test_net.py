@@ -347,3 +347,43 @@ def test_batchnorm_after_a_folded_forward_gives_xhat_and_its_own_gradient(monkey
         grads.append(blob.diff.copy())
     numpy.testing.assert_allclose(grads[0], grads[1], rtol=1e-10, atol=1e-13)
     assert numpy.abs(grads[1]).max() > 1e-3
+
+
+def test_a_forward_that_stops_at_a_folding_batchnorm_leaves_its_own_output(monkeypatch):
+    """Net.Forward(end=the BatchNorm) and ForwardLayer(the BatchNorm) alone leave x-hat in the
+    blob, as the two layers apart do, and a forward resumed at the Scale then gives the pair's
+    output; the whole forward folds (the Scale's forward has nothing left to do)."""
+    from engine import rng
+    nets = []
+    for paired in (True, False):
+        if not paired:
+            monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
+        rng.seed(5)
+        net = small_net(text=BN_SCALE)
+        net.blobs["data"].data[...] = numpy.random.RandomState(2).standard_normal(
+            net.blobs["data"].shape)
+        nets.append(net)
+    monkeypatch.undo()
+    folded, plain = nets
+    bn, scale = folded.layer_names.index("bn"), folded.layer_names.index("scale")
+    assert scale == bn + 1 and folded.layers[scale].folds_into(folded.layers[bn])
+    for net in nets:
+        net.Forward(end=bn)
+    numpy.testing.assert_allclose(folded.blobs["conv"].data, plain.blobs["conv"].data,
+                                  rtol=1e-12, atol=1e-14)
+    assert not folded.layers[scale].prescaled
+    for net in nets:
+        net.Forward(start=scale)
+    numpy.testing.assert_allclose(folded.blobs["conv"].data, plain.blobs["conv"].data,
+                                  rtol=1e-12, atol=1e-14)
+    for net in nets:                     # one layer at a time, as a user stepping through
+        for li in range(len(net.layers)):
+            net.ForwardLayer(li)
+            if li == bn:
+                expected = plain.layers[bn].normalized()
+                numpy.testing.assert_allclose(net.blobs["conv"].data.reshape(expected.shape),
+                                              expected, rtol=1e-12, atol=1e-14)
+    numpy.testing.assert_allclose(folded.blobs["conv"].data, plain.blobs["conv"].data,
+                                  rtol=1e-12, atol=1e-14)
+    folded.Forward()
+    assert folded.layers[bn]._centered and not folded.layers[scale].prescaled

@@ -255,6 +255,21 @@ class BatchNormLayer(Layer):
             b1 *= self.maf
             b1 += var * (m / (m - 1.0) if m > 1 else 1.0)
 
+    def unfold(self, top):
+        """After a folded forward whose Scale has not run yet: the top gets this layer's own
+        output, x-hat, and the Scale's next forward computes its part (Net.ForwardLayer, for
+        a caller that stops between the two)."""
+        scale = self.scale_after
+        if not (self._centered and scale is not None and scale.prescaled):
+            return
+        xp = self.xp
+        y3 = top[0].data.reshape(self._shape3)
+        inv = self._inv_std
+        split_range(lambda lo, hi: xp.multiply(self._x_norm[:, lo:hi], inv[lo:hi, None],
+                                               out=y3[:, lo:hi]),
+                    self._shape3[1], y3.size, xp)
+        scale.prescaled = False
+
     def normalized(self):
         """(x - mean) / sqrt(var + eps) of the last forward, as (N, C, spatial): what the top
         held after it (a Scale run in place next reads it instead of copying its input). After a

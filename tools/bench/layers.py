@@ -81,7 +81,7 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                 for li in range(n_layers):
                     _sync(net.xp)
                     t = time.perf_counter()
-                    _metered(lambda: net.ForwardLayer(li), gemm[li])
+                    _metered(lambda: net.ForwardLayer(li, alone=False), gemm[li])
                     _sync(net.xp)
                     f[li] += time.perf_counter() - t
                 for li in range(n_layers - 1, -1, -1):

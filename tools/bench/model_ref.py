@@ -83,7 +83,7 @@ class EngineSide:
         for _ in range(iterations):
             for li in range(n):
                 t = time.perf_counter()
-                net.ForwardLayer(li)
+                net.ForwardLayer(li, alone=False)
                 forward[li] += time.perf_counter() - t
             top.diff[...] = self.rs.random_sample(top.shape)
             for li in range(n - 1, -1, -1):
