@@ -251,15 +251,23 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def _bn_scale_run(monkeypatch, paired, text=BN_SCALE):
+def _bn_scale_net(monkeypatch, paired, text=BN_SCALE):
+    """The net of `text` with the same weights and data every time; its BatchNorm + Scale pairs
+    made (as Net does) or not (the two layers apart)."""
     from engine import rng
-    if not paired:
-        monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
-    rng.seed(5)
-    net = small_net(text=text)
+    with monkeypatch.context() as patch:
+        if not paired:
+            patch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
+        rng.seed(5)
+        net = small_net(text=text)
     rs = numpy.random.RandomState(2)
     net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
     net.blobs["label"].data[...] = rs.randint(0, 3, 4)
+    return net
+
+
+def _bn_scale_run(monkeypatch, paired, text=BN_SCALE):
+    net = _bn_scale_net(monkeypatch, paired, text)
     out = []
     for _ in range(2):
         net.ClearParamDiffs()
@@ -267,7 +275,6 @@ def _bn_scale_run(monkeypatch, paired, text=BN_SCALE):
         net.Backward()
         out.append([b.diff.copy() for b in net.learnable_params])
         out.append(net.blobs["conv"].diff.copy())
-    monkeypatch.undo()
     return net, out
 
 
@@ -320,19 +327,9 @@ def test_batchnorm_after_a_folded_forward_gives_xhat_and_its_own_gradient(monkey
     """After a folded forward the BatchNorm keeps x - mean, not x-hat: normalized() still gives
     x-hat, and its own backward (run without the Scale's sums, as when the Scale passes no
     gradient down) still gives Caffe's input gradient for its top gradient."""
-    from engine import rng
-    nets = []
-    for paired in (True, False):
-        if not paired:
-            monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
-        rng.seed(5)
-        net = small_net(text=BN_SCALE)
-        rs = numpy.random.RandomState(2)
-        net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
-        net.blobs["label"].data[...] = rs.randint(0, 3, 4)
+    nets = [_bn_scale_net(monkeypatch, paired) for paired in (True, False)]
+    for net in nets:
         net.Forward()
-        nets.append(net)
-    monkeypatch.undo()
     folded, plain = (n.layer_dict["bn"] for n in nets)
     assert folded._centered and not plain._centered
     numpy.testing.assert_allclose(folded.normalized(), plain.normalized(), rtol=1e-12,
@@ -353,18 +350,7 @@ def test_a_forward_that_stops_at_a_folding_batchnorm_leaves_its_own_output(monke
     """Net.Forward(end=the BatchNorm) and ForwardLayer(the BatchNorm) alone leave x-hat in the
     blob, as the two layers apart do, and a forward resumed at the Scale then gives the pair's
     output; the whole forward folds (the Scale's forward has nothing left to do)."""
-    from engine import rng
-    nets = []
-    for paired in (True, False):
-        if not paired:
-            monkeypatch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)
-        rng.seed(5)
-        net = small_net(text=BN_SCALE)
-        net.blobs["data"].data[...] = numpy.random.RandomState(2).standard_normal(
-            net.blobs["data"].shape)
-        nets.append(net)
-    monkeypatch.undo()
-    folded, plain = nets
+    folded, plain = nets = [_bn_scale_net(monkeypatch, paired) for paired in (True, False)]
     bn, scale = folded.layer_names.index("bn"), folded.layer_names.index("scale")
     assert scale == bn + 1 and folded.layers[scale].folds_into(folded.layers[bn])
     for net in nets:
