@@ -18,9 +18,10 @@ How the im2col work is laid out (the column layout is in im2col.py, the threads 
 - the batch is cut into one range of samples per core (im2col.parallel, OpenBLAS held to one
   thread) and each range into chunks whose columns stay in L2 (COLUMN_BLOCK_BYTES): several
   samples when they are small, a band of output rows of one sample when one sample is too large
-  (the VGG block's 56x56 planes); with fewer samples than cores the output rows are cut into
-  bands instead (`_bands`: batch 1, or batch 8 on 16 cores), and 1x1 layers cut their output
-  channels and their plane;
+  (the VGG block's 56x56 planes), but never fewer cells than the GEMM's output width, up to
+  MIN_CHUNK_CELLS (each GEMM packs the whole weight: 512-channel layers on 7x7 planes); with
+  fewer samples than cores the output rows are cut into bands instead (`_bands`: batch 1, or
+  batch 8 on 16 cores), and 1x1 layers cut their output channels and their plane;
 - the weight goes to the GEMM as a transposed view of (O, kh, kw, C): making that copy only
   reorders each output channel's numbers, where a (K, O) copy moved them all across the array;
 - weight gradient, per chunk: the columns are made again from the padded input kept from forward
