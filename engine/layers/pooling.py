@@ -259,8 +259,10 @@ class PoolingLayer(Layer):
         self.geom = Geometry(kh, kw, sh, sw, ph, pw, 1, 1)
         self.buffers = BufferCache()
         self._wbuf = WorkerBuffers()   # scratch of one worker thread (one sample range each)
+        self._wbuf_rows = WorkerBuffers()   # the same for the row pass of a separable MAX
         self._plan = None
         self._plan_key = None
+        self._rows_plan = self._cols_plan = None
 
     def _pair(self, pp, name, default):
         has = pp.HasField
@@ -297,6 +299,16 @@ class PoolingLayer(Layer):
             self._plan_key = key
             self.buffers.clear()   # padded buffers keep their border only for one geometry
             self._wbuf.clear()
+            self._wbuf_rows.clear()
+            self._rows_plan = self._cols_plan = None
+            if (self.method == MAX and len(top) == 1 and not self._plan.global_reduce
+                    and g.sh == 1 and g.sw == 1 and g.kh > 1 and g.kw > 1):
+                # separable (see _separable): along each row (1 x kw), then down the columns
+                # (kh x 1) of those row maxima
+                self._rows_plan = _Plan(h, w, h, out_w, Geometry(1, g.kw, 1, 1, 0, g.pw, 1, 1),
+                                        x.dtype, self.xp)
+                self._cols_plan = _Plan(h, out_w, out_h, out_w,
+                                        Geometry(g.kh, 1, 1, 1, g.ph, 0, 1, 1), x.dtype, self.xp)
 
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, bottom, top):
@@ -324,8 +336,33 @@ class PoolingLayer(Layer):
             self._forward_max_argmax(src, ymax, top[1].data, plan, xp)
             y[...] = ymax
             return
+        if self._rows_plan is not None:
+            rows = self._row_maxima(x, xp)
+
+            def separable(worker, lo, hi):
+                self._forward_grid(x[lo:hi], rows[lo:hi], self._rows_plan,
+                                   self._wbuf_rows(worker), xp)
+                self._forward_grid(rows[lo:hi], y[lo:hi], self._cols_plan, self._wbuf(worker),
+                                   xp)
+
+            parallel().run(separable, n, xp, min_per_worker=4)
+            return
         parallel().run(lambda worker, lo, hi: self._forward_grid(
             x[lo:hi], y[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
+
+    def _row_maxima(self, x, xp, name="rows"):
+        """The (N, C, H, out_w) array between the two passes of a separable MAX (its gradient
+        under another name).
+
+        Why separable: a window's maximum is the maximum over its rows of each row's maximum,
+        and the first maximum in row-major order is, in the first row whose maximum it is, the
+        first cell equal to it; so with stride 1 a kh x kw MAX is a 1 x kw pass and a kh x 1 pass
+        over an array of about the output's size, kh + kw offsets instead of kh * kw, with
+        Caffe's ties and clipping kept (padding cells hold -FLT_MAX in both passes). GoogLeNet's
+        3x3 stride-1 pools: see docs/benchmarks.md. With a stride the row pass would cover every
+        input row, and the 2-D grid does less."""
+        n, c, h = x.shape[:3]
+        return self.buffers.get(name, (n, c, h, self._plan.out_w), x.dtype, xp)
 
     def _forward_grid(self, x, y, plan, buffers, xp):
         n, c = x.shape[:2]
@@ -375,6 +412,17 @@ class PoolingLayer(Layer):
             return
         if self.method == MAX and len(top) > 1:
             self._backward_max_direct(x, dy, dx, plan, xp)
+            return
+        if self._rows_plan is not None:
+            drows = self._row_maxima(x, xp, "drows")
+
+            def separable(worker, lo, hi):
+                self._backward_grid(dy[lo:hi], drows[lo:hi], self._cols_plan, self._wbuf(worker),
+                                    xp)
+                self._backward_grid(drows[lo:hi], dx[lo:hi], self._rows_plan,
+                                    self._wbuf_rows(worker), xp)
+
+            parallel().run(separable, n, xp, min_per_worker=4)
             return
         parallel().run(lambda worker, lo, hi: self._backward_grid(
             dy[lo:hi], dx[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
