@@ -22,6 +22,9 @@ MAX backward hands the top gradient to the first offset (row-major) that holds t
 and removes it from what remains, so a later tie receives nothing; the phase gradients are then
 written back into the bottom gradient. Global pooling (one window covering the whole plane) is a
 plain reduction. The optional argmax top keeps the direct strided form (_forward_max_argmax).
+A MAX window with stride 1 (GoogLeNet's 3x3 pools) is separable: a 1 x kw pass along the rows,
+then a kh x 1 pass down the columns of its result (_row_maxima), each on the same grids, kh + kw
+offsets instead of kh * kw.
 """
 import numpy
 
@@ -303,7 +306,7 @@ class PoolingLayer(Layer):
             self._rows_plan = self._cols_plan = None
             if (self.method == MAX and len(top) == 1 and not self._plan.global_reduce
                     and g.sh == 1 and g.sw == 1 and g.kh > 1 and g.kw > 1):
-                # separable (see _separable): along each row (1 x kw), then down the columns
+                # separable (see _row_maxima): along each row (1 x kw), then down the columns
                 # (kh x 1) of those row maxima
                 self._rows_plan = _Plan(h, w, h, out_w, Geometry(1, g.kw, 1, 1, 0, g.pw, 1, 1),
                                         x.dtype, self.xp)
@@ -351,16 +354,18 @@ class PoolingLayer(Layer):
             x[lo:hi], y[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
 
     def _row_maxima(self, x, xp, name="rows"):
-        """The (N, C, H, out_w) array between the two passes of a separable MAX (its gradient
-        under another name).
+        """The (N, C, H, out_w) array between the two passes of a separable pooling (its
+        gradient under another name).
 
         Why separable: a window's maximum is the maximum over its rows of each row's maximum,
         and the first maximum in row-major order is, in the first row whose maximum it is, the
         first cell equal to it; so with stride 1 a kh x kw MAX is a 1 x kw pass and a kh x 1 pass
         over an array of about the output's size, kh + kw offsets instead of kh * kw, with
         Caffe's ties and clipping kept (padding cells hold -FLT_MAX in both passes). GoogLeNet's
-        3x3 stride-1 pools: see docs/benchmarks.md. With a stride the row pass would cover every
-        input row, and the 2-D grid does less."""
+        3x3 stride-1 pools: docs/benchmarks.md. With a stride the row pass would cover every
+        input row, and the 2-D grid does less. AVE is separable too, but its 2-D passes are plain
+        additions, and the second pass's copies cost more than the offsets saved (Inception's
+        288 channels at 35x35: 4.7 / 4.7 ms forward / backward against 5.4 / 6.0)."""
         n, c, h = x.shape[:3]
         return self.buffers.get(name, (n, c, h, self._plan.out_w), x.dtype, xp)
 

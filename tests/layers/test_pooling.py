@@ -119,6 +119,8 @@ CONFIGS = [
      dict(method="AVE", kh=3, kw=2, sh=2, sw=1, ph=1, pw=0)),
     ("ave_floor", (2, 3, 7, 7), "pool: AVE kernel_size: 3 stride: 2 pad: 1 round_mode: FLOOR",
      dict(method="AVE", kh=3, kw=3, sh=2, sw=2, ph=1, pw=1, ceil=False)),
+    ("ave_stride1_pad", (2, 3, 6, 7), "pool: AVE kernel_size: 3 stride: 1 pad: 1",
+     dict(method="AVE", kh=3, kw=3, ph=1, pw=1)),
     ("ave_global", (2, 3, 4, 5), "pool: AVE global_pooling: true",
      dict(method="AVE", kh=0, kw=0, global_pooling=True)),
     ("ave_kernel_larger_than_input", (2, 2, 3, 3), "pool: AVE kernel_size: 4 stride: 2",
