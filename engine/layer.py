@@ -100,6 +100,11 @@ class Layer:
     def backward(self, top, propagate_down, bottom):
         """Gradients: bottom diffs overwritten where propagate_down[i]; parameter diffs accumulated."""
 
+    def unfold(self, top):
+        """After a forward that also wrote the next layer's output (a fold, as a BatchNorm does
+        for its Scale), put this layer's own output back in the top: Net.ForwardLayer calls it
+        when the caller may stop here. Most layers fold nothing."""
+
     def allow_force_backward(self, bottom_index):
         return True
 

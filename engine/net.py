@@ -283,7 +283,7 @@ class Net:
             layer.forward(bottom, top)
         except (ModelError, DataError) as e:   # e.g. a corrupt record met by a Data layer
             raise self._locate(e) from None
-        if alone and getattr(layer, "unfold", None) is not None:
+        if alone:
             layer.unfold(top)
 
     def Forward(self, start=0, end=None):

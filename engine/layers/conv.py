@@ -316,7 +316,7 @@ class _ConvCore:
         accumulate, dx (when given, N x C x H x W) is overwritten. The weight gradient uses the
         input that forward (or prepare) kept under `key`."""
         xp = _xp(dy)
-        if self.pointwise and self.strided and dx is not None:
+        if self.strided and dx is not None:           # strided implies pointwise
             dxs = self.buffers.get("dxsub", dy.shape[:1] + dx.shape[1:2] + dy.shape[2:],
                                    dx.dtype, xp)
             self._backward_pointwise(dy, weight, weight_diff, bias_diff, dxs, key)

@@ -23,8 +23,8 @@ and removes it from what remains, so a later tie receives nothing; the phase gra
 written back into the bottom gradient. Global pooling (one window covering the whole plane) is a
 plain reduction. The optional argmax top keeps the direct strided form (_forward_max_argmax).
 A MAX window with stride 1 (GoogLeNet's 3x3 pools) is separable: a 1 x kw pass along the rows,
-then a kh x 1 pass down the columns of its result (_row_maxima), each on the same grids, kh + kw
-offsets instead of kh * kw.
+then a kh x 1 pass down the columns of its result (_between_passes), each on the same grids,
+kh + kw offsets instead of kh * kw.
 """
 import numpy
 
@@ -306,7 +306,7 @@ class PoolingLayer(Layer):
             self._rows_plan = self._cols_plan = None
             if (self.method == MAX and len(top) == 1 and not self._plan.global_reduce
                     and g.sh == 1 and g.sw == 1 and g.kh > 1 and g.kw > 1):
-                # separable (see _row_maxima): along each row (1 x kw), then down the columns
+                # separable (see _between_passes): along each row (1 x kw), then down the columns
                 # (kh x 1) of those row maxima
                 self._rows_plan = _Plan(h, w, h, out_w, Geometry(1, g.kw, 1, 1, 0, g.pw, 1, 1),
                                         x.dtype, self.xp)
@@ -340,7 +340,7 @@ class PoolingLayer(Layer):
             y[...] = ymax
             return
         if self._rows_plan is not None:
-            rows = self._row_maxima(x, xp)
+            rows = self._between_passes(x, xp, "rows")
 
             def separable(worker, lo, hi):
                 self._forward_grid(x[lo:hi], rows[lo:hi], self._rows_plan,
@@ -353,9 +353,9 @@ class PoolingLayer(Layer):
         parallel().run(lambda worker, lo, hi: self._forward_grid(
             x[lo:hi], y[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
 
-    def _row_maxima(self, x, xp, name="rows"):
-        """The (N, C, H, out_w) array between the two passes of a separable pooling (its
-        gradient under another name).
+    def _between_passes(self, x, xp, name):
+        """The (N, C, H, out_w) array between the two passes of a separable MAX: the row maxima
+        ("rows") in forward, their gradient ("drows") in backward.
 
         Why separable: a window's maximum is the maximum over its rows of each row's maximum,
         and the first maximum in row-major order is, in the first row whose maximum it is, the
@@ -419,7 +419,7 @@ class PoolingLayer(Layer):
             self._backward_max_direct(x, dy, dx, plan, xp)
             return
         if self._rows_plan is not None:
-            drows = self._row_maxima(x, xp, "drows")
+            drows = self._between_passes(x, xp, "drows")
 
             def separable(worker, lo, hi):
                 self._backward_grid(dy[lo:hi], drows[lo:hi], self._cols_plan, self._wbuf(worker),
