@@ -83,6 +83,9 @@ class Session:
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
                                       roles=self.roles, local_ipc=options.ipc != "off",
                                       direct_links=options.ipc == "auto")
+        if self.coordinator is not None:   # one process: their messages skip the sockets
+            self.transport.attach_local(COORDINATOR, self.coordinator.transport)
+            self.coordinator.transport.attach_local(rank, self.transport)
         self.transport.mailbox.owner = self.name               # for the stall inspector
         self.transport.mailbox.stall_warning = options.stall_warning
         self.transport.bind(address)      # this address only (127.0.0.1 for a local job)

@@ -15,7 +15,7 @@ import pytest
 from dist.coordinator import Coordinator, CoordinatorClient
 from dist.errors import AbortError, DistError
 from dist.kvstore import KVServer
-from dist.roles import Roles
+from dist.roles import COORDINATOR, Roles
 from dist.transport import Msg, ZmqTransport, free_port
 
 from .helpers import fc_net, make_lmdb, run_threads, solver_param
@@ -24,7 +24,9 @@ from .test_cost_book import _description
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_job(workers, servers, start_timeout=10.0):
+def start_job(workers, servers, start_timeout=10.0, local0=False):
+    """The coordinator and a client per rank; `local0`: worker 0's transport and the
+    coordinator's hand their messages over in the process, as dist/session.py attaches them."""
     roles = Roles(workers, servers)
     port = free_port()
     coord = Coordinator(roles, "127.0.0.1", port, timeout=5, start_timeout=start_timeout).start()
@@ -32,9 +34,19 @@ def start_job(workers, servers, start_timeout=10.0):
     for rank in range(roles.size):
         t = ZmqTransport(rank, namer=roles.name, timeout=5)
         t.bind("127.0.0.1")
+        if local0 and rank == 0:
+            t.attach_local(COORDINATOR, coord.transport)
+            coord.transport.attach_local(0, t)
         t.start()
         clients.append(CoordinatorClient(t, roles, f"tcp://127.0.0.1:{port}", start_timeout))
     return roles, coord, clients
+
+
+class _NoSocket:
+    """Stands for a ZeroMQ socket that must not be used."""
+
+    def send(self, *args, **kwargs):
+        raise AssertionError("a message between worker 0 and its coordinator took a socket")
 
 
 def close(coord, clients):
@@ -65,11 +77,21 @@ OPTIONS = {"workers": 3, "servers": 1, "sync": "hybrid", "kv_pair_bytes": 1024,
            "sum_gradients": False, "dtype": "float32"}
 
 
-def test_services():
-    roles, coord, clients = start_job(3, 1)
+@pytest.mark.parametrize("local0", [False, True])
+def test_services(local0):
+    roles, coord, clients = start_job(3, 1, local0=local0)
+    swapped = []                         # (table, rank, its socket): put back before closing
     try:
         desc = _description([("InnerProduct", 64, 32, 4, True), ("Convolution", 8, 27, 4, False)])
+
+        def no_socket(transport, rank):  # every message between the two must be handed over
+            swapped.append((transport._out, rank, transport._out[rank]))
+            transport._out[rank] = (_NoSocket(), threading.Lock())
+        if local0:
+            no_socket(clients[0].transport, COORDINATOR)
         books = register_all(roles, clients, desc, OPTIONS)
+        if local0:
+            no_socket(coord.transport, 0)
         assert {b.digest() for b in books.values()} == {coord.book.digest()}
         book = books[0]
         assert book.data["addresses"]["2"] == clients[2].transport.address
@@ -98,7 +120,11 @@ def test_services():
             assert results[("sum", r)][0] == 3.0
         assert results[("g", 0)] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
         assert results[("g", 1)] is None
+        sent, got = clients[0].transport.counters(), coord.transport.counters()
+        assert got["received_by_type"]["ALLREDUCE"] == 6 and sent["sent_messages"] >= 6
     finally:
+        for table, rank, socket_and_lock in swapped:
+            table[rank] = socket_and_lock
         close(coord, clients)
 
 

@@ -122,3 +122,34 @@ def test_parse_bandwidth():
     assert parse_bandwidth("125MB") == 125e6
     with pytest.raises(ValueError):
         parse_bandwidth("fast")
+
+
+def test_a_transport_of_this_process_gets_its_messages_handed_over_without_sockets(capfd):
+    roles = Roles(2, 1)
+    a = ZmqTransport(0, namer=roles.name, timeout=2.0, roles=roles)
+    b = ZmqTransport(2, namer=roles.name, timeout=2.0, roles=roles)
+    for t in (a, b):
+        t.bind("127.0.0.1")
+        t.start()
+    try:
+        a.attach_local(2, b)               # never connected: only the hand-over can deliver
+        b.attach_local(0, a)
+        values = numpy.arange(10, dtype=numpy.float32)
+        a.send(2, Msg.KV_PUSH, iteration=0, key=3, arrays=[values])
+        values[:] = -1                     # the receiver has its own copy
+        msg = b.receive(Msg.KV_PUSH, 3, 0)[0]
+        assert msg.sender == 0
+        numpy.testing.assert_array_equal(msg.arrays[0], numpy.arange(10))
+        beats = []
+        a.handle(Msg.HEARTBEAT, beats.append)
+        b.send(0, Msg.HEARTBEAT)
+        assert len(beats) == 1             # handled at once, as the receive thread would
+        assert a.counters()["sent_payload"] == b.counters()["recv_payload"] == msg.payload_bytes
+        b.send(0, Msg.KV_PUSH, arrays=[numpy.ones(3)])    # checked as if received: refused
+        assert a.counters()["dropped_messages"] == 1
+        assert "dropped a message from server 0" in capfd.readouterr().err
+        b.close(0)
+        a.send(2, Msg.KV_PUSH, key=4, arrays=[values])   # lost, as on a closed socket
+    finally:
+        a.close(0)
+        b.close(0)
