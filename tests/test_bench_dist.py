@@ -102,3 +102,43 @@ def test_transport_measures_tcp_and_unix_socket_sides(tmp_path):
     for side in ("kv", "kv_insecure", "kv_ipc"):     # each KV side took the route it names
         log = (tmp_path / "transport" / f"{side}-0" / "output.log").read_text()
         assert ("on this host: Unix sockets" in log) == (side == "kv_ipc"), (side, log[-2000:])
+
+
+def test_part_c_reads_a_threads_cpu_finer_than_the_clock_tick():
+    """Part c's per-thread CPU (tools/bench/overhead_ab.py) comes from schedstat, in nanoseconds:
+    a few milliseconds of a thread's work read as that, not as 0 or 10 ms (stat's ticks). Read
+    while the thread sleeps, as part c reads them between blocks (a running thread's figure
+    lags until the scheduler next looks)."""
+    import os
+    import threading
+    import time
+    from tools.bench import overhead_ab
+    go, done, end = threading.Event(), threading.Event(), threading.Event()
+    spent = {}
+
+    def work():
+        go.wait(10)
+        clock = time.thread_time()
+        while time.thread_time() - clock < 0.003:          # 3 ms of this thread's CPU
+            pass
+        spent["thread_time"] = time.thread_time() - clock
+        done.set()
+        end.wait(10)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        task = f"/proc/self/task/{worker.native_id}"
+        if not os.path.exists(f"{task}/schedstat"):
+            pytest.skip("this kernel keeps no schedstat (part c then falls back to clock ticks)")
+        time.sleep(0.05)
+        before = overhead_ab._task_cpu(task)
+        go.set()
+        assert done.wait(10)
+        time.sleep(0.05)
+        measured = overhead_ab._task_cpu(task) - before
+        assert abs(measured - spent["thread_time"]) < 0.0005
+        assert overhead_ab._process_cpu(os.getpid()) >= overhead_ab._task_cpu(task)
+    finally:
+        end.set()
+        worker.join(10)

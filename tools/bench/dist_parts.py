@@ -226,9 +226,9 @@ def _overhead_parts(blocks):
     """In ms per iteration: the medians of this process's CPU on each side and of the
     distributed side's exposed sync (from the end of backward until every sync is done: at
     least the last layer's round trip); the mean of the server process's CPU (None without
-    /proc: its few ms a block come in whole clock ticks, so a block's figure is 0 or 10 ms and
-    only the mean says how much); and the mean CPU per iteration of each thread (label) of this
-    process on each side and of the server ({} without /proc)."""
+    /proc; where the kernel keeps no schedstat, a block's figure comes in whole clock ticks, 0
+    or 10 ms, and only the mean says how much); and the mean CPU per iteration of each thread
+    (label) of this process on each side and of the server ({} without /proc)."""
     def ms(values, how=numpy.median):
         values = [v for v in values if v is not None]
         return round(float(how(values)) * 1e3, 2) if values else None

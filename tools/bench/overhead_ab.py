@@ -11,8 +11,9 @@ two separate processes also differ in memory layout and start-up; blocks of a fe
 turn about see the same moment, the same process and the same caches, so what differs is the
 distributed path (the syncs' threads and messages, the server process, the barrier). Prints one
 JSON line: per-iteration seconds of each side, block by block; the CPU seconds per iteration of
-this process for each block and of the server process for each distributed block (from /proc,
-null where there is none); the same per thread, summed over the blocks of each side (this
+this process for each block and of the server process for each distributed block (from /proc:
+each thread's schedstat where the kernel keeps it, in nanoseconds; null where there is none);
+the same per thread, summed over the blocks of each side (this
 process's threads by their Python names, the server's by their OS names); and the distributed
 side's exposed sync time per iteration (its --stats records: from the end of backward until
 every sync is done), so the overhead can be split into where it goes.
@@ -43,6 +44,18 @@ def _cpu_fields(path):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _task_cpu(task):
+    """CPU seconds so far of one thread, `task` its /proc folder: schedstat's run time, in
+    nanoseconds, where the kernel keeps it; else stat's utime + stime, which count whole clock
+    ticks (10 ms), too coarse for threads that run a fraction of a millisecond an iteration.
+    Raises OSError/ValueError/IndexError."""
+    try:
+        with open(f"{task}/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return _cpu_fields(f"{task}/stat")
+
+
 def _thread_label(name):
     """A thread's name without its index in a pool ('sync_1' -> 'sync', 'ZMQbg/IO/0' ->
     'ZMQbg/IO'), so a pool's threads add up under one label; 'recv-0' (the receive thread of
@@ -62,7 +75,7 @@ def thread_cpu(pid, names=None):
         return out
     for tid in tids:
         try:
-            cpu = _cpu_fields(f"{base}/{tid}/stat")
+            cpu = _task_cpu(f"{base}/{tid}")
             with open(f"{base}/{tid}/comm", encoding="ascii", errors="replace") as f:
                 name = (names or {}).get(int(tid)) or f.read().strip()
         except (OSError, ValueError, IndexError, AttributeError):
@@ -77,7 +90,14 @@ def _own_thread_names():
 
 
 def _process_cpu(pid):
-    """CPU seconds (user + system) of process pid so far, or None where /proc cannot say."""
+    """CPU seconds of process pid so far, or None where /proc cannot say: the sum over its
+    threads (schedstat, nanoseconds; the server's threads live as long as it does), else the
+    process's stat (whole clock ticks)."""
+    try:
+        base = f"/proc/{pid}/task"
+        return sum(_task_cpu(f"{base}/{tid}") for tid in os.listdir(base))
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return _cpu_fields(f"/proc/{pid}/stat")
     except (OSError, ValueError, IndexError, AttributeError):

@@ -132,7 +132,7 @@ def _overhead_parts(parts):
         return "n/a" if v is None else f"{v:.1f} ms"
     text = (f" Where it goes, per iteration (medians): this process's CPU {ms('worker_cpu_plain_ms')}"
             f" plain vs {ms('worker_cpu_distributed_ms')} distributed, the server process "
-            f"{ms('server_cpu_ms')} of CPU (a mean: it comes in clock ticks), and "
+            f"{ms('server_cpu_ms')} of CPU (a mean over the blocks), and "
             f"{ms('exposed_sync_ms')} of exposed sync (from the end of backward until every sync "
             f"is done).")
     threads = parts.get("threads_cpu_ms") or {}
