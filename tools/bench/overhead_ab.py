@@ -15,8 +15,9 @@ this process for each block and of the server process for each distributed block
 each thread's schedstat where the kernel keeps it, in nanoseconds; null where there is none);
 the same per thread, summed over the blocks of each side (this
 process's threads by their Python names, the server's by their OS names); and the distributed
-side's exposed sync time per iteration (its --stats records: from the end of backward until
-every sync is done), so the overhead can be split into where it goes.
+side's exposed sync time per iteration (DistributedSolver.last_sync: from the end of backward
+until every sync is done; the job runs without --stats, as users do by default), so the
+overhead can be split into where it goes.
 """
 import json
 import os
@@ -27,13 +28,16 @@ import threading
 import time
 
 
-def timed_steps(solver, n):
-    """Seconds of each of n single steps of solver."""
+def timed_steps(solver, n, exposed=None):
+    """Seconds of each of n single steps of solver; with `exposed` (a list), the distributed
+    solver's exposed sync of each step is appended to it (DistributedSolver.last_sync)."""
     times = []
     for _ in range(n):
         t = time.perf_counter()
         solver.step(1)
         times.append(time.perf_counter() - t)
+        if exposed is not None:
+            exposed.append(solver.last_sync["exposed_sync_s"])
     return times
 
 
@@ -115,8 +119,9 @@ def main(argv=None):
     from engine.solvers.solver import log_to_stderr
     log_to_stderr(logging.WARNING)
     address = f"tcp://127.0.0.1:{free_port()}"
-    stats = os.path.abspath("overhead-stats.jsonl")
-    options = dict(workers=1, servers=1, coordinator=address, sync="ps", stats=stats, **extra)
+    # no --stats: its line an iteration would be part of what is measured (0.1 ms); the exposed
+    # sync is read from the solver itself
+    options = dict(workers=1, servers=1, coordinator=address, sync="ps", **extra)
     server = subprocess.Popen(
         [sys.executable, "-c", "import json, sys, dist; dist.init(**json.loads(sys.argv[1]))",
          json.dumps(dict(options, rank=1))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -130,7 +135,7 @@ def main(argv=None):
         cpu = {"plain": [], "distributed": []}
         server_cpu = []
         threads = {"plain": {}, "distributed": {}, "server": {}}   # label -> CPU seconds
-        first_measured = distributed.iter
+        exposed = []
         me = os.getpid()
         for r in range(rounds):
             order = ("plain", "distributed") if r % 2 == 0 else ("distributed", "plain")
@@ -138,7 +143,8 @@ def main(argv=None):
                 t0 = thread_cpu(me, _own_thread_names())
                 c0, s0 = time.process_time(), _process_cpu(server.pid)
                 w0 = thread_cpu(server.pid) if side == "distributed" else {}
-                blocks[side].append(timed_steps(plain if side == "plain" else distributed, block))
+                blocks[side].append(timed_steps(plain, block) if side == "plain" else
+                                    timed_steps(distributed, block, exposed))
                 cpu[side].append((time.process_time() - c0) / block)
                 s1 = _process_cpu(server.pid)
                 _add_deltas(threads[side], t0, thread_cpu(me, _own_thread_names()))
@@ -154,25 +160,12 @@ def main(argv=None):
     per_iteration = {side: {label: seconds / measured for label, seconds in sorted(t.items())}
                      for side, t in threads.items()}
     print(json.dumps(dict(blocks, cpu=cpu, server_cpu=server_cpu, threads=per_iteration,
-                          exposed_s=_exposed_syncs(stats, first_measured))))
+                          exposed_s=exposed)))
 
 
 def _add_deltas(total, before, after):
     for label, seconds in after.items():
         total[label] = total.get(label, 0.0) + seconds - before.get(label, 0.0)
-
-
-def _exposed_syncs(stats, first_iteration):
-    """Worker 0's exposed sync time per measured iteration (its --stats records): from the end
-    of backward until the barrier is passed (the last sync runs on the training thread, so the
-    barrier's own wait is no longer where that time shows)."""
-    from dist.timeline import role_path
-    try:
-        with open(role_path(stats, "worker", 0), encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
-    return [r["exposed_sync_s"] for r in records if r.get("iter", -1) >= first_iteration]
 
 
 if __name__ == "__main__":
