@@ -262,20 +262,24 @@ class BatchNormLayer(Layer):
         scale = self.scale_after
         if not (self._centered and scale is not None and scale.prescaled):
             return
-        xp = self.xp
-        y3 = top[0].data.reshape(self._shape3)
-        inv = self._inv_std
-        split_range(lambda lo, hi: xp.multiply(self._x_norm[:, lo:hi], inv[lo:hi, None],
-                                               out=y3[:, lo:hi]),
-                    self._shape3[1], y3.size, xp)
+        self._x_hat_into(top[0].data.reshape(self._shape3))
         scale.prescaled = False
+
+    def _x_hat_into(self, out):
+        """out (N, C, spatial) = x-hat from a folded forward's x - mean, over the cores."""
+        xp, inv = self.xp, self._inv_std
+        split_range(lambda lo, hi: xp.multiply(self._x_norm[:, lo:hi], inv[lo:hi, None],
+                                               out=out[:, lo:hi]),
+                    self._shape3[1], out.size, xp)
 
     def normalized(self):
         """(x - mean) / sqrt(var + eps) of the last forward, as (N, C, spatial): what the top
         held after it (a Scale run in place next reads it instead of copying its input). After a
         folded forward it is made here from x - mean (normalized_parts avoids that)."""
         if self._centered:
-            return self._x_norm * self._inv_std.reshape(1, -1, 1)
+            out = self.xp.empty_like(self._x_norm)
+            self._x_hat_into(out)
+            return out
         return self._x_norm
 
     def normalized_parts(self):

@@ -94,18 +94,10 @@ def _own_thread_names():
 
 
 def _process_cpu(pid):
-    """CPU seconds of process pid so far, or None where /proc cannot say: the sum over its
-    threads (schedstat, nanoseconds; the server's threads live as long as it does), else the
-    process's stat (whole clock ticks)."""
-    try:
-        base = f"/proc/{pid}/task"
-        return sum(_task_cpu(f"{base}/{tid}") for tid in os.listdir(base))
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return _cpu_fields(f"/proc/{pid}/stat")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+    """CPU seconds of process pid so far (the sum over its threads, thread_cpu: the server's
+    live as long as it does), or None where /proc cannot say."""
+    threads = thread_cpu(pid)
+    return sum(threads.values()) if threads else None
 
 
 def main(argv=None):
@@ -140,15 +132,17 @@ def main(argv=None):
         for r in range(rounds):
             order = ("plain", "distributed") if r % 2 == 0 else ("distributed", "plain")
             for side in order:
+                dist_side = side == "distributed"
                 t0 = thread_cpu(me, _own_thread_names())
-                c0, s0 = time.process_time(), _process_cpu(server.pid)
-                w0 = thread_cpu(server.pid) if side == "distributed" else {}
-                blocks[side].append(timed_steps(plain, block) if side == "plain" else
-                                    timed_steps(distributed, block, exposed))
+                s0 = _process_cpu(server.pid) if dist_side else None
+                w0 = thread_cpu(server.pid) if dist_side else {}
+                c0 = time.process_time()
+                blocks[side].append(timed_steps(distributed, block, exposed) if dist_side else
+                                    timed_steps(plain, block))
                 cpu[side].append((time.process_time() - c0) / block)
-                s1 = _process_cpu(server.pid)
                 _add_deltas(threads[side], t0, thread_cpu(me, _own_thread_names()))
-                if side == "distributed":
+                if dist_side:
+                    s1 = _process_cpu(server.pid)
                     server_cpu.append(None if s0 is None or s1 is None else (s1 - s0) / block)
                     _add_deltas(threads["server"], w0, thread_cpu(server.pid))
         distributed.finish()
