@@ -84,6 +84,37 @@ def test_single_node_overhead_passes_options_to_both_processes(tmp_path):
     assert bad["status"] == "failed" and "--comm-priority takes normal or idle" in bad["reason"]
 
 
+def test_part_c_variants_name_their_flag_and_threads(monkeypatch):
+    """Part c's figures beside the default: each names the flag users give, the options both
+    processes get and its compute threads; on more than one core one of them trains on one
+    thread, leaving a core to the sync path. The target row and the report show each measured
+    variant by its flag; the default alone decides the target."""
+    monkeypatch.setattr(dist_parts.os, "cpu_count", lambda: 2)
+    variants = {v[0]: v for v in dist_parts.overhead_variants()}
+    assert variants["one_thread"][1] == "POSEIDON_THREADS=1"
+    assert variants["one_thread"][2] == {} and variants["one_thread"][4] == 1
+    assert variants["layers_alone"][2] == {"bucket_bytes": 0}
+    assert all(v[4] is None for key, v in variants.items() if key != "one_thread")
+    assert dist_parts.overhead_variants(quick=True) == []
+    monkeypatch.setattr(dist_parts.os, "cpu_count", lambda: 1)
+    assert "one_thread" not in {v[0] for v in dist_parts.overhead_variants()}
+    monkeypatch.setattr(dist_parts.os, "cpu_count", lambda: 2)
+
+    def part_c(overhead):
+        s = {"median": 0.05, "min": 0.05, "max": 0.05, "runs": [0.05]}
+        return {"status": "measured", "net": "cifar10_quick", "overhead": overhead,
+                "overhead_rounds": dict(s, median=overhead), "overhead_interval95": None,
+                "plain_engine_s": s, "distributed_s": s, "note": "n", "where_it_goes": None}
+
+    d = {"single_node_overhead": part_c(0.02), "single_node_overhead_one_thread": part_c(0.004)}
+    row = [r for r in report.targets({"distributed": d})
+           if r[0] == report.TARGETS[3][0]][0]
+    assert row[2] == "+2.0%; with `POSEIDON_THREADS=1` +0.4%" and row[3] is False
+    (flag, note, shown), = report._overhead_variants(d)     # what the report's part c lists
+    assert flag == "POSEIDON_THREADS=1" and note.startswith("both sides train on one thread")
+    assert shown["overhead"] == 0.004
+
+
 def test_transport_measures_tcp_and_unix_socket_sides(tmp_path):
     """Part d end to end (--quick: a 4 MiB parameter, one round): the KV jobs over TCP with CURVE,
     with --insecure, and over Unix sockets, each beside raw ZeroMQ of the same route; the raw

@@ -148,8 +148,9 @@ def comm_priority_supported():
 
 
 # Part c's figures besides the default: (results key suffix, the flag as users give it, options,
-# what it does). The default on one host (--bucket-bytes auto) holds all of cifar10_quick's
-# 0.58 MB of parameters in one bucket: one sync an iteration.
+# what it does, compute threads or None for the machine's). The default on one host
+# (--bucket-bytes auto) holds all of cifar10_quick's 0.58 MB of parameters in one bucket: one
+# sync an iteration.
 
 
 def overhead_variants(quick=False):
@@ -158,29 +159,41 @@ def overhead_variants(quick=False):
         return []
     variants = [("ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
                  "every message through ZeroMQ: no direct links for the KV pushes and their "
-                 "answers, dist/directlink.py")]
+                 "answers, dist/directlink.py", None)]
     if comm_priority_supported():
         variants.append(("comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
                          "the sync path's threads and the server at SCHED_IDLE, "
-                         "dist/priority.py"))
+                         "dist/priority.py", None))
     variants.append(("layers_alone", "--bucket-bytes 0", {"bucket_bytes": 0},
                      "each layer synced alone right after its backward: the paper's WFBP, the "
                      "default across hosts; on one host `auto` puts layers of up to 1 MB in all "
-                     "into one sync, dist/book.sync_groups"))
+                     "into one sync, dist/book.sync_groups", None))
+    if (os.cpu_count() or 1) > 1:
+        variants.append(("one_thread", "POSEIDON_THREADS=1", {},
+                         "both sides train on one thread (BLAS too), so a core is left to the "
+                         "sync path and the server, as on a machine with cores to spare: what "
+                         "the round trip costs when it takes no core from training", 1))
     return variants
 
 
-def single_node_overhead(workdir, quick=False, runs=5, threads=None, block=2, warmup=3,
-                         options=None):
+# Rounds of part c, whatever --runs (its figure is a median over rounds, not over runs). One
+# round's ratio moves by +-12% on this shared machine, so the median of 24 rounds (8 per run
+# until 2026-11-25) came out anywhere from -0.1 to +3.5% for the same code within an hour, its 95%
+# interval about +-3%; 96 rounds gave +2.5, +1.6 and +2.2%, intervals about +-1.2%, for 24 s a
+# figure (cifar10_quick, 2 threads).
+ROUNDS = 96
+
+
+def single_node_overhead(workdir, quick=False, threads=None, block=2, warmup=3, options=None):
     """The plain engine and 1 worker + 1 server (`--sync ps`) on the same solver file, in one
     child process taking turns in blocks of `block` iterations (tools/bench/overhead_ab.py), the
-    order swapped every round; 8 rounds per run. Per round the ratio of the two blocks' medians;
-    the overhead is the median of those ratios."""
+    order swapped every round, ROUNDS rounds (4 with `quick`). Per round the ratio of the two
+    blocks' medians; the overhead is the median of those ratios."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
     net = nets.cifar10_quick(20 if quick else 100)
-    rounds = 4 if quick else 8 * max(1, int(runs))
+    rounds = 4 if quick else ROUNDS
     folder = Path(workdir) / "overhead"
     solver_path = nets.write_solver_files(net, folder, 10 ** 6)
     env = dict(os.environ)

@@ -110,7 +110,7 @@ def _overhead_variants(d):
     default."""
     from .dist_parts import overhead_variants
     return [(flag, note, d[f"single_node_overhead_{key}"] or {})
-            for key, flag, _, note in overhead_variants()
+            for key, flag, _, note, _ in overhead_variants()
             if f"single_node_overhead_{key}" in d]
 
 

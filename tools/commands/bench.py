@@ -146,11 +146,11 @@ def run(args):
                 dist_results["single_node_overhead"] = dist_parts.not_measured(
                     "skipped in --quick (it starts a distributed job)")
             else:
-                dist_results["single_node_overhead"] = dist_parts.single_node_overhead(
-                    work, runs=runs)
+                dist_results["single_node_overhead"] = dist_parts.single_node_overhead(work)
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
-            for key, flag, options, _ in dist_parts.overhead_variants(args.quick):
-                variant = dist_parts.single_node_overhead(work / key, runs=runs, options=options)
+            for key, flag, options, _, threads in dist_parts.overhead_variants(args.quick):
+                variant = dist_parts.single_node_overhead(work / key, options=options,
+                                                          threads=threads)
                 dist_results[f"single_node_overhead_{key}"] = variant
                 out(f"  with {flag}: {_status(variant, 'overhead', '{:+.1%}')}")
         if "d" in parts:
