@@ -32,7 +32,8 @@ def add(sub):
     p.add_argument("--out", default="bench-results", help="output folder (default bench-results/)")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute smoke run: small batches, 2 runs, no distributed jobs")
-    p.add_argument("--runs", type=positive_int, help="runs per figure (default 5; --quick 2)")
+    p.add_argument("--runs", type=positive_int, help="runs per figure (default 5; --quick 2); "
+                   "part c takes 96 rounds of its A/B whatever this says")
     p.add_argument("--threads", type=positive_int,
                    help="BLAS / PyTorch threads (default: the cores this process may use)")
     p.add_argument("--parts", default=",".join(PARTS),
