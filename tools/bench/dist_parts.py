@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy
 
 from . import nets
-from .env import median_interval, stats
+from .env import cpu_count, median_interval, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED_OPTIONS = ("workers", "servers", "sync", "no_overlap", "stats", "timeline", "bandwidth",
@@ -168,7 +168,7 @@ def overhead_variants(quick=False):
                      "each layer synced alone right after its backward: the paper's WFBP, the "
                      "default across hosts; on one host `auto` puts layers of up to 1 MB in all "
                      "into one sync, dist/book.sync_groups", None))
-    if (os.cpu_count() or 1) > 1:
+    if cpu_count() > 1:
         variants.append(("one_thread", "POSEIDON_THREADS=1", {},
                          "both sides train on one thread (BLAS too), so a core is left to the "
                          "sync path and the server, as on a machine with cores to spare: what "
