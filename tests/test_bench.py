@@ -57,6 +57,9 @@ def test_bench_quick_writes_results(tmp_path):
         if results["distributed"][part]["status"] != "measured":
             assert results["distributed"][part]["reason"]
     assert len(results["targets"]) == 6
+    spent = results["part_seconds"]                 # where the run's time went, part by part
+    assert set(spent) == set("abcdef") and all(v >= 0 for v in spent.values())
+    assert sum(spent.values()) <= results["runtime_s"]
     real, = results["real_nets"]                       # part f, --quick: alexnet at batch 2
     assert (real["model"], real["batch"]) == ("alexnet", 2)
     assert real["engine_ms"]["median"] > 0 and len(real["engine_ms"]["runs"]) == meta["runs"]
@@ -66,7 +69,7 @@ def test_bench_quick_writes_results(tmp_path):
     else:
         assert real["torch_note"] and real["ratio"] is None
     md = (out / "results.md").read_text()
-    assert "## Targets" in md and "cifar10_quick" in md
+    assert "## Targets" in md and "cifar10_quick" in md and "; part by part: a " in md
     assert "## f. Real networks" in md and "| alexnet | 2 |" in md
     if plots:
         for name in results["plots"]:

@@ -118,12 +118,22 @@ def run(args):
         results["gemm_peak_call"] = dict(results["gemm_peak"])
     results["gemm_peak_call"]["threads"] = call_threads
 
+    seconds = results["part_seconds"] = {}       # where the run's time goes, part by part
+    mark = time.perf_counter()
+
+    def part_done(part):
+        nonlocal mark
+        now = time.perf_counter()
+        seconds[part] = round(now - mark, 1)
+        mark = now
+
     if "a" in parts:
         from tools.bench import throughput
         out("a. training throughput (engine vs PyTorch CPU, interleaved)")
         results["throughput"] = throughput.measure(
             bench_nets, threads, runs=runs, run_s=0.3 if args.quick else 2.0,
             with_torch=not args.no_torch, log=out)
+        part_done("a")
     if "b" in parts:
         from tools.bench import layers
         out("b. per-layer times")
@@ -131,11 +141,13 @@ def run(args):
                                            call_peak_gflops=results["gemm_peak_call"]["peak"],
                                            runs=runs, iterations=1 if args.quick else 4, log=out,
                                            with_torch=not args.no_torch)
+        part_done("b")
     if "f" in parts:
         out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
         results["real_nets"] = model_ref.measure(
             real_nets, threads, rounds=min(runs, 3), iterations=1 if args.quick else 2,
             with_torch=not args.no_torch, log=out)
+        part_done("f")
     dist_results = {}
     need_dist = [p for p in ("c", "d", "e") if p in parts]
     if need_dist:
@@ -149,11 +161,13 @@ def run(args):
             else:
                 dist_results["single_node_overhead"] = dist_parts.single_node_overhead(work)
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
-            for key, flag, options, _, threads in dist_parts.overhead_variants(args.quick):
+            for key, flag, options, _, variant_threads in dist_parts.overhead_variants(
+                    args.quick):
                 variant = dist_parts.single_node_overhead(work / key, options=options,
-                                                          threads=threads)
+                                                          threads=variant_threads)
                 dist_results[f"single_node_overhead_{key}"] = variant
                 out(f"  with {flag}: {_status(variant, 'overhead', '{:+.1%}')}")
+            part_done("c")
         if "d" in parts:
             out("d. KV-store push+pull vs raw ZeroMQ (CURVE and plain)")
             if args.quick:
@@ -166,6 +180,7 @@ def run(args):
                 f" (TCP, CURVE both; --insecure vs plain {t['ratio_insecure']:.0%}; Unix "
                 f"sockets {t['ratio_ipc']:.0%})"
                 if t.get("ratio_ipc") is not None else ""))
+            part_done("d")
         if "e" in parts:
             out(f"e. scaling under a {args.bandwidth} cap")
             dist_results["scaling"] = dist_parts.scaling(
@@ -174,6 +189,7 @@ def run(args):
             out(f"  {dist_results['scaling']['status']}"
                 + (f": {dist_results['scaling'].get('reason')}"
                    if dist_results['scaling'].get('reason') else ""))
+            part_done("e")
     for key in ("single_node_overhead", "transport", "scaling"):
         dist_results.setdefault(key, {"status": "not measured",
                                       "reason": "part not selected (--parts)"})
@@ -189,7 +205,8 @@ def run(args):
     out_dir = report.write(results, args.out, with_plots=not args.no_plots)
     out(f"wrote {out_dir / 'results.json'}, {out_dir / 'results.md'}"
         + (f" and {len(results['plots'])} plots" if results.get("plots") else "")
-        + f" in {results['runtime_s']:.0f} s")
+        + f" in {results['runtime_s']:.0f} s"
+        + (f" ({', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())})" if seconds else ""))
     return 0
 
 
