@@ -90,14 +90,14 @@ def test_part_c_variants_name_their_flag_and_threads(monkeypatch):
     thread, leaving a core to the sync path. The target row and the report show each measured
     variant by its flag; the default alone decides the target."""
     monkeypatch.setattr(dist_parts, "cpu_count", lambda: 2)
-    variants = {v[0]: v for v in dist_parts.overhead_variants()}
-    assert variants["one_thread"][1] == "POSEIDON_THREADS=1"
-    assert variants["one_thread"][2] == {} and variants["one_thread"][4] == 1
-    assert variants["layers_alone"][2] == {"bucket_bytes": 0}
-    assert all(v[4] is None for key, v in variants.items() if key != "one_thread")
+    variants = {v.key: v for v in dist_parts.overhead_variants()}
+    one = variants["one_thread"]
+    assert one.flag == "POSEIDON_THREADS=1" and one.options == {} and one.threads == 1
+    assert variants["layers_alone"].options == {"bucket_bytes": 0}
+    assert all(v.threads is None for key, v in variants.items() if key != "one_thread")
     assert dist_parts.overhead_variants(quick=True) == []
     monkeypatch.setattr(dist_parts, "cpu_count", lambda: 1)
-    assert "one_thread" not in {v[0] for v in dist_parts.overhead_variants()}
+    assert "one_thread" not in {v.key for v in dist_parts.overhead_variants()}
     monkeypatch.setattr(dist_parts, "cpu_count", lambda: 2)
 
     def part_c(overhead):

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import numpy
 
@@ -147,32 +148,40 @@ def comm_priority_supported():
     return supported()
 
 
-# Part c's figures besides the default: (results key suffix, the flag as users give it, options,
-# what it does, compute threads or None for the machine's). The default on one host
-# (--bucket-bytes auto) holds all of cifar10_quick's 0.58 MB of parameters in one bucket: one
-# sync an iteration.
+class OverheadVariant(NamedTuple):
+    """One of part c's figures besides the default. The default on one host (--bucket-bytes
+    auto) holds all of cifar10_quick's 0.58 MB of parameters in one bucket: one sync an
+    iteration."""
+    key: str                 # results key suffix: single_node_overhead_<key>
+    flag: str                # the flag as users give it
+    options: dict            # DistOptions for both processes
+    note: str                # what it does, for the report
+    threads: Optional[int]   # compute threads of both sides (None: the machine's)
 
 
 def overhead_variants(quick=False):
     """The option sets part c measures after the default one (none in --quick)."""
     if quick:
         return []
-    variants = [("ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
-                 "every message through ZeroMQ: no direct links for the KV pushes and their "
-                 "answers, dist/directlink.py", None)]
+    variants = [OverheadVariant(
+        "ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
+        "every message through ZeroMQ: no direct links for the KV pushes and their answers, "
+        "dist/directlink.py", None)]
     if comm_priority_supported():
-        variants.append(("comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
-                         "the sync path's threads and the server at SCHED_IDLE, "
-                         "dist/priority.py", None))
-    variants.append(("layers_alone", "--bucket-bytes 0", {"bucket_bytes": 0},
-                     "each layer synced alone right after its backward: the paper's WFBP, the "
-                     "default across hosts; on one host `auto` puts layers of up to 1 MB in all "
-                     "into one sync, dist/book.sync_groups", None))
+        variants.append(OverheadVariant(
+            "comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
+            "the sync path's threads and the server at SCHED_IDLE, dist/priority.py", None))
+    variants.append(OverheadVariant(
+        "layers_alone", "--bucket-bytes 0", {"bucket_bytes": 0},
+        "each layer synced alone right after its backward: the paper's WFBP, the default across "
+        "hosts; on one host `auto` puts layers of up to 1 MB in all into one sync, "
+        "dist/book.sync_groups", None))
     if cpu_count() > 1:
-        variants.append(("one_thread", "POSEIDON_THREADS=1", {},
-                         "both sides train on one thread (BLAS too), so a core is left to the "
-                         "sync path and the server, as on a machine with cores to spare: what "
-                         "the round trip costs when it takes no core from training", 1))
+        variants.append(OverheadVariant(
+            "one_thread", "POSEIDON_THREADS=1", {},
+            "both sides train on one thread (BLAS too), so a core is left to the sync path and "
+            "the server, as on a machine with cores to spare: what the round trip costs when it "
+            "takes no core from training", 1))
     return variants
 
 

@@ -109,9 +109,8 @@ def _overhead_variants(d):
     """[(flag as given, what it does, part c result)] of the variants part c measured after the
     default."""
     from .dist_parts import overhead_variants
-    return [(flag, note, d[f"single_node_overhead_{key}"] or {})
-            for key, flag, _, note, _ in overhead_variants()
-            if f"single_node_overhead_{key}" in d]
+    return [(v.flag, v.note, d[f"single_node_overhead_{v.key}"] or {})
+            for v in overhead_variants() if f"single_node_overhead_{v.key}" in d]
 
 
 def _interval(c):

@@ -161,12 +161,11 @@ def run(args):
             else:
                 dist_results["single_node_overhead"] = dist_parts.single_node_overhead(work)
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
-            for key, flag, options, _, variant_threads in dist_parts.overhead_variants(
-                    args.quick):
-                variant = dist_parts.single_node_overhead(work / key, options=options,
-                                                          threads=variant_threads)
-                dist_results[f"single_node_overhead_{key}"] = variant
-                out(f"  with {flag}: {_status(variant, 'overhead', '{:+.1%}')}")
+            for v in dist_parts.overhead_variants(args.quick):
+                variant = dist_parts.single_node_overhead(work / v.key, options=v.options,
+                                                          threads=v.threads)
+                dist_results[f"single_node_overhead_{v.key}"] = variant
+                out(f"  with {v.flag}: {_status(variant, 'overhead', '{:+.1%}')}")
             part_done("c")
         if "d" in parts:
             out("d. KV-store push+pull vs raw ZeroMQ (CURVE and plain)")
