@@ -93,11 +93,15 @@ def _own_thread_names():
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
-def _process_cpu(pid):
-    """CPU seconds of process pid so far (the sum over its threads, thread_cpu: the server's
-    live as long as it does), or None where /proc cannot say."""
-    threads = thread_cpu(pid)
+def _cpu_total(threads):
+    """A process's CPU seconds from its threads' (thread_cpu: the server's live as long as it
+    does), or None where /proc could not say."""
     return sum(threads.values()) if threads else None
+
+
+def _process_cpu(pid):
+    """CPU seconds of process pid so far, or None where /proc cannot say."""
+    return _cpu_total(thread_cpu(pid))
 
 
 def main(argv=None):
@@ -134,17 +138,17 @@ def main(argv=None):
             for side in order:
                 dist_side = side == "distributed"
                 t0 = thread_cpu(me, _own_thread_names())
-                s0 = _process_cpu(server.pid) if dist_side else None
                 w0 = thread_cpu(server.pid) if dist_side else {}
                 c0 = time.process_time()
                 blocks[side].append(timed_steps(distributed, block, exposed) if dist_side else
                                     timed_steps(plain, block))
                 cpu[side].append((time.process_time() - c0) / block)
                 _add_deltas(threads[side], t0, thread_cpu(me, _own_thread_names()))
-                if dist_side:
-                    s1 = _process_cpu(server.pid)
+                if dist_side:             # one read of the server's threads per end
+                    w1 = thread_cpu(server.pid)
+                    s0, s1 = _cpu_total(w0), _cpu_total(w1)
                     server_cpu.append(None if s0 is None or s1 is None else (s1 - s0) / block)
-                    _add_deltas(threads["server"], w0, thread_cpu(server.pid))
+                    _add_deltas(threads["server"], w0, w1)
         distributed.finish()
         server.wait(timeout=60)
     finally:

@@ -180,14 +180,18 @@ def _mm(s, fmt="{:.0f}", scale=1.0):
             + fmt.format(s["max"] * scale) + ")")
 
 
+def part_times_text(part_seconds):
+    """'a 69 s, b 21 s, ...': where a run's time went, part by part."""
+    return ", ".join(f"{part} {s:.0f} s" for part, s in part_seconds.items())
+
+
 def markdown(results):
     m = results["meta"]
     blas = m["blas"]
     parts = results.get("part_seconds") or {}
     lines = [f"# poseidon bench: {m['date']}", "",
              f"- command: `{m['command']}` ({results.get('runtime_s', 0):.0f} s"
-             + (f"; part by part: {', '.join(f'{k} {v:.0f} s' for k, v in parts.items())}"
-                if parts else "") + ")",
+             + (f"; part by part: {part_times_text(parts)}" if parts else "") + ")",
              f"- machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, numpy "
              f"{m['numpy']}; {m['platform']}",
              f"- numpy BLAS: {blas.get('library')} {blas.get('version') or ''}, kernel "

@@ -205,7 +205,7 @@ def run(args):
     out(f"wrote {out_dir / 'results.json'}, {out_dir / 'results.md'}"
         + (f" and {len(results['plots'])} plots" if results.get("plots") else "")
         + f" in {results['runtime_s']:.0f} s"
-        + (f" ({', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())})" if seconds else ""))
+        + (f" ({report.part_times_text(seconds)})" if seconds else ""))
     return 0
 
 
