@@ -52,6 +52,7 @@ RULES = {
     Msg.CURSOR: ("worker0", "other worker", (0, 0), ("iter",)),
 }
 JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a float64 vector
+SHARED_TYPES = {Msg.KV_PUSH, Msg.KV_VALUE}            # may keep their arrays in shared memory
 
 
 def _is(role, rank, roles):
@@ -120,6 +121,10 @@ class WireRules:
         for f in fields:
             if not isinstance(msg.obj, dict) or f not in msg.obj:
                 return f"{name} lacks the field '{f}'"
+        if msg.shared:                         # arrays in the server's shared memory (kvshm)
+            if msg.type not in SHARED_TYPES:
+                return f"{name} cannot keep its arrays in shared memory"
+            least = most = 0
         if not least <= len(msg.arrays) <= most:
             return (f"{name} carries {len(msg.arrays)} arrays, expected "
                     f"{least if least == most else f'{least} to {most}'}")
@@ -131,6 +136,8 @@ class WireRules:
         if reason is not None:
             return reason
         if self.book is not None:
+            if msg.shared:
+                return self._check_shared(msg, name)
             if msg.type == Msg.KV_VALUE:       # the common case, checked without building lists
                 server, shapes = self._values.get(msg.key, (None, ()))
                 dtype, arrays = self._dtype, msg.arrays
@@ -169,6 +176,19 @@ class WireRules:
                     f"{self.namer(sender)}")
         if not _is(receivers, self.rank, roles):
             return f"{name} is not a message {self.namer(self.rank)} takes"
+        return None
+
+    def _check_shared(self, msg, name):
+        """A shared answer: from the server of the message it names (the push is checked by
+        the server, which knows its own memory)."""
+        if msg.type != Msg.KV_VALUE:
+            return None
+        server, _ = self._values.get(msg.key, (None, ()))
+        if server is None:
+            return f"{name} for KV pair {msg.key}, which is not the first pair of a message"
+        if msg.sender != server:
+            return (f"{name} for KV pair {msg.key} from {self.namer(msg.sender)}, but the pair "
+                    f"lives on {self.namer(server)}")
         return None
 
     def _check_shapes(self, msg, name):

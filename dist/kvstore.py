@@ -21,6 +21,11 @@ Why it is built this way (the paper's KV store, made exact):
   above) or `average` (reply with the mean gradient, for schemes that update on the workers).
 - `--straggler-timeout` and `--staleness` relax BSP through a policy (dist/consistency.py) that
   takes over pushes; with neither, `self.policy` is None and the path above is untouched.
+- On one host (`--ipc auto`, BSP, the update handler) the values live in the server's shared
+  memory (dist/kvshm.py) beside a gradient region per worker: a worker that mapped it pushes a
+  header alone, its gradient already in its region, and is answered with a header alone, the
+  values updated in place. Others push and are answered with arrays, as before; one pair may
+  have both kinds of worker.
 """
 import json
 import threading
@@ -28,6 +33,7 @@ import time
 
 import numpy
 
+from . import kvshm
 from .consistency import make_policy, rank_order_sum
 from .errors import DistError
 from .transport import Msg
@@ -35,7 +41,7 @@ from .transport import Msg
 
 class PairState:
     __slots__ = ("id", "param", "offset", "length", "value", "state", "lr_mult", "decay_mult",
-                 "grads", "have", "count", "iteration", "receipts")
+                 "grads", "have", "count", "iteration", "receipts", "shared")
 
     def __init__(self, rec, param, workers, dtype, rule):
         self.id, self.param = rec["id"], rec["param"]
@@ -48,6 +54,7 @@ class PairState:
         self.count = 0
         self.iteration = None
         self.receipts = []
+        self.shared = [False] * workers       # whether each worker's push came in shared memory
 
 
 class UpdateHandler:
@@ -91,7 +98,8 @@ class KVServer:
 
     MESSAGES = (Msg.KV_INIT, Msg.KV_INIT_DONE, Msg.KV_PUSH, Msg.KV_GET, Msg.KV_SHUTDOWN)
 
-    def __init__(self, transport, book, roles, rule, stats_path=None, handler="update", log=None):
+    def __init__(self, transport, book, roles, rule, stats_path=None, handler="update", log=None,
+                 memory=None):
         self.transport = transport
         self.book = book
         self.roles = roles
@@ -108,6 +116,12 @@ class KVServer:
                         for b in book.bundles_on_server(self.index)}
         self.handler = HANDLERS[handler](self)
         self.policy = make_policy(self, book.options)
+        self.segment = None                   # kvshm.Segment: values and gradients, shared
+        if memory is not None and self.policy is None and self.handler.name == "update":
+            self.segment = memory.allocate(kvshm.Layout(book, self.index, self.workers))
+        if self.segment is not None:
+            for pair in self.pairs.values():
+                pair.value = self.segment.values(pair.id)
         self._scratch = None
         self.stats_path = stats_path
         self._stats_file = open(stats_path, "w", encoding="utf-8") if stats_path else None
@@ -229,7 +243,16 @@ class KVServer:
                         f"{self.dtype.name}[{pair.length}]")
         return None
 
-    def _bad_push(self, msg, pairs):
+    def _pushed_arrays(self, msg, pairs):
+        """The gradients a push brings: its arrays, or for a push in shared memory the views of
+        the sender's region (None when this server has no shared memory or no such worker)."""
+        if not msg.shared:
+            return msg.arrays
+        if self.segment is None or not 0 <= msg.sender < self.workers:
+            return None
+        return [self.segment.grads(msg.sender, pair.id) for pair in pairs]
+
+    def _bad_push(self, msg, pairs, arrays):
         """Why a push cannot be taken now, or None (it is taken or dropped whole). A push of the
         pairs' current iteration from a worker that has not pushed them yet, with a wrong shape or
         dtype, is remembered: if that worker sends nothing valid for the pair within half of
@@ -238,9 +261,12 @@ class KVServer:
         first = pairs[0]
         if not 0 <= r < self.workers:
             return f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)}, which is not a worker"
-        if len(msg.arrays) != len(pairs):
+        if arrays is None:
+            return (f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)} says its gradient "
+                    f"is in shared memory, but {self.roles.name(self.transport.rank)} offers none")
+        if len(arrays) != len(pairs):
             return (f"KV_PUSH of KV pair {first.id} from {self.roles.name(r)} carries "
-                    f"{len(msg.arrays)} arrays, its message holds {len(pairs)} pairs in the book")
+                    f"{len(arrays)} arrays, its message holds {len(pairs)} pairs in the book")
         if first.iteration is None:
             return (f"{self.roles.name(r)} pushed KV pair {first.id} before worker 0 initialised "
                     f"the servers")
@@ -249,7 +275,7 @@ class KVServer:
                     f"{msg.iteration}, the pair is at iteration {first.iteration}")
         if self.policy is None and first.have[r]:
             return f"{self.roles.name(r)} pushed KV pair {first.id} twice in iteration {msg.iteration}"
-        for pair, array in zip(pairs, msg.arrays):
+        for pair, array in zip(pairs, arrays):
             bad = self._bad_arrays(msg, pair, [array])
             if bad is not None:
                 others = [w for w in range(self.workers) if pair.have[w]]
@@ -315,19 +341,22 @@ class KVServer:
         pairs = self._bundle(msg)
         if pairs is None:
             return
-        bad = self._bad_push(msg, pairs)
+        arrays = self._pushed_arrays(msg, pairs)
+        bad = self._bad_push(msg, pairs, arrays)
         if bad is not None:
             return self.transport.drop(msg, bad)
         r = msg.sender
         if self.policy is not None:          # relaxed consistency: one pair per message (book)
             return self.policy.on_push(pairs[0], msg)
-        for pair, array in zip(pairs, msg.arrays):
+        for pair, array in zip(pairs, arrays):
             self._suspects.pop((pair.id, r), None)
             pair.grads[r] = array
             pair.have[r] = True
+            pair.shared[r] = msg.shared
             pair.count += 1
         st = self._stats(msg.iteration)
-        st["recv_payload"] += msg.payload_bytes
+        st["recv_payload"] += (msg.payload_bytes if not msg.shared else
+                               sum(a.nbytes for a in arrays))
         st["recv_header"] += msg.header_bytes
         if pairs[0].count < self.workers:     # a message's pairs are pushed, so complete, together
             return
@@ -342,16 +371,23 @@ class KVServer:
         and open their next iteration (BSP here, and the straggler policy once its deadline has
         passed). Each pair keeps the receipts: its value is not touched until they are sent."""
         receipts = []
+        shared = pairs[0].shared
         for w in range(self.workers):
-            receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pairs[0].id, aux=aux,
-                                          arrays=outs)
-            receipts.append(receipt)
-            st["sent_payload"] += receipt.payload_bytes
+            if shared[w]:                     # the values are in place in the shared memory
+                receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pairs[0].id,
+                                              aux=aux, shared=True)
+                st["sent_payload"] += sum(a.nbytes for a in outs)
+            else:
+                receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pairs[0].id,
+                                              aux=aux, arrays=outs)
+                receipts.append(receipt)
+                st["sent_payload"] += receipt.payload_bytes
             st["sent_header"] += receipt.header_bytes
         for pair in pairs:
             pair.receipts = receipts
             pair.count = 0
             pair.have = [False] * self.workers
+            pair.shared = [False] * self.workers
             pair.iteration = it + 1
         st["pairs_done"] += len(pairs)
         if st["pairs_done"] == len(self.pairs):

@@ -11,7 +11,7 @@ from .placement import DEFAULT_PAIR_BYTES, parse_bytes
 from .priority import CHOICES as COMM_PRIORITIES
 from .transport import parse_bandwidth
 
-IPC_CHOICES = ("auto", "zmq", "off")
+IPC_CHOICES = ("auto", "links", "zmq", "off")
 
 
 def _nonneg_int(text):
@@ -156,9 +156,19 @@ def add_dist_options(parser):
                    help="auto: processes of the job on one host talk over Unix sockets in "
                    "private folders, without CURVE (only this user can reach them), and a "
                    "worker's KV pushes and their answers go on direct links that the waiting "
-                   "thread reads itself; zmq: the same Unix sockets, every message through "
+                   "thread reads itself, their arrays in the server's shared memory; links: "
+                   "the same, the arrays on the links; zmq: the same Unix sockets, every "
+                   "message through "
                    "ZeroMQ; off: TCP between every pair, as between hosts (default auto)")
     return parser
+
+
+def shared_kv_memory(opts):
+    """Whether KV pushes and answers on one host keep their arrays in the server's shared memory
+    (dist/kvshm.py): with --ipc auto, under BSP, and without the bandwidth cap (whose experiments
+    emulate a network the bytes must cross)."""
+    return (opts.ipc == "auto" and not opts.bandwidth and opts.straggler_timeout is None
+            and not opts.staleness)
 
 
 def check_consistency(opts):

@@ -6,6 +6,8 @@ parameters at their new values on this worker. PSScheme (here) and SFBScheme (di
 the paper's two; a third (ring allreduce, say) is a new class decorated with @register_scheme, and
 is chosen by `--sync NAME` or by extending BestScheme, with no change to the worker loop.
 """
+import numpy
+
 from engine.solvers.solver import all_finite, param_label
 
 from .cost import ps_cost
@@ -79,7 +81,9 @@ class PSScheme(Scheme):
 
     The gradient frames are views of the diff (CPU) or of pinned buffers (GPU), sent zero-copy;
     the values arrive bundle by bundle and are copied straight into the parameter (or its pinned
-    buffer, then one host-to-device copy per parameter)."""
+    buffer, then one host-to-device copy per parameter). To a server of this host that shares its
+    memory (dist/kvshm.py) the gradient is copied into this worker's region and the message is
+    a header; the answer is a header too, and the values are copied from the server's memory."""
 
     name = "ps"
 
@@ -97,23 +101,41 @@ class PSScheme(Scheme):
             self.params.append((pid, blob))
             for pair in pairs:
                 where[pair["id"]] = (pid, pair["offset"], pair["length"])
-        self.bundles = [(b["id"], w.server_rank(b["server"]), [where[k] for k in b["pairs"]])
-                        for b in w.book.bundles_of_layer(syncer.li)]
+        self.bundles = [(b["id"], w.server_rank(b["server"]), [where[k] for k in b["pairs"]],
+                         b["pairs"]) for b in w.book.bundles_of_layer(syncer.li)]
         self.receipts = []
+        self._shared = None                 # bundle id -> the server's kvshm.Segment or None
 
     @staticmethod
     def cost(rec, P1, P2):
         return ps_cost(rec["M"], rec["N"], P1, P2)
 
+    def _segments(self):
+        """Each bundle's server memory, looked up at the first sync (after the start barrier)."""
+        if self._shared is None:
+            t = self.worker.transport
+            self._shared = {key: t.kv_segment(server) for key, server, _, _ in self.bundles}
+        return self._shared
+
     def send(self, it, stats):
         w, stage = self.worker, self.syncer.stage
         flat = {pid: stage.to_host(blob.diff, ("g", pid)).reshape(-1) for pid, blob in self.params}
         stage.synchronize()
-        for key, server, parts in self.bundles:
+        shared = self._segments()
+        for key, server, parts, pair_ids in self.bundles:
             arrays = [flat[pid][off:off + n] for pid, off, n in parts]
-            receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key, arrays=arrays)
+            segment = shared[key]
+            if segment is None:
+                receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key,
+                                           arrays=arrays)
+                self.receipts.append(receipt)
+            else:
+                for k, a in zip(pair_ids, arrays):
+                    numpy.copyto(segment.grads(w.rank, k), a)
+                receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key,
+                                           shared=True)
+                receipt.payload_bytes = sum(a.nbytes for a in arrays)
             stats.sent(receipt)
-            self.receipts.append(receipt)
 
     def receive(self, it, stats):
         w, stage = self.worker, self.syncer.stage
@@ -121,14 +143,25 @@ class PSScheme(Scheme):
                        stage.buffer(("v", pid), blob.data.shape, blob.data.dtype))
                  for pid, blob in self.params}
         flat = {pid: host.reshape(-1) for pid, host in hosts.items()}
-        for key, server, parts in self.bundles:
+        shared = self._segments()
+        for key, server, parts, pair_ids in self.bundles:
             msg = w.transport.receive(
                 Msg.KV_VALUE, key, it, senders=[server],
                 what=f"the new values of {bundle_text(key, len(parts))} (layer "
                      f"'{self.syncer.name}', iteration {it})")[0]
-            for (pid, off, n), values in zip(parts, msg.arrays):
-                flat[pid][off:off + n] = values
-            stats.received(msg)
+            if msg.shared:
+                segment = shared[key]
+                if segment is None:
+                    raise DistError(f"{w.session.name}: {bundle_text(key, len(parts))} came "
+                                    f"back in shared memory, which this worker did not map")
+                for (pid, off, n), k in zip(parts, pair_ids):
+                    numpy.copyto(flat[pid][off:off + n], segment.values(k))
+                stats.received(msg)
+                stats.recv_payload += sum(n for _, _, n in parts) * segment.layout.dtype.itemsize
+            else:
+                for (pid, off, n), values in zip(parts, msg.arrays):
+                    flat[pid][off:off + n] = values
+                stats.received(msg)
             stats.reply_aux.append(msg.aux)
         if stage.on_gpu:
             for pid, blob in self.params:

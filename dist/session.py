@@ -14,7 +14,7 @@ import threading
 from . import faults
 from .coordinator import Coordinator, CoordinatorClient
 from .errors import DistError
-from .options import DistOptions
+from .options import DistOptions, shared_kv_memory
 from .stalls import watch_server
 from .roles import COORDINATOR, Roles, rank_from_environment
 from .security import resolve_keys
@@ -82,7 +82,8 @@ class Session:
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
                                       roles=self.roles, local_ipc=options.ipc != "off",
-                                      direct_links=options.ipc == "auto")
+                                      direct_links=options.ipc in ("auto", "links"),
+                                      shared_memory=shared_kv_memory(options))
         if self.coordinator is not None:   # one process: their messages skip the sockets
             self.transport.attach_local(COORDINATOR, self.coordinator.transport)
             self.coordinator.transport.attach_local(rank, self.transport)
@@ -152,7 +153,7 @@ class Session:
         param = caffe_pb2.SolverParameter()
         text_format.Parse(book.data["solver"], param)
         server = KVServer(self.transport, book, self.roles, make_rule(param),
-                          stats_path=stats_path, log=self.log)
+                          stats_path=stats_path, log=self.log, memory=self.transport.kv_memory)
         if self.options.comm_priority == "idle":      # a server does no training: all of it
             from .priority import idle_threads
             idle_threads()

@@ -40,7 +40,7 @@ from collections import defaultdict, deque
 import numpy
 import zmq
 
-from . import directlink, localipc, security
+from . import directlink, kvshm, localipc, security
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 
@@ -77,6 +77,8 @@ class Msg(enum.IntEnum):
 
 
 FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)
+FLAG_SHARED = 2        # a KV push or answer whose arrays are in the server's shared memory
+                       # (dist/kvshm.py): the message is its header alone
 
 _FIXED = struct.Struct("<BBhqiiH")     # type, flags, sender, iteration, key, aux, number of arrays
 _ARRAY = struct.Struct("<BB")          # dtype code, ndim (then ndim uint32 dims)
@@ -140,7 +142,7 @@ def decode_header(buf):
     mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(buf, 0)
     if mtype not in _KNOWN_TYPES:
         raise BadMessage(f"unknown message type {mtype}")
-    if flags & ~FLAG_JSON:
+    if flags & ~(FLAG_JSON | FLAG_SHARED):
         raise BadMessage(f"unknown flags 0x{flags:02x}")
     tail = (n, buf[_FIXED.size:])
     specs = _SPEC_CACHE.get(tail)
@@ -179,11 +181,12 @@ class Message:
     """A received message: header fields, arrays (views over frames this process owns), sizes."""
 
     __slots__ = ("type", "sender", "iteration", "key", "aux", "arrays", "obj", "header_bytes",
-                 "payload_bytes", "received_at")
+                 "payload_bytes", "received_at", "shared")
 
     def __init__(self, mtype, sender, iteration, key, aux, arrays, obj, header_bytes,
-                 payload_bytes):
+                 payload_bytes, shared=False):
         self.type = _BY_VALUE.get(mtype, mtype)
+        self.shared = shared             # its arrays are in the server's shared memory
         self.sender, self.iteration, self.key, self.aux = sender, iteration, key, aux
         self.arrays, self.obj = arrays, obj
         self.header_bytes, self.payload_bytes = header_bytes, payload_bytes
@@ -210,7 +213,8 @@ def _message(head, mtype, flags, sender, iteration, key, aux, arrays, payload):
             obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
-    return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload)
+    return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload,
+                   bool(flags & FLAG_SHARED))
 
 
 class Receipt:
@@ -439,7 +443,7 @@ class Transport:
     def connect(self, rank, address):
         raise NotImplementedError
 
-    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None):
+    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None, shared=False):
         raise NotImplementedError
 
     def receive(self, mtype, key, iteration, count=1, timeout=None, what=None, senders=None):
@@ -458,7 +462,7 @@ class ZmqTransport(Transport):
 
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
                  heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None,
-                 local_ipc=False, direct_links=None):
+                 local_ipc=False, direct_links=None, shared_memory=False):
         from .checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
@@ -480,6 +484,12 @@ class ZmqTransport(Transport):
         self._mine = threading.local()               # this thread's links and awaited answers
         self._links = []                             # every link this process opened
         self._answer_links = {}                      # (worker, key) -> (link, iteration of its push)
+        self._shared_wanted = self._direct_wanted and shared_memory
+        self.kv_memory = None                        # a server's kvshm.ServerMemory
+        self._kv_infos = {}                          # server rank -> its advertised kv memory
+        self._kv_segments = {}                       # server rank -> kvshm.Segment or None
+        self._roles = roles
+        self._book = None
         self.rules = WireRules(rank, roles, self._namer)
         self._taken = {}                             # (type, key) -> last iteration taken
         self._last_drop = {}                         # sender -> why its last message was dropped
@@ -535,6 +545,11 @@ class ZmqTransport(Transport):
             except OSError as e:
                 logging.getLogger("poseidon").warning(
                     f"{self.name}: no direct links ({e}); KV pushes on this host use ZeroMQ")
+        if (self._listener is not None and self._shared_wanted and self.kv_memory is None and
+                self._roles is not None and self._roles.is_server(self.rank)):
+            self.kv_memory = kvshm.ServerMemory.make()
+            if self.kv_memory is not None:
+                self.local_info["kv_memory"] = self.kv_memory.describe()
         if self.keys is not None:
             security.secure_server(self._inbox, self.keys)
         bind_host = "*" if host in ("0.0.0.0", "*") else host
@@ -575,6 +590,24 @@ class ZmqTransport(Transport):
             direct = localipc.reachable_direct(local) if ipc and self._direct_wanted else None
             if direct is not None:
                 self._direct_paths[rank] = direct
+                if self._shared_wanted and isinstance(local.get("kv_memory"), dict):
+                    self._kv_infos[rank] = local["kv_memory"]
+
+    def kv_segment(self, server):
+        """The shared memory of KV server rank `server` (dist/kvshm.py) mapped here, or None:
+        its pushes then carry their arrays. Looked up once (after the start barrier, when every
+        server has sized its memory for the book)."""
+        try:
+            return self._kv_segments[server]
+        except KeyError:
+            pass
+        segment = None
+        info = self._kv_infos.get(server)
+        if info is not None and self._book is not None and server in self._direct_paths:
+            layout = kvshm.Layout(self._book, self._roles.index(server), self._roles.workers)
+            segment = kvshm.open_segment(info, layout)
+        self._kv_segments[server] = segment
+        return segment
 
     def connected(self, rank):
         return rank in self._out
@@ -622,11 +655,12 @@ class ZmqTransport(Transport):
         self._thread.start()
 
     # ----- sending ----------------------------------------------------------------------------------
-    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None):
+    def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None, shared=False):
         """Send arrays (numpy, contiguous) and/or a JSON-able obj; returns a Receipt.
 
-        Frames of at least ZERO_COPY_BYTES go zero-copy: wait on the receipt before changing them."""
-        flags = 0
+        Frames of at least ZERO_COPY_BYTES go zero-copy: wait on the receipt before changing them.
+        shared: a KV push or answer whose arrays are in the server's shared memory (no arrays)."""
+        flags = FLAG_SHARED if shared else 0
         arrays = list(arrays)
         if obj is not None:
             arrays.insert(0, numpy.frombuffer(json.dumps(obj).encode("utf-8"), numpy.uint8))
@@ -806,6 +840,7 @@ class ZmqTransport(Transport):
 
     def set_book(self, book):
         """Check the shapes of what arrives against the book from now on (workers)."""
+        self._book = book
         self.rules.set_book(book)
 
     def next(self, timeout=None):

@@ -180,6 +180,7 @@ class Msg_:
     def __init__(self, mtype, sender, iteration, key, arrays):
         self.type, self.sender, self.iteration, self.key = mtype, sender, iteration, key
         self.arrays, self.payload_bytes, self.header_bytes = arrays, 8, 24
+        self.shared = False
 
 
 @pytest.mark.parametrize("handler", ["update", "average"])

@@ -30,12 +30,15 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("sync", ["ps", "sfb"])
-def test_payload_per_layer_per_iteration(data, tmp_path, sync):
+@pytest.mark.parametrize("sync,ipc", [("ps", "auto"), ("ps", "links"), ("sfb", "auto")])
+def test_payload_per_layer_per_iteration(data, tmp_path, sync, ipc):
+    """--ipc auto keeps a KV push's arrays in the server's shared memory (dist/kvshm.py): its
+    header then describes no arrays, and the payload counts the bytes moved through it."""
     P1, P2, K, iters = 3, 2, 4, 4
     stats = str(tmp_path / "stats.jsonl")
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=iters), P1, P2, sync=sync,
-                          stats=stats, kv_pair_bytes=8192, bucket_bytes=0)   # each layer alone
+                          stats=stats, kv_pair_bytes=8192, bucket_bytes=0,   # each layer alone
+                          ipc=ipc)
                           # (on one host --bucket-bytes auto would share one sync between them)
     book = solvers[0].book
     dims = {rec["name"]: (rec["M"], rec["N"]) for rec in book.layers}
@@ -57,8 +60,9 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync):
                     assert layer["sent_payload"] == layer["recv_payload"] == (M * N + M) * ITEM
                     n = pairs_of[name]
                     assert layer["messages_sent"] == layer["messages_received"] == n
+                    described = 0 if ipc == "auto" else 6 * arrays_of[name]
                     assert layer["sent_header"] == layer["recv_header"] == \
-                        n * FIXED_HEADER_BYTES + 6 * arrays_of[name]
+                        n * FIXED_HEADER_BYTES + described
                 else:
                     per_peer = (K * (M + N) + M) * ITEM
                     assert layer["sent_payload"] == layer["recv_payload"] == (P1 - 1) * per_peer
