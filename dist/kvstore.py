@@ -67,11 +67,11 @@ class UpdateHandler:
 
     def complete(self, pair, it):
         s = self.server
-        acc = rank_order_sum(pair, range(s.workers))   # the rule takes it as scratch
+        acc, live = s.gradient_sum(pair)     # the rule takes it as scratch unless it is live
         for receipt in pair.receipts:        # the last reply's frames may still be in flight
             receipt.wait()
         s.rule.update(pair.value, acc, pair.state, it, pair.lr_mult, pair.decay_mult,
-                      s.grad_scale)
+                      s.grad_scale, keep_grad=live)
         return pair.value
 
 
@@ -138,6 +138,21 @@ class KVServer:
         if self._scratch is None or self._scratch.size < n:
             self._scratch = numpy.empty(n, self.dtype)
         return self._scratch[:n]
+
+    def gradient_sum(self, pair):
+        """The pair's pushed gradients summed in rank order, and whether the result is a
+        worker's live buffer. A gradient in shared memory may be the worker's diff itself
+        (dist/worker.py places parameters there), so it is never written: with one worker it is
+        the sum as it is, which the rule must keep; with several the sum goes into scratch."""
+        if not any(pair.shared):
+            return rank_order_sum(pair, range(self.workers)), False
+        grads, pair.grads = pair.grads, [None] * self.workers
+        if self.workers == 1:
+            return grads[0], True
+        acc = numpy.add(grads[0], grads[1], out=self.scratch(pair.length))
+        for g in grads[2:]:
+            acc += g
+        return acc, False
 
     def bytes_held(self):
         return sum(p.length for p in self.pairs.values()) * self.dtype.itemsize

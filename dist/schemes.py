@@ -83,7 +83,9 @@ class PSScheme(Scheme):
     the values arrive bundle by bundle and are copied straight into the parameter (or its pinned
     buffer, then one host-to-device copy per parameter). To a server of this host that shares its
     memory (dist/kvshm.py) the gradient is copied into this worker's region and the message is
-    a header; the answer is a header too, and the values are copied from the server's memory."""
+    a header; the answer is a header too, and the values are copied from the server's memory.
+    A parameter the worker placed in that memory (DistributedSolver._place_in_kv_memory) is
+    copied neither way: its diff is the region, its data the server's values."""
 
     name = "ps"
 
@@ -130,8 +132,9 @@ class PSScheme(Scheme):
                                            arrays=arrays)
                 self.receipts.append(receipt)
             else:
-                for k, a in zip(pair_ids, arrays):
-                    numpy.copyto(segment.grads(w.rank, k), a)
+                for k, a, (pid, _, _) in zip(pair_ids, arrays, parts):
+                    if pid not in w.placed:     # a placed diff is already there
+                        numpy.copyto(segment.grads(w.rank, k), a)
                 receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key,
                                            shared=True)
                 receipt.payload_bytes = sum(a.nbytes for a in arrays)
@@ -155,7 +158,8 @@ class PSScheme(Scheme):
                     raise DistError(f"{w.session.name}: {bundle_text(key, len(parts))} came "
                                     f"back in shared memory, which this worker did not map")
                 for (pid, off, n), k in zip(parts, pair_ids):
-                    numpy.copyto(flat[pid][off:off + n], segment.values(k))
+                    if pid not in w.placed:     # a placed parameter is already updated
+                        numpy.copyto(flat[pid][off:off + n], segment.values(k))
                 stats.received(msg)
                 stats.recv_payload += sum(n for _, _, n in parts) * segment.layout.dtype.itemsize
             else:

@@ -137,6 +137,7 @@ class DistributedSolver:
         self._checks_it = None
         self._checks_cond = threading.Condition()
         self._zero_diffs = set()                # parameters whose diff is known to hold zeros
+        self.placed = set()                     # parameters kept in a server's shared memory
         self.syncers = {li: Syncer(self, li) for li in self.book.synced_layers()}
         # the sync that starts after the last backward has nothing left to overlap with: the main
         # thread runs it itself rather than wake a pool thread and then wait to be woken by it
@@ -233,6 +234,63 @@ class DistributedSolver:
             faults.point("init", self.solver.iter)
             self._receive_state()
         self.client.barrier("start", timeout=self._slow)
+        self._place_in_kv_memory()
+
+    def _place_in_kv_memory(self):
+        """Put each PS parameter whose KV pairs all sit, back to back, in the shared memory of
+        one server of this host (dist/kvshm.py) there: its values in the server's values, its
+        gradient in this worker's region. The backward then writes the gradient where the server
+        reads it and the server updates the values the forward reads; a sync moves headers only.
+
+        After the start barrier the server's values are this worker's (worker 0 initialised
+        them, the others took worker 0's), so nothing is copied but the gradient. CPU nets only
+        (a GPU's parameters live on the device); blobs that shared the storage (weight sharing,
+        the test nets) are pointed at it too."""
+        if self.net.xp is not numpy:
+            return
+        for pid, blob in enumerate(self.net.learnable_params):
+            if pid in self.placed:
+                continue
+            spot = self._kv_spot(pid)
+            if spot is None:
+                continue
+            values, grads = spot
+            numpy.copyto(grads, blob.diff.reshape(-1))
+            sharers = [b for net in [self.net] + list(self.solver.test_nets)
+                       for layer in net.layers for b in layer.blobs
+                       if b is not blob and b.shares_storage_with(blob)]
+            blob.place(values, grads)
+            for b in sharers:
+                b.follow(blob)
+            self.placed.add(pid)
+        if self.placed and self.rank == 0:
+            params = self.net.learnable_params
+            mb = sum(params[pid].count * params[pid].dtype.itemsize for pid in self.placed) / 1e6
+            log.info(f"{len(self.placed)} of {len(params)} parameters ({mb:.2f} MB) live in the "
+                     f"KV servers' shared memory: their syncs move headers only")
+
+    def _kv_spot(self, pid):
+        """(values, gradient) views of parameter pid in a server's shared memory, or None."""
+        p = self.book.params[pid]
+        if p.get("scheme") != "ps" or self.book.best_scheme(p["layer"]) != "ps":
+            return None
+        pairs = sorted(self.book.pairs_of_param(pid), key=lambda rec: rec["offset"])
+        if not pairs or len({rec["server"] for rec in pairs}) != 1:
+            return None
+        segment = self.transport.kv_segment(self.server_rank(pairs[0]["server"]))
+        if segment is None:
+            return None
+        slots = [segment.layout.slots[rec["id"]] for rec in pairs]
+        start = slots[0][0]
+        if any(off != start + rec["offset"] for (off, _), rec in zip(slots, pairs)):
+            return None                          # not back to back
+        count = self.net.learnable_params[pid].count
+        if sum(n for _, n in slots) != count:
+            return None
+        region = segment.layout.region
+        grads_at = (1 + self.rank) * region + start
+        return (segment.array[start:start + count],
+                segment.array[grads_at:grads_at + count])
 
     def _host(self, array):
         return numpy.ascontiguousarray(backend.to_numpy(array)).reshape(-1)

@@ -70,6 +70,29 @@ class Blob:
     def share_diff(self, other):
         self._diff = other._diff
 
+    def place(self, data, diff):
+        """Keep data and diff in the given flat arrays from now on (a KV server's shared memory,
+        dist/kvshm.py), without copying: the caller makes sure they hold what they should. Blobs
+        that shared this one's storage must then `follow` it."""
+        count = self._data.size
+        if data.size != count or diff.size != count:
+            raise ValueError(f"cannot place a blob of {count} elements in arrays of "
+                             f"{data.size} and {diff.size}")
+        shape = self._data.shape
+        self._flat_data, self._flat_diff = data, diff
+        self._data, self._diff = data.reshape(shape), diff.reshape(shape)
+
+    def shares_storage_with(self, other):
+        return self._flat_data is other._flat_data
+
+    def follow(self, other):
+        """Use other's storage again, keeping this blob's own shape (a weight-sharing blob,
+        after `place` moved the owner's storage)."""
+        count, shape = self._data.size, self._data.shape
+        self._flat_data, self._flat_diff = other._flat_data, other._flat_diff
+        self._data = self._flat_data[:count].reshape(shape)
+        self._diff = self._flat_diff[:count].reshape(shape)
+
     def share(self, other):
         """Share data and diff storage with another blob (weight sharing by `param { name }`)."""
         self._flat_data, self._flat_diff = other._flat_data, other._flat_diff

@@ -117,22 +117,26 @@ def test_part_c_variants_name_their_flag_and_threads(monkeypatch):
 
 def test_transport_measures_tcp_and_unix_socket_sides(tmp_path):
     """Part d end to end (--quick: a 4 MiB parameter, one round): the KV jobs over TCP with CURVE,
-    with --insecure, and over Unix sockets, each beside raw ZeroMQ of the same route; the raw
-    Unix-socket side cleans up its folder."""
+    with --insecure, and over Unix sockets, each beside raw ZeroMQ of the same route, and the
+    KV job in shared memory (the default on one host); the raw Unix-socket side cleans up its
+    folder."""
     import glob
     import tempfile
     before = set(glob.glob(f"{tempfile.gettempdir()}/poseidon-raw-*"))
     out = dist_parts.transport(tmp_path, quick=True, runs=1)
     assert out["status"] == "measured", out.get("reason")
     for key in ("kv_push_pull_Bps", "raw_zmq_curve_frames_Bps", "kv_push_pull_insecure_Bps",
-                "raw_zmq_frames_Bps", "kv_push_pull_ipc_Bps", "raw_zmq_ipc_frames_Bps"):
+                "raw_zmq_frames_Bps", "kv_push_pull_ipc_Bps", "raw_zmq_ipc_frames_Bps",
+                "kv_push_pull_shared_Bps"):
         assert out[key]["median"] > 0, key
     assert out["ratio_ipc"] == out["kv_push_pull_ipc_Bps"]["median"] / \
         out["raw_zmq_ipc_frames_Bps"]["median"]
     assert set(glob.glob(f"{tempfile.gettempdir()}/poseidon-raw-*")) == before
-    for side in ("kv", "kv_insecure", "kv_ipc"):     # each KV side took the route it names
+    for side in ("kv", "kv_insecure", "kv_ipc", "kv_shared"):   # each KV side took its route
         log = (tmp_path / "transport" / f"{side}-0" / "output.log").read_text()
-        assert ("on this host: Unix sockets" in log) == (side == "kv_ipc"), (side, log[-2000:])
+        assert ("on this host: Unix sockets" in log) == (side in ("kv_ipc", "kv_shared")), \
+            (side, log[-2000:])
+        assert ("shared memory" in log) == (side == "kv_shared"), (side, log[-2000:])
 
 
 def test_part_c_reads_a_threads_cpu_finer_than_the_clock_tick():

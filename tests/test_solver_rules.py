@@ -197,6 +197,36 @@ def test_large_update_with_a_padded_gradient_equals_the_contiguous_one(kind, thr
             numpy.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_kept_gradient_is_left_alone_and_changes_nothing_else(kind, variant, blocked,
+                                                               monkeypatch):
+    """keep_grad (a KV server updating from a worker's diff in shared memory, dist/kvshm.py):
+    the gradient is not written, and value and state are bitwise those of the usual update, with
+    and without weight decay or a gradient scale, whole or in blocks."""
+    from engine.solvers import rules
+    if blocked:
+        monkeypatch.setattr(rules, "BLOCKED_MIN", 64)
+        monkeypatch.setattr(rules, "BLOCK", 24)
+    decay, reg, lr_mult, decay_mult, grad_scale = VARIANTS[variant]
+    rule = make_rule(solver_param(to_text(dict(CASES[kind], weight_decay=decay,
+                                                regularization_type=reg), kind)))
+    rs = numpy.random.RandomState(variant)
+    w = rs.standard_normal(100).astype(numpy.float32)
+    usual = (w.copy(), rule.init_state(w.shape, numpy, numpy.float32))
+    kept = (w.copy(), rule.init_state(w.shape, numpy, numpy.float32))
+    for it in range(3):
+        g = rs.standard_normal(100).astype(numpy.float32)
+        live = g.copy()
+        rule.update(usual[0], g.copy(), usual[1], it, lr_mult, decay_mult, grad_scale)
+        rule.update(kept[0], live, kept[1], it, lr_mult, decay_mult, grad_scale, keep_grad=True)
+        numpy.testing.assert_array_equal(live, g)
+        numpy.testing.assert_array_equal(kept[0], usual[0])
+        for a, b in zip(kept[1], usual[1]):
+            numpy.testing.assert_array_equal(a, b)
+
+
 def test_lr_mult_zero_freezes():
     rule = make_rule(solver_param('base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 weight_decay: 0.1'))
     w = numpy.ones(4)

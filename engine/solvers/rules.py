@@ -97,6 +97,7 @@ def clip_scale(solver_param, grads, norm_sq=None):
 # Parameters of at least BLOCKED_MIN elements are updated block by block (see UpdateRule.update).
 BLOCKED_MIN = 1 << 18
 BLOCK = 1 << 17
+GRAD_SLOT = 7          # the scratch slot of a kept gradient's copy (the rules use 0 and 1)
 
 # ----- per-thread scratch buffers -------------------------------------------------------------------
 _local = threading.local()
@@ -114,6 +115,13 @@ def _scratch(like, slot=0):
         xp = get_array_module(like)
         buf = cache[key] = xp.empty(max(like.size, 1), like.dtype)
     return buf[:like.size].reshape(like.shape)
+
+
+def _copy_of(array):
+    """array copied into this thread's scratch slot for gradients kept (UpdateRule.update)."""
+    out = _scratch(array, GRAD_SLOT)
+    get_array_module(array).copyto(out, array)
+    return out
 
 
 def release_scratch():
@@ -182,10 +190,12 @@ class UpdateRule:
         return lr_policy.current_step(self.param, it)
 
     def update(self, value, grad, state, it, lr_mult=1.0, decay_mult=1.0, grad_scale=1.0,
-               rate=None, split=True):
+               rate=None, split=True, keep_grad=False):
         """Apply one update to `value` and `state` in place. `grad` is the raw accumulated gradient
-        and is used as scratch: its content afterwards is unspecified. `rate` (optional) is
-        rate(it), for callers that already computed it.
+        and is used as scratch: its content afterwards is unspecified, unless `keep_grad` (a
+        gradient that is someone's live buffer, as a worker's diff in a KV server's shared
+        memory): then it is only read, bitwise the same update. `rate` (optional) is rate(it),
+        for callers that already computed it.
 
         Large numpy parameters are updated in blocks of BLOCK elements (the handful of passes of
         the rule then run in cache instead of main memory), the blocks split over the cores
@@ -202,14 +212,14 @@ class UpdateRule:
             elif _rows_contiguous(arrays):      # a gradient block with padded rows (factored.py)
                 parts, step = arrays, max(1, BLOCK // (value.size // value.shape[0]))
         if parts is None:
-            self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate)
+            self._update(value, grad, state, it, lr_mult, decay_mult, grad_scale, rate, keep_grad)
             return
 
         def work(worker, lo, hi):
             for a in range(lo, hi, step):
                 b = min(a + step, hi)
                 v, g, *st = (x[a:b] for x in parts)
-                self._update(v, g, st, it, lr_mult, decay_mult, grad_scale, rate)
+                self._update(v, g, st, it, lr_mult, decay_mult, grad_scale, rate, keep_grad)
 
         if not split:
             work(0, 0, len(parts[0]))
@@ -217,19 +227,33 @@ class UpdateRule:
         from ..layers.im2col import parallel
         parallel().run(work, len(parts[0]), numpy, min_per_worker=step)
 
-    def _update(self, value, grad, state, it, lr_mult, decay_mult, grad_scale, rate):
+    def _update(self, value, grad, state, it, lr_mult, decay_mult, grad_scale, rate,
+                keep_grad=False):
+        """The rule on one array (or block). A kept gradient is not written: the first operation
+        that would write it writes a scratch buffer instead, so keeping costs no extra pass."""
         s = value.dtype.type
+        xp = get_array_module(value)
         if grad_scale != 1:
-            grad *= s(grad_scale)
+            if keep_grad:
+                grad = xp.multiply(grad, s(grad_scale), out=_scratch(value, GRAD_SLOT))
+                keep_grad = False
+            else:
+                grad *= s(grad_scale)
         local_decay = s(self.weight_decay) * s(decay_mult)
         if local_decay:
-            t = _scratch(value)
+            t = _scratch(value, GRAD_SLOT if keep_grad else 0)
             if self.regularization == "L2":
-                get_array_module(value).multiply(value, local_decay, out=t)
+                xp.multiply(value, local_decay, out=t)
             else:
-                get_array_module(value).sign(value, out=t)
+                xp.sign(value, out=t)
                 t *= local_decay
-            grad += t
+            if keep_grad:
+                grad = xp.add(grad, t, out=t)  # (a + b, as grad += t computes it)
+                keep_grad = False
+            else:
+                grad += t
+        if keep_grad:
+            grad = _copy_of(grad)
         local_rate = s(rate) * s(lr_mult)
         self._step(value, grad, state, it, local_rate, s)
 

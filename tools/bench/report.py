@@ -100,8 +100,11 @@ def transport_text(t):
             f"{100 * t['ratio_insecure']:.0f}% ({gb('kv_push_pull_insecure_Bps'):.2f} vs "
             f"{gb('raw_zmq_frames_Bps'):.2f} GB/s)")
     if t.get("kv_push_pull_ipc_Bps"):
-        text += (f"; Unix sockets (one host) {100 * t['ratio_ipc']:.0f}% "
+        text += (f"; Unix sockets {100 * t['ratio_ipc']:.0f}% "
                  f"({gb('kv_push_pull_ipc_Bps'):.2f} vs {gb('raw_zmq_ipc_frames_Bps'):.2f} GB/s)")
+    if t.get("kv_push_pull_shared_Bps"):
+        text += (f"; shared memory (the default on one host) {gb('kv_push_pull_shared_Bps'):.2f}"
+                 f" GB/s, {100 * t['ratio_shared']:.0f}% of raw on a Unix socket")
     return text
 
 
@@ -335,11 +338,16 @@ def markdown(results):
                   f"{_mm(t['kv_push_pull_insecure_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['raw_zmq_frames_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['ratio_insecure_rounds'], '{:.0f}', 100)}% |"] + ([
-                  f"| Unix sockets (the default on one host) | "
+                  f"| Unix sockets (`--ipc links`) | "
                   f"{_mm(t['kv_push_pull_ipc_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['raw_zmq_ipc_frames_Bps'], '{:.2f}', 1e-9)} | "
                   f"{_mm(t['ratio_ipc_rounds'], '{:.0f}', 100)}% |"]
-                  if t.get("kv_push_pull_ipc_Bps") else []) + ["",
+                  if t.get("kv_push_pull_ipc_Bps") else []) + ([
+                  f"| shared memory (the default on one host; no socket carries the arrays) | "
+                  f"{_mm(t['kv_push_pull_shared_Bps'], '{:.2f}', 1e-9)} | "
+                  f"{_mm(t['raw_zmq_ipc_frames_Bps'], '{:.2f}', 1e-9)} (Unix socket) | "
+                  f"{_mm(t['ratio_shared_rounds'], '{:.0f}', 100)}% |"]
+                  if t.get("kv_push_pull_shared_Bps") else []) + ["",
                   f"Plain raw ZeroMQ as one frame: "
                   f"{_mm(t['raw_zmq_one_frame_Bps'], '{:.2f}', 1e-9)} GB/s. {t['note']}.", ""]
     elif t.get("status") == "measured":
