@@ -94,6 +94,7 @@ def test_part_c_variants_name_their_flag_and_threads(monkeypatch):
     one = variants["one_thread"]
     assert one.flag == "POSEIDON_THREADS=1" and one.options == {} and one.threads == 1
     assert variants["layers_alone"].options == {"bucket_bytes": 0}
+    assert variants["ipc_links"].options == {"ipc": "links"}    # the shared memory's figure
     assert all(v.threads is None for key, v in variants.items() if key != "one_thread")
     assert dist_parts.overhead_variants(quick=True) == []
     monkeypatch.setattr(dist_parts, "cpu_count", lambda: 1)

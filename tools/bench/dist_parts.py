@@ -164,6 +164,10 @@ def overhead_variants(quick=False):
     if quick:
         return []
     variants = [OverheadVariant(
+        "ipc_links", "--ipc links", {"ipc": "links"},
+        "the KV arrays on the direct links instead of the server's shared memory: the worker's "
+        "parameters and gradients copied through a socket each way, dist/kvshm.py", None),
+        OverheadVariant(
         "ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
         "every message through ZeroMQ: no direct links for the KV pushes and their answers, "
         "dist/directlink.py", None)]
