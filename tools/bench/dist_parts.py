@@ -239,7 +239,8 @@ def single_node_overhead(workdir, quick=False, threads=None, block=2, warmup=3, 
             "job_seconds": time.perf_counter() - t0,
             "note": f"The plain engine's solver.step vs the same solver file as worker 0 of "
                     f"`--workers 1 --servers 1 --sync ps` (KV server in its own process, reached "
-                    f"over a Unix socket as processes on one host are by default), in one "
+                    f"as processes on one host are by default: a Unix socket, the KV arrays "
+                    f"in the server's shared memory), in one "
                     f"child process taking turns in blocks of {block} iterations after "
                     f"{warmup} warm-up ones each, the order swapped every round "
                     f"(tools/bench/overhead_ab.py); overhead = median over {len(ratios)} rounds "
