@@ -100,8 +100,14 @@ def test_transport_target_compares_like_for_like():
              ratio_ipc_rounds=s(0.8))
     row = [r for r in report.targets({"distributed": {"transport": t}})
            if r[0] == report.TARGETS[4][0]][0]
-    assert row[2].endswith("; Unix sockets (one host) 80% (2.40 vs 3.00 GB/s)")
+    assert row[2].endswith("; Unix sockets 80% (2.40 vs 3.00 GB/s)")
     assert row[3] is True                           # the target stays the TCP CURVE ratio
+    t.update(kv_push_pull_shared_Bps=s(6.0e9), ratio_shared=2.0, ratio_shared_rounds=s(2.0))
+    row = [r for r in report.targets({"distributed": {"transport": t}})
+           if r[0] == report.TARGETS[4][0]][0]
+    assert row[2].endswith("; Unix sockets 80% (2.40 vs 3.00 GB/s); shared memory (the default "
+                           "on one host) 6.00 GB/s, 200% of raw on a Unix socket")
+    assert row[3] is True                           # shared memory is shown, not judged
     old = {k: t[k] for k in ("status", "kv_push_pull_Bps", "raw_zmq_frames_Bps")}
     old["ratio"] = 0.3
     row = [r for r in report.targets({"distributed": {"transport": old}})
