@@ -4,10 +4,14 @@ Why: on one host the sync after the last backward cannot be hidden, and a push a
 through a socket copy every byte five times (the worker into the socket, the socket into the
 server, the server's answer out and in again, then into the parameter), each time from memory
 that training has just evicted from the caches. With the values and gradients in one shared
-mapping the push and its answer are headers only: the worker copies its gradient into its own
-region, the server sums the regions and updates its values in place, and the worker copies the
-values into its parameters. A prototype round trip of cifar10_quick's 0.58 MB after a 64 MB cache
-sweep took 0.9-1.1 ms through a socket and 0.56-0.65 ms this way (docs/benchmarks.md).
+mapping the push and its answer are headers only: the worker's gradient is in its own region,
+the server sums the regions and updates its values in place, and the worker's parameters are
+the values. (A worker places its parameters there, dist/worker.py: their data and diff become
+views of the mapping; a parameter it cannot place is copied in and out.) A prototype round trip
+of cifar10_quick's 0.58 MB after a 64 MB cache sweep took 0.9-1.1 ms through a socket and
+0.44-0.46 ms this way with nothing copied; in part c's job the exposed sync fell from 1.3-1.55
+to 0.9-1.1 ms, and fc_heavy's iteration on 1 worker + 1 server from 250 to 170 ms
+(docs/benchmarks.md).
 
 The mapping is a memfd of the server, which it advertises with the rest of its Unix-socket
 details (pid, descriptor, device and inode) through the coordinator, over CURVE. A worker of the
@@ -21,7 +25,8 @@ per worker, each holding the server's KV pairs in book order, every pair 64-byte
 Safety: only under BSP with the `update` handler (relaxed consistency and the bandwidth cap keep
 the arrays on the wire). A worker reads the values only after the server's answer and writes its
 region again only in its next backward, after that answer; the server writes the values only when
-every worker has pushed the pair's next gradient, so nobody reads what is being written.
+every worker has pushed the pair's next gradient, so nobody reads what is being written, and it
+never writes a worker's region (dist/kvstore.KVServer.gradient_sum).
 """
 import logging
 import mmap
