@@ -488,6 +488,7 @@ class ZmqTransport(Transport):
         self.kv_memory = None                        # a server's kvshm.ServerMemory
         self._kv_infos = {}                          # server rank -> its advertised kv memory
         self._kv_segments = {}                       # server rank -> kvshm.Segment or None
+        self._kv_lock = threading.Lock()             # sync threads look segments up at once
         self._roles = roles
         self._book = None
         self.rules = WireRules(rank, roles, self._namer)
@@ -597,17 +598,16 @@ class ZmqTransport(Transport):
         """The shared memory of KV server rank `server` (dist/kvshm.py) mapped here, or None:
         its pushes then carry their arrays. Looked up once (after the start barrier, when every
         server has sized its memory for the book)."""
-        try:
-            return self._kv_segments[server]
-        except KeyError:
-            pass
-        segment = None
-        info = self._kv_infos.get(server)
-        if info is not None and self._book is not None and server in self._direct_paths:
-            layout = kvshm.Layout(self._book, self._roles.index(server), self._roles.workers)
-            segment = kvshm.open_segment(info, layout)
-        self._kv_segments[server] = segment
-        return segment
+        with self._kv_lock:
+            if server in self._kv_segments:
+                return self._kv_segments[server]
+            segment = None
+            info = self._kv_infos.get(server)
+            if info is not None and self._book is not None and server in self._direct_paths:
+                layout = kvshm.Layout(self._book, self._roles.index(server), self._roles.workers)
+                segment = kvshm.open_segment(info, layout)
+            self._kv_segments[server] = segment
+            return segment
 
     def connected(self, rank):
         return rank in self._out
