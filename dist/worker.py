@@ -244,8 +244,9 @@ class DistributedSolver:
 
         After the start barrier the server's values are this worker's (worker 0 initialised
         them, the others took worker 0's), so nothing is copied but the gradient. CPU nets only
-        (a GPU's parameters live on the device); blobs that shared the storage (weight sharing,
-        the test nets) are pointed at it too."""
+        (a GPU's parameters live on the device), and not a Python layer's parameters (user code
+        may hold on to the arrays); blobs that shared the storage (weight sharing, the test
+        nets) are pointed at it too."""
         if self.net.xp is not numpy:
             return
         for pid, blob in enumerate(self.net.learnable_params):
@@ -274,6 +275,9 @@ class DistributedSolver:
         p = self.book.params[pid]
         if p.get("scheme") != "ps" or self.book.best_scheme(p["layer"]) != "ps":
             return None
+        owner = self.net.layers[p["owner"][0]]
+        if getattr(owner, "type", None) == "Python":
+            return None          # user code may keep the blob's arrays: their storage stays
         pairs = sorted(self.book.pairs_of_param(pid), key=lambda rec: rec["offset"])
         if not pairs or len({rec["server"] for rec in pairs}) != 1:
             return None

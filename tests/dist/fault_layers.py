@@ -1,4 +1,5 @@
-"""Python layers that misbehave on one rank, for the straggler and NaN tests.
+"""Python layers for the distributed tests: two that misbehave on one rank (the straggler and NaN
+tests) and one with a parameter whose arrays it keeps (CachedScale, the shared-memory tests).
 
 Both pass their bottom through unchanged and count their own forward passes in the TRAIN phase
 (one per iteration with iter_size 1, starting at 0). They find their worker's rank through
@@ -52,3 +53,26 @@ class NaNOnRank(_PassThrough):
         super().backward(top, propagate_down, bottom)
         if propagate_down[0] and _rank() == self.config["rank"] and self.calls == self.config["iter"]:
             bottom[0].diff.reshape(-1)[0] = float("nan")
+
+
+class CachedScale(engine.Layer):
+    """y = x * s per feature, s a learnable blob whose arrays the layer keeps from setup on (as
+    pycaffe code may): a worker must not move such a parameter's storage (dist/kvshm.py
+    placement), or the layer would go on reading arrays nobody updates."""
+    exact_bottoms = 1
+
+    def setup(self, bottom, top):
+        self.blobs.add_blob(bottom[0].shape[1])
+        self.blobs[0].data[...] = 1.0
+        self.scale, self.scale_diff = self.blobs[0].data, self.blobs[0].diff
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data * self.scale
+
+    def backward(self, top, propagate_down, bottom):
+        self.scale_diff[...] += (top[0].diff * bottom[0].data).sum(axis=0)
+        if propagate_down[0]:
+            bottom[0].diff[...] = top[0].diff * self.scale

@@ -126,6 +126,31 @@ def test_placed_parameters_carry_their_sharers_along(data, tmp_path):
             numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
+def test_a_python_layers_parameter_is_not_placed(data, tmp_path):
+    """A Python layer may keep its blobs' arrays from setup on (tests/dist/fault_layers.py
+    CachedScale): its parameter stays where it is (copied through the shared memory), the
+    engine's layers' parameters are placed, and the job still equals one process."""
+    K, P1 = 8, 2
+
+    def with_python_scale(text):
+        layer = ('layer { name: "scale" type: "Python" bottom: "ip1" top: "ip1" python_param { '
+                 'module: "tests.dist.fault_layers" layer: "CachedScale" } }\n')
+        return text.replace('layer { name: "relu1"', layer + 'layer { name: "relu1"', 1)
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(with_python_scale(fc_net(data, P1 * K)), max_iter=ITERS),
+                     weights_out=weights)
+    solvers = _run(solver_param(with_python_scale(fc_net(data, K)), max_iter=ITERS), P1, 1,
+                   weights, "auto")
+    net = solvers[0].net
+    python = {pid for pid, b in enumerate(net.learnable_params)
+              if b is net.layer_dict["scale"].blobs[0]}
+    assert len(python) == 1
+    assert solvers[0].placed == set(range(len(net.learnable_params))) - python
+    for s in solvers:
+        for a, b in zip(params_of(s), want):
+            numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
 def test_fc_net_with_sfb_layers_places_only_what_goes_by_ps(data, tmp_path):
     """Under hybrid an InnerProduct may go by SFB (each worker updates its own copy): such a
     parameter is never placed in the shared values."""
