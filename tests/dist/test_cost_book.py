@@ -264,3 +264,37 @@ def test_bucket_bytes_auto_buckets_on_one_host_only():
         assert bucketed == (want >= 120 << 10), (extra, local)      # all three fit in 115 kB
         lines = "\n".join(book.summary_lines())
         assert ("one host: consecutive PS layers" in lines) == (want == AUTO_BUCKET_BYTES)
+
+
+def test_shared_memory_merges_a_syncs_bundles_per_server_after_placement():
+    """On one host whose servers all offer shared KV memory (dist/kvshm.py), a sync's bundles
+    that placement put on the same server become one message of at most 64 pairs; placement
+    itself (which server holds which pair) is what it would be without. Not when a server
+    offers none, across hosts, with an explicit --fusion-bytes, or under relaxed consistency."""
+    from dist.placement import MAX_BUNDLE_ARRAYS
+    desc = _description([("InnerProduct", 1024, 1024, 8, False),    # 4 MiB: 256 pairs of 16 kB
+                         ("InnerProduct", 10, 1024, 8, False)])
+    here = {"path": "/x", "boot": "b1", "dev": 1, "ino": 2}
+    memory = {"pid": 1, "fd": 3, "dev": 4, "ino": 5}
+    P1, P2 = 2, 2
+    shared = {r: dict(here, kv_memory=memory) if r >= P1 else dict(here) for r in range(P1 + P2)}
+    base = {"sync": "ps", "kv_pair_bytes": 16 << 10, "bucket_bytes": 0}
+    plain = InformationBook.build(desc, P1, P2, base, local=shared | {3: dict(here)})
+    merged = InformationBook.build(desc, P1, P2, base, local=shared)
+    assert merged.data["merged_on_servers"] and not plain.data["merged_on_servers"]
+    assert [(p["id"], p["server"]) for p in merged.pairs] == \
+        [(p["id"], p["server"]) for p in plain.pairs]                 # placement unchanged
+    assert len(merged.bundles) < len(plain.bundles)
+    for li in (0, 1):
+        for s in range(P2):
+            want = [k for b in plain.bundles_of_layer(li) if b["server"] == s for k in b["pairs"]]
+            got = [b for b in merged.bundles_of_layer(li) if b["server"] == s]
+            assert [k for b in got for k in b["pairs"]] == want          # same pairs, same order
+            assert all(len(b["pairs"]) <= MAX_BUNDLE_ARRAYS and b["id"] == b["pairs"][0]
+                       for b in got)
+            assert len(got) == -(-len(want) // MAX_BUNDLE_ARRAYS)
+    for extra, local in (({"fusion_bytes": 16 << 10}, shared),
+                         ({"staleness": 2}, shared),
+                         ({}, {**shared, 3: dict(shared[3], boot="b2")})):
+        book = InformationBook.build(desc, P1, P2, dict(base, **extra), local=local)
+        assert not book.data["merged_on_servers"], extra
