@@ -136,8 +136,6 @@ class WireRules:
         if reason is not None:
             return reason
         if self.book is not None:
-            if msg.shared:
-                return self._check_shared(msg, name)
             if msg.type == Msg.KV_VALUE:       # the common case, checked without building lists
                 server, shapes = self._values.get(msg.key, (None, ()))
                 dtype, arrays = self._dtype, msg.arrays
@@ -178,19 +176,6 @@ class WireRules:
             return f"{name} is not a message {self.namer(self.rank)} takes"
         return None
 
-    def _check_shared(self, msg, name):
-        """A shared answer: from the server of the message it names (the push is checked by
-        the server, which knows its own memory)."""
-        if msg.type != Msg.KV_VALUE:
-            return None
-        server, _ = self._values.get(msg.key, (None, ()))
-        if server is None:
-            return f"{name} for KV pair {msg.key}, which is not the first pair of a message"
-        if msg.sender != server:
-            return (f"{name} for KV pair {msg.key} from {self.namer(msg.sender)}, but the pair "
-                    f"lives on {self.namer(server)}")
-        return None
-
     def _check_shapes(self, msg, name):
         if msg.type == Msg.KV_VALUE:
             if msg.key not in self._values:
@@ -201,6 +186,8 @@ class WireRules:
             if msg.sender != server:
                 return (f"{name} for KV pair {msg.key} from {self.namer(msg.sender)}, but the pair "
                         f"lives on {self.namer(server)}")
+            if msg.shared:                     # the values are in the server's memory (kvshm)
+                return None
             if len(msg.arrays) != len(shapes):
                 return (f"{name} for KV pair {msg.key} carries {len(msg.arrays)} arrays, its "
                         f"message holds {len(shapes)} pairs")

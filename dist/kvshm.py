@@ -78,7 +78,6 @@ class ServerMemory:
 
     def __init__(self):
         self.fd = os.memfd_create("poseidon-kv", os.MFD_CLOEXEC)
-        self.segment = None
 
     @classmethod
     def make(cls):
@@ -101,8 +100,7 @@ class ServerMemory:
         if layout.nbytes == 0:
             return None
         os.ftruncate(self.fd, layout.nbytes)
-        self.segment = Segment(layout, mmap.mmap(self.fd, layout.nbytes))
-        return self.segment
+        return Segment(layout, mmap.mmap(self.fd, layout.nbytes))
 
 
 def open_segment(info, layout):

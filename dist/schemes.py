@@ -160,12 +160,11 @@ class PSScheme(Scheme):
                 for (pid, off, n), k in zip(parts, pair_ids):
                     if pid not in w.placed:     # a placed parameter is already updated
                         numpy.copyto(flat[pid][off:off + n], segment.values(k))
-                stats.received(msg)
                 stats.recv_payload += sum(n for _, _, n in parts) * segment.layout.dtype.itemsize
             else:
                 for (pid, off, n), values in zip(parts, msg.arrays):
                     flat[pid][off:off + n] = values
-                stats.received(msg)
+            stats.received(msg)
             stats.reply_aux.append(msg.aux)
         if stage.on_gpu:
             for pid, blob in self.params:

@@ -489,8 +489,6 @@ class ZmqTransport(Transport):
         self._kv_infos = {}                          # server rank -> its advertised kv memory
         self._kv_segments = {}                       # server rank -> kvshm.Segment or None
         self._kv_lock = threading.Lock()             # sync threads look segments up at once
-        self._roles = roles
-        self._book = None
         self.rules = WireRules(rank, roles, self._namer)
         self._taken = {}                             # (type, key) -> last iteration taken
         self._last_drop = {}                         # sender -> why its last message was dropped
@@ -546,8 +544,9 @@ class ZmqTransport(Transport):
             except OSError as e:
                 logging.getLogger("poseidon").warning(
                     f"{self.name}: no direct links ({e}); KV pushes on this host use ZeroMQ")
+        roles = self.rules.roles
         if (self._listener is not None and self._shared_wanted and self.kv_memory is None and
-                self._roles is not None and self._roles.is_server(self.rank)):
+                roles is not None and roles.is_server(self.rank)):
             self.kv_memory = kvshm.ServerMemory.make()
             if self.kv_memory is not None:
                 self.local_info["kv_memory"] = self.kv_memory.describe()
@@ -602,9 +601,9 @@ class ZmqTransport(Transport):
             if server in self._kv_segments:
                 return self._kv_segments[server]
             segment = None
-            info = self._kv_infos.get(server)
-            if info is not None and self._book is not None and server in self._direct_paths:
-                layout = kvshm.Layout(self._book, self._roles.index(server), self._roles.workers)
+            info, book, roles = self._kv_infos.get(server), self.rules.book, self.rules.roles
+            if info is not None and book is not None and server in self._direct_paths:
+                layout = kvshm.Layout(book, roles.index(server), roles.workers)
                 segment = kvshm.open_segment(info, layout)
             self._kv_segments[server] = segment
             return segment
@@ -840,7 +839,6 @@ class ZmqTransport(Transport):
 
     def set_book(self, book):
         """Check the shapes of what arrives against the book from now on (workers)."""
-        self._book = book
         self.rules.set_book(book)
 
     def next(self, timeout=None):

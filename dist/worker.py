@@ -273,7 +273,7 @@ class DistributedSolver:
     def _kv_spot(self, pid):
         """(values, gradient) views of parameter pid in a server's shared memory, or None."""
         p = self.book.params[pid]
-        if p.get("scheme") != "ps" or self.book.best_scheme(p["layer"]) != "ps":
+        if p.get("scheme") != "ps":              # the book's BestScheme, fixed for the job
             return None
         owner = self.net.layers[p["owner"][0]]
         if getattr(owner, "type", None) == "Python":

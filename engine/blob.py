@@ -78,9 +78,7 @@ class Blob:
         if data.size != count or diff.size != count:
             raise ValueError(f"cannot place a blob of {count} elements in arrays of "
                              f"{data.size} and {diff.size}")
-        shape = self._data.shape
-        self._flat_data, self._flat_diff = data, diff
-        self._data, self._diff = data.reshape(shape), diff.reshape(shape)
+        self._use(data, diff)
 
     def shares_storage_with(self, other):
         return self._flat_data is other._flat_data
@@ -88,10 +86,14 @@ class Blob:
     def follow(self, other):
         """Use other's storage again, keeping this blob's own shape (a weight-sharing blob,
         after `place` moved the owner's storage)."""
+        self._use(other._flat_data, other._flat_diff)
+
+    def _use(self, flat_data, flat_diff):
+        """Take flat storage, keeping this blob's shape (its first elements)."""
         count, shape = self._data.size, self._data.shape
-        self._flat_data, self._flat_diff = other._flat_data, other._flat_diff
-        self._data = self._flat_data[:count].reshape(shape)
-        self._diff = self._flat_diff[:count].reshape(shape)
+        self._flat_data, self._flat_diff = flat_data, flat_diff
+        self._data = flat_data[:count].reshape(shape)
+        self._diff = flat_diff[:count].reshape(shape)
 
     def share(self, other):
         """Share data and diff storage with another blob (weight sharing by `param { name }`)."""
