@@ -76,6 +76,12 @@ class Coordinator:
         if self._requested != "stop":
             self._requested = action
 
+    def take_request(self):
+        """The snapshot/stop requested since the last call, or None (a job of one worker takes it
+        here at its next iteration instead of with the reduced loss)."""
+        action, self._requested = self._requested, None
+        return action
+
     def start(self):
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
         self.transport.start()

@@ -119,9 +119,13 @@ class KVServer:
         self.segment = None                   # kvshm.Segment: values and gradients, shared
         if memory is not None and self.policy is None and self.handler.name == "update":
             self.segment = memory.allocate(kvshm.Layout(book, self.index, self.workers))
+        self._shared_grads = {}                # (worker, message id) -> its region's views
         if self.segment is not None:
             for pair in self.pairs.values():
                 pair.value = self.segment.values(pair.id)
+            self._shared_grads = {(w, key): [self.segment.grads(w, pair.id) for pair in pairs]
+                                  for w in range(self.workers)
+                                  for key, pairs in self.bundles.items()}
         self._scratch = None
         self.stats_path = stats_path
         self._stats_file = open(stats_path, "w", encoding="utf-8") if stats_path else None
@@ -263,9 +267,7 @@ class KVServer:
         the sender's region (None when this server has no shared memory or no such worker)."""
         if not msg.shared:
             return msg.arrays
-        if self.segment is None or not 0 <= msg.sender < self.workers:
-            return None
-        return [self.segment.grads(msg.sender, pair.id) for pair in pairs]
+        return self._shared_grads.get((msg.sender, pairs[0].id))
 
     def _bad_push(self, msg, pairs, arrays):
         """Why a push cannot be taken now, or None (it is taken or dropped whole). A push of the
@@ -290,8 +292,8 @@ class KVServer:
                     f"{msg.iteration}, the pair is at iteration {first.iteration}")
         if self.policy is None and first.have[r]:
             return f"{self.roles.name(r)} pushed KV pair {first.id} twice in iteration {msg.iteration}"
-        for pair, array in zip(pairs, arrays):
-            bad = self._bad_arrays(msg, pair, [array])
+        for pair, array in zip(pairs, () if msg.shared else arrays):   # views of the layout
+            bad = self._bad_arrays(msg, pair, [array])                  # fit by construction
             if bad is not None:
                 others = [w for w in range(self.workers) if pair.have[w]]
                 ref = (f"{self.roles.name(others[0])} pushed {self.dtype.name}[{pair.length}]"

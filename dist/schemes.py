@@ -151,7 +151,7 @@ class PSScheme(Scheme):
             msg = w.transport.receive(
                 Msg.KV_VALUE, key, it, senders=[server],
                 what=f"the new values of {bundle_text(key, len(parts))} (layer "
-                     f"'{self.syncer.name}', iteration {it})")[0]
+                     f"'{self.syncer.name}', iteration {it})", spin=self.syncer.spin)[0]
             if msg.shared:
                 segment = shared[key]
                 if segment is None:

@@ -145,6 +145,7 @@ class Syncer:
         self._make = make_scheme
         self._schemes = {}
         self._plan = (None, None)                     # (iteration, scheme) fixed by prepare()
+        self.spin = 0.0          # seconds its wait for answers may spin (dist/worker.spin_seconds)
 
     def scheme(self, name):
         s = self._schemes.get(name)

@@ -446,7 +446,8 @@ class Transport:
     def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None, shared=False):
         raise NotImplementedError
 
-    def receive(self, mtype, key, iteration, count=1, timeout=None, what=None, senders=None):
+    def receive(self, mtype, key, iteration, count=1, timeout=None, what=None, senders=None,
+                spin=0.0):
         raise NotImplementedError
 
     def next(self, timeout=None):
@@ -768,9 +769,10 @@ class ZmqTransport(Transport):
         for head, arrays in msgs:
             self._take_in_link(head, arrays, link)
 
-    def _pump_for(self, mtype, key, iteration):
+    def _pump_for(self, mtype, key, iteration, spin=0.0):
         """How this thread waits for (mtype, key, iteration): by reading its own link when the
-        answer comes on it, else None (a plain wait)."""
+        answer comes on it, else None (a plain wait). `spin`: seconds its first look may spin
+        (directlink.SPIN_SECONDS)."""
         if mtype != Msg.KV_VALUE:
             return None
         awaiting = getattr(self._mine, "awaiting", None)
@@ -781,10 +783,12 @@ class ZmqTransport(Transport):
             return None
         del awaiting[key]
         link = got[0]
+        spin = [spin]
 
         def pump(seconds):
             try:
-                msgs = link.read_ready(seconds)
+                msgs = link.read_ready(seconds, spin[0])
+                spin[0] = 0.0
             except directlink.LinkClosed:   # a plain wait from now on: if the peer has gone,
                 link.open = False            # heartbeats and the coordinator say so, naming
                 return False                 # the process that failed first
@@ -815,15 +819,18 @@ class ZmqTransport(Transport):
                            f"{error}); the link is closed")
 
     # ----- receiving ----------------------------------------------------------------------------------
-    def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None):
+    def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None,
+                spin=0.0):
         """Wait (deadline: timeout, default --timeout) for `count` messages of (type, key, it).
+        `spin`: seconds the wait may look at a direct link without sleeping (a thread with
+        nothing else to do; directlink.SPIN_SECONDS).
 
         A deadline error also tells why the last message from an awaited sender was dropped
         (a shape or dtype that disagrees with this process's is reported naming both)."""
         try:
             got = self.mailbox.take(mtype, key, iteration, count,
                                     self.timeout if timeout is None else timeout, what, senders,
-                                    self._pump_for(mtype, key, iteration))
+                                    self._pump_for(mtype, key, iteration, spin))
         except DeadlineError as e:
             with self.counters_lock:
                 notes = [f"{self.name} dropped {self._namer(s)}'s last message: "

@@ -39,7 +39,7 @@ import numpy
 from engine import backend, rng
 from engine.errors import ModelError
 
-from . import faults
+from . import directlink, faults
 from .book import describe_net, relaxed_consistency
 from .errors import DistError
 from .session import current, make_current
@@ -80,6 +80,19 @@ def _start_sync_thread(device, idle):
     if idle:
         from .priority import idle_this_thread
         idle_this_thread()
+
+
+def spin_seconds(book, roles):
+    """How long the main thread's wait for the last sync's answers may spin before it sleeps
+    (directlink.SPIN_SECONDS): only on a job whose processes all share this host and have a core
+    each, so that the spinning takes no core a server or another worker needs."""
+    if not book.data.get("one_host"):
+        return 0.0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return directlink.SPIN_SECONDS if roles.workers + roles.servers <= cores else 0.0
 
 
 def _g(x):
@@ -132,6 +145,12 @@ class DistributedSolver:
                                       "solver": solver_text(solver.param)})
         self.grad_scale = self.book.data["grad_scale"]
         self.relaxed = relaxed_consistency(self.book.options)
+        # one worker: the mean loss is its own, and the coordinator shares this process (it runs
+        # beside worker 0), so a requested snapshot or stop is read from it directly. The loss's
+        # round trip through the coordinator's thread cost 0.15 ms of this thread's time after
+        # the forward, and its thread's Python then competed for the GIL with the first layers'
+        # backward (0.2 ms more; cifar10_quick, part c)
+        self._solo = self.roles.workers == 1 and session.coordinator is not None
         self.last_snapshot = None
         self._checks = {}                       # layer -> what is not finite (None: all good)
         self._checks_it = None
@@ -145,6 +164,8 @@ class DistributedSolver:
         need = self.net.layer_need_backward
         lowest = min((li for li in self.syncers if need[li]), default=None)
         self._inline_layer = lowest if lowest is not None and not any(need[:lowest]) else None
+        if self._inline_layer is not None:
+            self.syncers[self._inline_layer].spin = spin_seconds(self.book, self.roles)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync",
                                        initializer=_start_sync_thread,
@@ -391,7 +412,7 @@ class DistributedSolver:
             faults.point("forward", it)
             t1 = backward_end = time.time()
             tl.event("forward", "forward", t0, t1, thread="compute", args={"iter": it})
-            if last and self.relaxed:                # no collective: it would wait for stragglers
+            if last and (self.relaxed or self._solo):  # relaxed: no collective, it would wait
                 own = total / n
                 wait_loss = lambda: [own]  # noqa: E731
             elif last:
@@ -421,6 +442,8 @@ class DistributedSolver:
             self._drain()
             raise
         action = self.client.take_action()         # a signal: every worker at this iteration
+        if self._solo and action is None:
+            action = self.session.coordinator.take_request()
         if action:
             s.request(action)
         self._iter_info["loss"] = loss

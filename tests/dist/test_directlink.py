@@ -1,7 +1,10 @@
 """Direct links (dist/directlink.py): a worker's KV push and its answer between processes of one
 host, on a Unix socket the waiting thread reads itself (`--ipc auto`).
 
-- A link carries whole messages: every dtype the transport sends, empty and large arrays.
+- A link carries whole messages: every dtype the transport sends, empty and large arrays; a
+  stream cut anywhere reads back as the same messages (the staged reads).
+- A wait may spin: it takes what arrives meanwhile, and else sleeps in select as before; the last
+  sync's wait spins only on one host with a core for every process.
 - Two ends that each write a message larger than the socket's buffer at once finish, because a
   blocked writer reads what the other end wrote (the deadlock a naive design has).
 - Between two transports: a push goes on the pushing thread's own link, its answer comes back on
@@ -70,6 +73,81 @@ def test_a_link_carries_whole_messages_of_every_dtype():
     with pytest.raises(directlink.LinkClosed):
         _read_one(right)
     right.close()
+
+
+def test_a_stream_cut_anywhere_is_read_back_as_the_same_messages():
+    """The reader stages what one recv gives and reads large arrays straight into place: bytes
+    arriving in arbitrary pieces (a piece ending inside a length, a header or an array, several
+    messages in one piece, arrays below, at and above the staging size) give back every message
+    whole and in order, and a piece that leaves the socket empty ends the read without another
+    call."""
+    rng = numpy.random.default_rng(5)
+    stage = directlink.STAGE_BYTES // 4
+    sizes = [0, 1, 3, stage - 1, stage, stage + 1, 3 * stage + 7, 10]
+    messages = []
+    for i, n in enumerate(sizes * 3):
+        arrays = [rng.standard_normal(n).astype(numpy.float32)]
+        if i % 3 == 1:
+            arrays.append(numpy.arange(i, dtype=numpy.int64))
+        if i % 4 == 2:
+            arrays = []                      # a header alone (a shared-memory push)
+        messages.append((encode_header(Msg.KV_PUSH, 0, i, 7, 0, arrays), arrays))
+    stream = b"".join(struct.pack("<I", len(h)) + h + b"".join(a.tobytes() for a in arrays)
+                      for h, arrays in messages)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader = directlink._Reader(_link_specs)
+    b.setblocking(False)
+    got, pos = [], 0
+    while pos < len(stream):
+        step = int(rng.choice([1, 3, 17, 4096, directlink.STAGE_BYTES + 5, 50000]))
+        a.sendall(stream[pos:pos + step])
+        pos += step
+        got.extend(reader.read(b))
+    assert reader.read(b) == []
+    assert len(got) == len(messages)
+    for (header, arrays), (got_header, got_arrays) in zip(messages, got):
+        assert got_header == header
+        assert len(got_arrays) == len(arrays)
+        for x, y in zip(arrays, got_arrays):
+            assert x.dtype == y.dtype
+            numpy.testing.assert_array_equal(x, y)
+    a.close()
+    b.close()
+
+
+def test_a_spinning_read_takes_what_arrives_meanwhile_and_else_sleeps_as_before():
+    left, right = _pair()
+    arrays = [numpy.arange(5, dtype=numpy.float32)]
+    writer = threading.Timer(0.05, lambda: _send(left, arrays))
+    writer.start()
+    t = time.monotonic()
+    got = right.read_ready(5.0, spin=2.0)
+    assert time.monotonic() - t < 1.0 and len(got) == 1
+    numpy.testing.assert_array_equal(got[0][1][0], arrays[0])
+    t = time.monotonic()
+    assert right.read_ready(0.05, spin=0.02) == []       # nothing: spin, then select's timeout
+    assert 0.04 <= time.monotonic() - t < 1.0
+    writer.join()
+    left.close()
+    right.close()
+
+
+@pytest.mark.parametrize("workers,servers,cores,one_host,spins", [
+    (1, 1, 2, True, True),        # part c: a core each
+    (2, 1, 2, True, False),       # more processes than cores: a spinning wait would take one
+    (1, 1, 8, False, False),      # across hosts the wait is for the network: no spinning
+    (2, 2, 4, True, True),
+])
+def test_the_last_syncs_wait_spins_only_where_every_process_has_a_core(monkeypatch, workers,
+                                                                      servers, cores, one_host,
+                                                                      spins):
+    from types import SimpleNamespace
+
+    from dist import worker
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    book = SimpleNamespace(data={"one_host": one_host})
+    got = worker.spin_seconds(book, Roles(workers, servers))
+    assert got == (directlink.SPIN_SECONDS if spins else 0.0)
 
 
 def test_two_ends_writing_more_than_the_buffer_at_once_both_finish(monkeypatch):

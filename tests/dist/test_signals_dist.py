@@ -112,6 +112,42 @@ def test_sighup_snapshots_and_sigint_stops_every_worker_at_one_iteration(solver,
           f"every worker's cursor at the same iteration")
 
 
+def test_a_one_worker_job_takes_signals_without_the_loss_round_trip(solver, tmp_path):
+    """With one worker the loss is not reduced through the coordinator (its mean is the worker's
+    own); a request is read from the coordinator, which shares worker 0's process, at the next
+    iteration: SIGHUP still snapshots and SIGINT still stops, each after one iteration."""
+    folder, path = solver
+    snap = Path(path).parent / "snap"
+    for old in glob.glob(str(snap / "run_*")):       # left by the tests before
+        os.remove(old)
+    proc = subprocess.Popen(cli("--solver", path, "--workers", 1, "--servers", 1, "--no-progress"),
+                            env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    out = Output(proc)
+    try:
+        out.wait_for(r"book sent")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGHUP)
+        out.wait_for(r"Distributed snapshot at iteration \d+")
+        time.sleep(0.5)
+        assert proc.poll() is None, "SIGHUP's default effect (snapshot) must not stop the job"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Optimization stopped early." in text and "poseidon: all processes finished" in text
+    found = {}
+    for m in glob.glob(str(snap / "run_iter_*.manifest.json")):
+        manifest.verify_manifest(m)
+        it = int(re.search(r"_iter_(\d+)\.", m).group(1))
+        found[it] = caffemodel.read_solverstate(m.replace(".manifest.json", ".solverstate")).iter
+    assert len(found) == 2, found              # the SIGHUP snapshot and the one taken on stop
+    assert all(state_iter == it for it, state_iter in found.items())
+
+
 def test_signals_to_any_rank_of_a_multi_host_job(solver, tmp_path):
     """SIGHUP to worker 1 snapshots the whole job; SIGINT to the server stops it (rank 0 hears of
     both through the coordinator)."""
