@@ -107,24 +107,53 @@ class PSScheme(Scheme):
                          b["pairs"]) for b in w.book.bundles_of_layer(syncer.li)]
         self.receipts = []
         self._shared = None                 # bundle id -> the server's kvshm.Segment or None
+        self._in_place = set()              # bundles whose parameters are all placed there
+        itemsize = int(w.book.data["itemsize"])
+        self._bytes = {key: sum(n for _, _, n in parts) * itemsize
+                       for key, _, parts, _ in self.bundles}
 
     @staticmethod
     def cost(rec, P1, P2):
         return ps_cost(rec["M"], rec["N"], P1, P2)
 
     def _segments(self):
-        """Each bundle's server memory, looked up at the first sync (after the start barrier)."""
+        """Each bundle's server memory, looked up at the first sync (after the start barrier and
+        the placement); and the bundles that move nothing at all (`_in_place`): their sync then
+        builds no views of the diffs or the data."""
         if self._shared is None:
-            t = self.worker.transport
-            self._shared = {key: t.kv_segment(server) for key, server, _, _ in self.bundles}
+            w = self.worker
+            self._shared = {key: w.transport.kv_segment(server)
+                            for key, server, _, _ in self.bundles}
+            self._in_place = {key for key, _, parts, _ in self.bundles
+                              if self._shared[key] is not None
+                              and all(pid in w.placed for pid, _, _ in parts)}
         return self._shared
+
+    def _flat(self, which):
+        """{param id: its diff ('g') or data ('v') on the host, flat}: views on the CPU, pinned
+        buffers on a GPU (the diff copied in on the sync's stream; the data filled by receive)."""
+        stage = self.syncer.stage
+        if which == "g":
+            return {pid: stage.to_host(blob.diff, ("g", pid)).reshape(-1)
+                    for pid, blob in self.params}
+        return {pid: (blob.data if not stage.on_gpu else
+                      stage.buffer(("v", pid), blob.data.shape, blob.data.dtype)).reshape(-1)
+                for pid, blob in self.params}
 
     def send(self, it, stats):
         w, stage = self.worker, self.syncer.stage
-        flat = {pid: stage.to_host(blob.diff, ("g", pid)).reshape(-1) for pid, blob in self.params}
-        stage.synchronize()
         shared = self._segments()
+        flat = None
         for key, server, parts, pair_ids in self.bundles:
+            if key in self._in_place:           # the diffs are the region: a header alone
+                receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key,
+                                           shared=True)
+                receipt.payload_bytes = self._bytes[key]
+                stats.sent(receipt)
+                continue
+            if flat is None:
+                flat = self._flat("g")
+                stage.synchronize()
             arrays = [flat[pid][off:off + n] for pid, off, n in parts]
             segment = shared[key]
             if segment is None:
@@ -137,16 +166,13 @@ class PSScheme(Scheme):
                         numpy.copyto(segment.grads(w.rank, k), a)
                 receipt = w.transport.send(server, Msg.KV_PUSH, iteration=it, key=key,
                                            shared=True)
-                receipt.payload_bytes = sum(a.nbytes for a in arrays)
+                receipt.payload_bytes = self._bytes[key]
             stats.sent(receipt)
 
     def receive(self, it, stats):
         w, stage = self.worker, self.syncer.stage
-        hosts = {pid: (blob.data if not stage.on_gpu else
-                       stage.buffer(("v", pid), blob.data.shape, blob.data.dtype))
-                 for pid, blob in self.params}
-        flat = {pid: host.reshape(-1) for pid, host in hosts.items()}
         shared = self._segments()
+        flat = None
         for key, server, parts, pair_ids in self.bundles:
             msg = w.transport.receive(
                 Msg.KV_VALUE, key, it, senders=[server],
@@ -157,18 +183,25 @@ class PSScheme(Scheme):
                 if segment is None:
                     raise DistError(f"{w.session.name}: {bundle_text(key, len(parts))} came "
                                     f"back in shared memory, which this worker did not map")
-                for (pid, off, n), k in zip(parts, pair_ids):
-                    if pid not in w.placed:     # a placed parameter is already updated
-                        numpy.copyto(flat[pid][off:off + n], segment.values(k))
-                stats.recv_payload += sum(n for _, _, n in parts) * segment.layout.dtype.itemsize
+                if key not in self._in_place:
+                    if flat is None:
+                        flat = self._flat("v")
+                    for (pid, off, n), k in zip(parts, pair_ids):
+                        if pid not in w.placed:     # a placed parameter is already updated
+                            numpy.copyto(flat[pid][off:off + n], segment.values(k))
+                stats.recv_payload += self._bytes[key]
             else:
+                if flat is None:
+                    flat = self._flat("v")
                 for (pid, off, n), values in zip(parts, msg.arrays):
                     flat[pid][off:off + n] = values
             stats.received(msg)
             stats.reply_aux.append(msg.aux)
         if stage.on_gpu:
+            if flat is None:
+                flat = self._flat("v")
             for pid, blob in self.params:
-                stage.to_device(hosts[pid], blob.data)
+                stage.to_device(flat[pid], blob.data)
         for receipt in self.receipts:
             receipt.wait()
         self.receipts = []
