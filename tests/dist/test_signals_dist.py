@@ -64,26 +64,31 @@ class Output:
         return "".join(self.lines)
 
 
-def snapshots(folder):
-    """{iteration: manifest} of the complete snapshots, every one verified, and for each the
-    iteration every worker's cursor file records (they must agree)."""
+def snapshots(folder, cursor_of=1):
+    """{iteration: (solver state's iteration, worker `cursor_of`'s cursor iteration)} of the
+    complete snapshots, every one verified (every worker's cursor must agree with the state);
+    cursor_of=None: a one-worker job's, whose cursors are the engine's own file."""
     found = {}
     for m in glob.glob(str(Path(folder) / "run_iter_*.manifest.json")):
         manifest.verify_manifest(m)
         it = int(re.search(r"_iter_(\d+)\.", m).group(1))
         state = caffemodel.read_solverstate(m.replace(".manifest.json", ".solverstate"))
-        with open(m.replace(".manifest.json", ".cursors.worker-1.json"), encoding="utf-8") as f:
-            worker1 = json.load(f)["iter"]
-        found[it] = (state.iter, worker1)
+        name = ".cursors.json" if cursor_of is None else f".cursors.worker-{cursor_of}.json"
+        with open(m.replace(".manifest.json", name), encoding="utf-8") as f:
+            cursor = json.load(f)["iter"]
+        found[it] = (state.iter, cursor)
     return found
 
 
-def test_sighup_snapshots_and_sigint_stops_every_worker_at_one_iteration(solver, tmp_path):
-    folder, path = solver
-    snap = Path(path).parent / "snap"
-    proc = subprocess.Popen(cli("--solver", path, "--workers", 2, "--servers", 1, "--no-progress"),
-                            env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+def hup_then_int(path, cwd, workers):
+    """A local job of `workers` workers and one server: SIGHUP to the launcher once it trains,
+    then SIGINT once it has snapshotted. Returns (its output, its exit status, the pids of its
+    processes), the snapshot folder emptied first (the module's jobs share it)."""
+    for old in glob.glob(str(Path(path).parent / "snap" / "run_*")):
+        os.remove(old)
+    proc = subprocess.Popen(cli("--solver", path, "--workers", workers, "--servers", 1,
+                                "--no-progress"),
+                            env=env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = Output(proc)
     try:
         pids = [int(p) for p in re.findall(r"pid (\d+)", out.wait_for(r"^poseidon: worker 0 pid"))]
@@ -98,12 +103,17 @@ def test_sighup_snapshots_and_sigint_stops_every_worker_at_one_iteration(solver,
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = out.text()
-    assert proc.returncode == 0, text[-3000:]
+    return out.text(), proc.returncode, pids
+
+
+def test_sighup_snapshots_and_sigint_stops_every_worker_at_one_iteration(solver, tmp_path):
+    folder, path = solver
+    text, status, pids = hup_then_int(path, tmp_path, workers=2)
+    assert status == 0, text[-3000:]
     assert "poseidon: SIGHUP: the job will snapshot after the current iteration" in text
     assert "poseidon: SIGINT: the job will stop after the current iteration" in text
     assert "Optimization stopped early." in text and "poseidon: all processes finished" in text
-    found = snapshots(snap)
+    found = snapshots(Path(path).parent / "snap")
     assert len(found) == 2, found              # the SIGHUP snapshot and the one taken on stop
     for it, (state_iter, worker1_iter) in found.items():
         assert state_iter == worker1_iter == it   # every worker's state from the same iteration
@@ -117,35 +127,13 @@ def test_a_one_worker_job_takes_signals_without_the_loss_round_trip(solver, tmp_
     own); a request is read from the coordinator, which shares worker 0's process, at the next
     iteration: SIGHUP still snapshots and SIGINT still stops, each after one iteration."""
     folder, path = solver
-    snap = Path(path).parent / "snap"
-    for old in glob.glob(str(snap / "run_*")):       # left by the tests before
-        os.remove(old)
-    proc = subprocess.Popen(cli("--solver", path, "--workers", 1, "--servers", 1, "--no-progress"),
-                            env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    out = Output(proc)
-    try:
-        out.wait_for(r"book sent")
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGHUP)
-        out.wait_for(r"Distributed snapshot at iteration \d+")
-        time.sleep(0.5)
-        assert proc.poll() is None, "SIGHUP's default effect (snapshot) must not stop the job"
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = out.text()
-    assert proc.returncode == 0, text[-3000:]
+    text, status, pids = hup_then_int(path, tmp_path, workers=1)
+    assert status == 0, text[-3000:]
     assert "Optimization stopped early." in text and "poseidon: all processes finished" in text
-    found = {}
-    for m in glob.glob(str(snap / "run_iter_*.manifest.json")):
-        manifest.verify_manifest(m)
-        it = int(re.search(r"_iter_(\d+)\.", m).group(1))
-        found[it] = caffemodel.read_solverstate(m.replace(".manifest.json", ".solverstate")).iter
+    found = snapshots(Path(path).parent / "snap", cursor_of=None)
     assert len(found) == 2, found              # the SIGHUP snapshot and the one taken on stop
-    assert all(state_iter == it for it, state_iter in found.items())
+    assert all(a == b == it for it, (a, b) in found.items()), found
+    assert not any(alive(p) for p in pids)
 
 
 def test_signals_to_any_rank_of_a_multi_host_job(solver, tmp_path):
