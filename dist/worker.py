@@ -149,7 +149,7 @@ class DistributedSolver:
         # beside worker 0), so a requested snapshot or stop is read from it directly. The loss's
         # round trip through the coordinator's thread cost 0.15 ms of this thread's time after
         # the forward, and its thread's Python then competed for the GIL with the first layers'
-        # backward (0.2 ms more; cifar10_quick, part c)
+        # backward (about 0.1 ms more; cifar10_quick, part c)
         self._solo = self.roles.workers == 1 and session.coordinator is not None
         self.last_snapshot = None
         self._checks = {}                       # layer -> what is not finite (None: all good)
