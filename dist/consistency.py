@@ -44,15 +44,19 @@ def _extra(st):
     return extra
 
 
-def rank_order_sum(pair, ranks):
+def rank_order_sum(pair, ranks, out=None):
     """The gradients pushed to pair by `ranks` (ascending) summed in that order, into the first
-    one's array (the receiver's own frame; a read-only one is copied first). The pair lets go of
-    all its pushed arrays. BSP (dist/kvstore.py) sums every worker, the straggler policy those
-    that arrived: the same order either way, so a full arrival is bitwise BSP."""
+    one's array (the receiver's own frame; a read-only one is copied first), or into `out`, so
+    that no pushed array is written (a worker's gradient in shared memory); a single gradient is
+    then returned as it is. The pair lets go of all its pushed arrays. BSP (dist/kvstore.py) sums
+    every worker, the straggler policy those that arrived: the same order either way, so a full
+    arrival is bitwise BSP."""
     grads, pair.grads = pair.grads, [None] * len(pair.grads)
     first, *rest = ranks
     acc = grads[first]
-    if not acc.flags.writeable:
+    if out is not None and rest:
+        acc = numpy.add(acc, grads[rest.pop(0)], out=out)
+    elif out is None and not acc.flags.writeable:
         acc = acc.copy()
     for r in rest:
         acc += grads[r]

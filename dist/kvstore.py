@@ -150,13 +150,8 @@ class KVServer:
         the sum as it is, which the rule must keep; with several the sum goes into scratch."""
         if not any(pair.shared):
             return rank_order_sum(pair, range(self.workers)), False
-        grads, pair.grads = pair.grads, [None] * self.workers
-        if self.workers == 1:
-            return grads[0], True
-        acc = numpy.add(grads[0], grads[1], out=self.scratch(pair.length))
-        for g in grads[2:]:
-            acc += g
-        return acc, False
+        return (rank_order_sum(pair, range(self.workers), out=self.scratch(pair.length)),
+                self.workers == 1)
 
     def bytes_held(self):
         return sum(p.length for p in self.pairs.values()) * self.dtype.itemsize

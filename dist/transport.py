@@ -783,12 +783,12 @@ class ZmqTransport(Transport):
             return None
         del awaiting[key]
         link = got[0]
-        spin = [spin]
 
         def pump(seconds):
+            nonlocal spin
             try:
-                msgs = link.read_ready(seconds, spin[0])
-                spin[0] = 0.0
+                msgs = link.read_ready(seconds, spin)
+                spin = 0.0
             except directlink.LinkClosed:   # a plain wait from now on: if the peer has gone,
                 link.open = False            # heartbeats and the coordinator say so, naming
                 return False                 # the process that failed first
