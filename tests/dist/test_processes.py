@@ -337,12 +337,20 @@ def test_four_workers_two_servers_converge_like_one_process_on_the_combined_batc
     """The digits demo set, 500 iterations (about 22 epochs of the combined batch 64). Both runs
     sit on the loss-2.30 plateau for 100-250 iterations and float32 rounding decides when each
     leaves it, so the comparison is made well past it (at 300 iterations one run may have just
-    left it: 0.94 vs 0.86 was seen)."""
+    left it: 0.94 vs 0.86 was seen).
+
+    Past the plateau the two runs are two equally good models whose float32 paths have parted:
+    the machine decides which is ahead (0.9725 vs 0.9525 here on 2026-11-26, on a commit whose CI
+    run had them within 0.01). So they are compared as two draws on the 400 test images: at about
+    96% accuracy the difference of two such draws has a standard deviation of about 0.014, and
+    0.045 is three of them. A run that averaged its gradients wrongly, or diverged, lands far
+    outside that; equality with one process is tested in float64 (test_equivalence.py and
+    test_multi_host_form_with_explicit_ranks)."""
     from engine.io.datasets import make_digits_lmdb
     make_digits_lmdb(str(tmp_path / "data" / "digits"))
     single = _digits_run(tmp_path, "single", 64, [])
     distributed = _digits_run(tmp_path, "dist", 16, ["--workers", 4, "--servers", 2])
     print(f"\ntest accuracy after 500 iterations: one process (batch 64) {single:.4f}, "
           f"4 workers x 16 + 2 servers {distributed:.4f}")
-    assert single > 0.8
-    assert abs(single - distributed) <= 0.01
+    assert single > 0.9 and distributed > 0.9
+    assert abs(single - distributed) <= 0.045
