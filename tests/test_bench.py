@@ -27,6 +27,9 @@ def test_bench_quick_writes_results(tmp_path):
         assert key in meta, key
     assert set(meta["env"]) >= {"OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"}
     assert results["gemm_peak"]["peak"] > 0
+    # sampled before part b and after each of its three nets (tools/bench/env.GemmPeaks)
+    assert results["gemm_peak"]["samples"] == 4
+    assert results["gemm_peak"]["peak"] == max(results["gemm_peak"]["runs"])
     call = results["gemm_peak_call"]
     if meta["threads"] > 1:   # one single-thread call per core, all at once, as the engine runs
         assert call["threads"] == 1 and call["calls"] == meta["threads"] and call["peak"] > 0
@@ -113,6 +116,38 @@ def test_transport_target_compares_like_for_like():
     row = [r for r in report.targets({"distributed": {"transport": old}})
            if r[0] == report.TARGETS[4][0]][0]
     assert row[2] == "30% (0.60 vs 2.00 GB/s)" and row[3] is False
+
+
+def test_gemm_peaks_take_the_best_run_of_every_sample(monkeypatch):
+    """A peak is the fastest the machine was seen to go: a slow sample after a fast one (or the
+    other way round) leaves the peak at the fast one, and every share of part b is taken against
+    it, whatever the order."""
+    from tools.bench import env
+    machine = iter([[100.0, 120.0], [150.0, 140.0], [90.0, 95.0]])
+    alone = iter([[50.0], [85.0], [70.0]])
+    call = iter([[40.0, 45.0], [70.0, 80.0], [60.0, 61.0]])
+    peaks = env.GemmPeaks(threads=2)
+    # gemm_peak serves the machine peak (peaks.runs runs) and the lone call in turn
+    monkeypatch.setattr(env, "gemm_peak", lambda size, runs: (
+        {"runs": next(machine)} if runs == peaks.runs else {"runs": next(alone)}))
+    monkeypatch.setattr(env, "gemm_peak_concurrent",
+                        lambda calls, size, runs: {"runs": next(call)})
+    peaks.sample()
+    assert (peaks.machine_peak, peaks.call_peak) == (120.0, 45.0)
+    peaks.sample()
+    peaks.sample()
+    assert (peaks.machine_peak, peaks.call_peak) == (150.0, 80.0)
+    got = peaks.results()
+    assert got["gemm_peak"]["peak"] == 150.0 and got["gemm_peak"]["samples"] == 3
+    assert len(got["gemm_peak"]["runs"]) == 6 and got["gemm_peak"]["min"] == 90.0
+    assert got["gemm_peak_call"]["peak"] == 80.0 and got["gemm_peak_call"]["calls"] == 2
+    assert got["gemm_peak_call_alone"]["peak"] == 85.0
+    one = env.GemmPeaks(threads=1)                   # one thread: a call is the machine
+    machine = iter([[30.0, 33.0]])
+    monkeypatch.setattr(env, "gemm_peak", lambda size, runs: {"runs": next(machine)})
+    one.sample()
+    assert one.call_peak == one.machine_peak == 33.0
+    assert one.results()["gemm_peak_call"]["threads"] == 1
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_more_rounds():

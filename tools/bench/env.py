@@ -187,3 +187,67 @@ def gemm_peak_concurrent(calls, size=2048, runs=5, dtype=numpy.float32):
                     f"{calls} run at once, one per core (as the engine runs its GEMMs); 'peak' "
                     f"is the best run")
     return out
+
+
+class GemmPeaks:
+    """The two GEMM peaks the shares of part b are taken against, sampled more than once.
+
+    This VM's speed drifts by tens of percent within minutes (the per-call peak measured 45 GFLOP/s
+    at one moment and 80 a minute later, 2026-11-26), so a peak taken once, before the layers
+    run, can sit below what the layers' own GEMMs reach (a share of 131% was printed) or above it.
+    A peak is a capability, which a slow moment only lowers: `sample()` is called before part b
+    and after each of its nets, and the peak is the best run of all the samples, so every share
+    is taken against the fastest the machine was seen to go around those measurements.
+
+    machine: `threads` BLAS threads on one square matmul; call: one single-thread matmul per core,
+    all at once, as the engine runs its GEMMs while it splits a batch over cores (with one thread
+    the two are the same); alone: one single-thread call on an otherwise idle machine, for
+    reference."""
+
+    def __init__(self, threads, quick=False):
+        self.threads = threads
+        self.size = 1024 if quick else 2048
+        self.runs = 3 if quick else 7
+        self.call_runs = 3 if quick else 5
+        self.samples = 0
+        self._rates = {"machine": [], "call": [], "alone": []}
+
+    def sample(self):
+        """Measure both peaks once more (about 2 s at 2048³ on 2 cores)."""
+        with blas_threads(self.threads):
+            self._rates["machine"] += gemm_peak(self.size, self.runs)["runs"]
+        if self.threads > 1:
+            with blas_threads(1):
+                self._rates["call"] += gemm_peak_concurrent(self.threads, self.size,
+                                                            self.call_runs)["runs"]
+                self._rates["alone"] += gemm_peak(self.size, self.call_runs)["runs"]
+        self.samples += 1
+
+    @property
+    def machine_peak(self):
+        return max(self._rates["machine"])
+
+    @property
+    def call_peak(self):
+        return max(self._rates["call"]) if self.threads > 1 else self.machine_peak
+
+    def results(self):
+        """{"gemm_peak", "gemm_peak_call"[, "gemm_peak_call_alone"]}: stats over every run of
+        every sample, 'peak' the best, 'samples' how many times the peaks were measured."""
+        size, dtype = self.size, "float32"
+        common = {"size": size, "dtype": dtype, "samples": self.samples}
+        out = {"gemm_peak": dict(stats(self._rates["machine"]), peak=self.machine_peak,
+                                 note="GFLOP/s of a float32 matmul of two square matrices; 'peak' "
+                                      "is the best run of all samples (a slow moment only lowers "
+                                      "runs)", **common)}
+        if self.threads > 1:
+            out["gemm_peak_call"] = dict(
+                stats(self._rates["call"]), peak=self.call_peak, calls=self.threads, threads=1,
+                note=f"GFLOP/s of one single-thread float32 matmul while {self.threads} run at "
+                     f"once, one per core (as the engine runs its GEMMs); 'peak' is the best run "
+                     f"of all samples", **common)
+            out["gemm_peak_call_alone"] = dict(stats(self._rates["alone"]),
+                                               peak=max(self._rates["alone"]), **common)
+        else:
+            out["gemm_peak_call"] = dict(out["gemm_peak"], threads=self.threads)
+        return out

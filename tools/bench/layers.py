@@ -55,23 +55,51 @@ def _metered(fn, totals):
     totals[1] += after["seconds"] - before["seconds"]
 
 
-def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log=print,
-            call_peak_gflops=None, with_torch=False):
-    """Per-layer times; with call_peak_gflops (the GEMM peak of the threads one GEMM call gets:
-    one core while the engine splits the batch over cores) also the rate of the GEMM calls
-    themselves, metered inside the layers (engine.gemm), and its share of that peak."""
-    out = {}
+def measure(bench_nets, threads, peaks, runs=5, iterations=5, xp=None, log=print,
+            with_torch=False):
+    """Per-layer times of each net and the shares of the GEMM peaks they represent: of the
+    machine peak for whole layers, and of the per-call peak (the threads one GEMM call gets: one
+    core while the engine splits the batch over cores) for the GEMM calls themselves, metered
+    inside the layers (engine.gemm). `peaks` (env.GemmPeaks) is sampled again after each net,
+    and every share is taken against the best of all its samples, once every net has run."""
+    timed = []
     for bn in bench_nets:
-        # the engine runs its own threads (POSEIDON_THREADS, set by the command)
-        solver = nets.make_solver(bn, xp=xp)
-        net = solver.net
-        n_layers = len(net.layers)
-        solver.step(2)                                        # warm-up
-        fwd = [[] for _ in range(n_layers)]
-        bwd = [[] for _ in range(n_layers)]
-        upd = []
-        gemm = [[0.0, 0.0] for _ in range(n_layers)]   # FLOPs, seconds inside GEMM calls
-        METER.enabled = call_peak_gflops is not None
+        timed.append((bn, _time_layers(bn, runs, iterations, xp)))
+        peaks.sample()
+    out = {}
+    for bn, (names, types, algorithms, flops, fwd, bwd, upd, gemm) in timed:
+        out[bn.key] = _shares(bn, names, types, algorithms, flops, fwd, bwd, upd, gemm,
+                              peaks.machine_peak, peaks.call_peak)
+        net = out[bn.key]
+        log(f"  {bn.key}: forward {net['forward_ms']:.1f} ms, backward {net['backward_ms']:.1f} "
+            f"ms, update {net['update_ms']['median']:.1f} ms; conv/IP layers at "
+            f"{100 * (net['gemm_layers_peak_share'] or 0):.0f}% of the GEMM peak"
+            + (f", their GEMM calls at {100 * net['gemm_calls_share']:.0f}% of the per-call "
+               f"peak" if net["gemm_calls_share"] else ""))
+        if with_torch:
+            net["torch_layers_ms"] = _torch_columns(bn, net["layers"], threads, runs, iterations)
+        if net["torch_layers_ms"]:
+            log(f"  {bn.key} in PyTorch, layer by layer: forward "
+                f"{net['torch_layers_ms']['forward']:.1f} ms, backward "
+                f"{net['torch_layers_ms']['backward']:.1f} ms")
+    return out
+
+
+def _time_layers(bn, runs, iterations, xp=None):
+    """(layer names, types, algorithms, GEMM FLOPs (forward, backward) per layer, forward ms
+    runs, backward ms runs, update ms runs, [metered GEMM FLOPs, seconds] per layer) of `runs`
+    runs of `iterations` training steps of bench net `bn`, timed layer by layer."""
+    # the engine runs its own threads (POSEIDON_THREADS, set by the command)
+    solver = nets.make_solver(bn, xp=xp)
+    net = solver.net
+    n_layers = len(net.layers)
+    solver.step(2)                                        # warm-up
+    fwd = [[] for _ in range(n_layers)]
+    bwd = [[] for _ in range(n_layers)]
+    upd = []
+    gemm = [[0.0, 0.0] for _ in range(n_layers)]   # FLOPs, seconds inside GEMM calls
+    METER.enabled = True
+    try:
         for _ in range(runs):
             f = numpy.zeros(n_layers)
             b = numpy.zeros(n_layers)
@@ -98,63 +126,61 @@ def measure(bench_nets, threads, peak_gflops, runs=5, iterations=5, xp=None, log
                 fwd[li].append(f[li] / iterations * 1e3)
                 bwd[li].append(b[li] / iterations * 1e3)
             upd.append(u / iterations * 1e3)
+    finally:
         METER.enabled = False
-        rows = []
-        gemm_time = gemm_fl = 0.0
-        call_fl = call_s = 0.0
-        for li, name in enumerate(net.layer_names):
-            layer = net.layers[li]
-            ff, bf = gemm_flops(net, li)
-            row = {"name": name, "type": layer.type, "forward_ms": stats(fwd[li]),
-                   "backward_ms": stats(bwd[li])}
-            if getattr(layer, "algorithm", None):   # im2col, fourier or winograd (conv.py)
-                row["algorithm"] = layer.algorithm
-            if ff:
-                tf = row["forward_ms"]["median"] / 1e3
-                tb = row["backward_ms"]["median"] / 1e3
-                row["gflop_forward"] = ff / 1e9
-                row["gflop_backward"] = bf / 1e9
-                row["gflops_forward"] = ff / tf / 1e9 if tf else None
-                row["gflops_backward"] = bf / tb / 1e9 if tb and bf else None
-                row["peak_share_forward"] = row["gflops_forward"] / peak_gflops \
-                    if row["gflops_forward"] else None
-                row["peak_share_backward"] = row["gflops_backward"] / peak_gflops \
-                    if row["gflops_backward"] else None
-                row["peak_share"] = (ff + bf) / (tf + tb) / 1e9 / peak_gflops
-                gemm_time += tf + tb
-                gemm_fl += ff + bf
-                if gemm[li][1] > 0:
-                    row["gemm_call_gflops"] = gemm[li][0] / gemm[li][1] / 1e9
-                    row["gemm_call_share"] = row["gemm_call_gflops"] / call_peak_gflops
-                    call_fl += gemm[li][0]
-                    call_s += gemm[li][1]
-            rows.append(row)
-        torch_total = _torch_columns(bn, rows, threads, runs, iterations) if with_torch else None
-        update = stats(upd)
-        total_f = sum(r["forward_ms"]["median"] for r in rows)
-        total_b = sum(r["backward_ms"]["median"] for r in rows)
-        out[bn.key] = {"net": bn.title, "layers": rows, "update_ms": update,
-                       "forward_ms": total_f, "backward_ms": total_b,
-                       "step_ms": total_f + total_b + update["median"],
-                       "gemm_layers_ms": gemm_time * 1e3,
-                       "gemm_layers_gflop": gemm_fl / 1e9,
-                       "gemm_layers_peak_share": gemm_fl / gemm_time / 1e9 / peak_gflops
-                       if gemm_time else None,
-                       "gemm_calls_gflops": call_fl / call_s / 1e9 if call_s else None,
-                       "gemm_calls_share": call_fl / call_s / 1e9 / call_peak_gflops
-                       if call_s else None,
-                       "gemm_call_peak_gflops": call_peak_gflops,
-                       "torch_layers_ms": torch_total}
-        log(f"  {bn.key}: forward {total_f:.1f} ms, backward {total_b:.1f} ms, update "
-            f"{update['median']:.1f} ms; conv/IP layers at "
-            f"{100 * (out[bn.key]['gemm_layers_peak_share'] or 0):.0f}% of the GEMM peak"
-            + (f", their GEMM calls at {100 * out[bn.key]['gemm_calls_share']:.0f}% of the "
-               f"per-call peak" if out[bn.key]["gemm_calls_share"] else ""))
-        if torch_total:
-            log(f"  {bn.key} in PyTorch, layer by layer: forward {torch_total['forward']:.1f} ms, "
-                f"backward {torch_total['backward']:.1f} ms")
-        del solver, net
-    return out
+    flops = [gemm_flops(net, li) for li in range(n_layers)]
+    algorithms = [getattr(layer, "algorithm", None) for layer in net.layers]
+    return (list(net.layer_names), [layer.type for layer in net.layers], algorithms, flops,
+            fwd, bwd, upd, gemm)
+
+
+def _shares(bn, names, types, algorithms, flops, fwd, bwd, upd, gemm, peak_gflops,
+            call_peak_gflops):
+    """The rows of one net and its totals, with the shares of the two peaks."""
+    rows = []
+    gemm_time = gemm_fl = 0.0
+    call_fl = call_s = 0.0
+    for li, name in enumerate(names):
+        ff, bf = flops[li]
+        row = {"name": name, "type": types[li], "forward_ms": stats(fwd[li]),
+               "backward_ms": stats(bwd[li])}
+        if algorithms[li]:      # im2col, fourier or winograd (conv.py)
+            row["algorithm"] = algorithms[li]
+        if ff:
+            tf = row["forward_ms"]["median"] / 1e3
+            tb = row["backward_ms"]["median"] / 1e3
+            row["gflop_forward"] = ff / 1e9
+            row["gflop_backward"] = bf / 1e9
+            row["gflops_forward"] = ff / tf / 1e9 if tf else None
+            row["gflops_backward"] = bf / tb / 1e9 if tb and bf else None
+            row["peak_share_forward"] = row["gflops_forward"] / peak_gflops \
+                if row["gflops_forward"] else None
+            row["peak_share_backward"] = row["gflops_backward"] / peak_gflops \
+                if row["gflops_backward"] else None
+            row["peak_share"] = (ff + bf) / (tf + tb) / 1e9 / peak_gflops
+            gemm_time += tf + tb
+            gemm_fl += ff + bf
+            if gemm[li][1] > 0:
+                row["gemm_call_gflops"] = gemm[li][0] / gemm[li][1] / 1e9
+                row["gemm_call_share"] = row["gemm_call_gflops"] / call_peak_gflops
+                call_fl += gemm[li][0]
+                call_s += gemm[li][1]
+        rows.append(row)
+    update = stats(upd)
+    total_f = sum(r["forward_ms"]["median"] for r in rows)
+    total_b = sum(r["backward_ms"]["median"] for r in rows)
+    return {"net": bn.title, "layers": rows, "update_ms": update,
+            "forward_ms": total_f, "backward_ms": total_b,
+            "step_ms": total_f + total_b + update["median"],
+            "gemm_layers_ms": gemm_time * 1e3,
+            "gemm_layers_gflop": gemm_fl / 1e9,
+            "gemm_layers_peak_share": gemm_fl / gemm_time / 1e9 / peak_gflops
+            if gemm_time else None,
+            "gemm_calls_gflops": call_fl / call_s / 1e9 if call_s else None,
+            "gemm_calls_share": call_fl / call_s / 1e9 / call_peak_gflops if call_s else None,
+            "gemm_call_peak_gflops": call_peak_gflops,
+            "gemm_peak_gflops": peak_gflops,
+            "torch_layers_ms": None}
 
 
 def _torch_columns(bench_net, rows, threads, runs, iterations):

@@ -20,6 +20,13 @@ class PlotsUnavailable(RuntimeError):
     pass
 
 
+def _sampled(peak):
+    """How often a peak was measured (tools/bench/env.GemmPeaks), when more than once."""
+    n = peak.get("samples", 1)
+    return (f", measured {n} times (before part b and after each of its nets; shares are taken "
+            f"against the best run)" if n > 1 else "")
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -213,7 +220,7 @@ def markdown(results):
     if peak:
         lines += ["", f"GEMM peak (float32 {peak['size']}³ numpy matmul, {m['threads']} threads): "
                       f"{peak['peak']:.0f} GFLOP/s best run, {_mm(peak)} over "
-                      f"{len(peak['runs'])} runs."]
+                      f"{len(peak['runs'])} runs" + _sampled(peak) + "."]
     call_peak = results.get("gemm_peak_call")
     if call_peak and call_peak.get("threads") != m.get("threads"):
         alone = results.get("gemm_peak_call_alone")
@@ -222,7 +229,7 @@ def markdown(results):
         lines += ["", f"Per-call GEMM peak ({call_peak['threads']} thread{at_once}: the engine runs "
                       f"one GEMM per core while it splits the batch over cores): "
                       f"{call_peak['peak']:.0f} GFLOP/s best run, {_mm(call_peak)}"
-                      + (f"; one such call alone on the machine: {alone['peak']:.0f} GFLOP/s"
+                      + _sampled(call_peak) + (f"; one such call alone on the machine: {alone['peak']:.0f} GFLOP/s"
                          if alone else "") + "."]
     thr = results.get("throughput")
     if thr:

@@ -94,29 +94,14 @@ def run(args):
     from tools.bench import nets
     bench_nets = nets.all_nets(quick=args.quick)
 
-    with env.blas_threads(threads):
-        results["gemm_peak"] = env.gemm_peak(size=1024 if args.quick else 2048,
-                                             runs=3 if args.quick else 7)
-    out(f"GEMM peak: {results['gemm_peak']['peak']:.0f} GFLOP/s (best of "
-        f"{len(results['gemm_peak']['runs'])}; median {results['gemm_peak']['median']:.0f})")
     # one GEMM call of the engine runs on one core while it splits the batch over cores
-    # (engine/layers/im2col.parallel), every core running one at once; on every BLAS thread
-    # otherwise: its peak is that of a call in those conditions (and, for reference, of one
-    # single-thread call alone on the machine)
-    call_threads = 1 if threads > 1 else threads
-    if call_threads != threads:
-        size = 1024 if args.quick else 2048
-        with env.blas_threads(call_threads):
-            results["gemm_peak_call"] = env.gemm_peak_concurrent(threads, size=size,
-                                                                 runs=3 if args.quick else 5)
-            results["gemm_peak_call_alone"] = env.gemm_peak(size=size,
-                                                            runs=3 if args.quick else 5)
-        out(f"GEMM peak of one call ({call_threads} thread, {threads} at once): "
-            f"{results['gemm_peak_call']['peak']:.0f} GFLOP/s (alone: "
-            f"{results['gemm_peak_call_alone']['peak']:.0f})")
-    else:
-        results["gemm_peak_call"] = dict(results["gemm_peak"])
-    results["gemm_peak_call"]["threads"] = call_threads
+    # (engine/layers/im2col.parallel), every core running one at once: its peak is that of a
+    # call in those conditions. Both peaks are sampled again after each net of part b
+    # (env.GemmPeaks: the machine's speed drifts)
+    peaks = env.GemmPeaks(threads, quick=args.quick)
+    peaks.sample()
+    results.update(peaks.results())
+    _log_peaks(out, results, "")
 
     seconds = results["part_seconds"] = {}       # where the run's time goes, part by part
     mark = time.perf_counter()
@@ -137,10 +122,12 @@ def run(args):
     if "b" in parts:
         from tools.bench import layers
         out("b. per-layer times")
-        results["layers"] = layers.measure(bench_nets, threads, results["gemm_peak"]["peak"],
-                                           call_peak_gflops=results["gemm_peak_call"]["peak"],
-                                           runs=runs, iterations=1 if args.quick else 4, log=out,
+        results["layers"] = layers.measure(bench_nets, threads, peaks, runs=runs,
+                                           iterations=1 if args.quick else 4, log=out,
                                            with_torch=not args.no_torch)
+        results.update(peaks.results())
+        _log_peaks(out, results, f", best of {peaks.samples} samples (before part b and after "
+                                 f"each of its nets)")
         part_done("b")
     if "f" in parts:
         out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
@@ -207,6 +194,15 @@ def run(args):
         + f" in {results['runtime_s']:.0f} s"
         + (f" ({report.part_times_text(seconds)})" if seconds else ""))
     return 0
+
+
+def _log_peaks(out, results, how):
+    peak, call = results["gemm_peak"], results["gemm_peak_call"]
+    out(f"GEMM peak{how}: {peak['peak']:.0f} GFLOP/s (median {peak['median']:.0f} over "
+        f"{len(peak['runs'])} runs)")
+    if "gemm_peak_call_alone" in results:
+        out(f"GEMM peak of one call, 1 thread, {call['calls']} at once{how}: "
+            f"{call['peak']:.0f} GFLOP/s (alone: {results['gemm_peak_call_alone']['peak']:.0f})")
 
 
 def _status(part, key, fmt):
