@@ -17,7 +17,8 @@ flattened over (N, C, Qh, Qw) with Qh = out_h + (kh-1)//sh, Qw = out_w + (kw-1)/
 (i, j) is then the flat slice of phase (i%sh, j%sw) starting at (i//sh)*Qw + j//sw: the output is
 computed on an out_h+... x Qw grid (the cells past out_h x out_w are discarded), and every pass over
 an offset is a contiguous slice, which numpy runs as one long SIMD loop instead of thousands of
-short strided rows (about 7x faster here). Forward is a running maximum (or sum) over the offsets;
+short strided rows (about 7x faster here). The passes take a run of samples at a time, all
+offsets over one run while it is in cache (CHUNK_BYTES). Forward is a running maximum (or sum) over the offsets;
 MAX backward hands the top gradient to the first offset (row-major) that holds the window's maximum
 and removes it from what remains, so a later tie receives nothing; the phase gradients are then
 written back into the bottom gradient. Global pooling (one window covering the whole plane) is a
@@ -33,6 +34,16 @@ from ..layer import Layer, register
 from .im2col import NEG_FLT_MAX, BufferCache, Geometry, WorkerBuffers, offset_slices, parallel
 
 MAX, AVE, STOCHASTIC = 0, 1, 2
+
+# The grid passes run over runs of samples whose grid takes about this many bytes, so that the
+# half-dozen arrays a pass touches (phases, maxima, gradients, masks) stay in cache across the
+# kernel offsets instead of streaming from memory at each. 2 threads on the 2-core EPYC (Zen 3,
+# 512 KiB L2 a core), forward / backward ms, whole ranges against runs of 256 KiB: cifar10_quick's
+# pool1 (MAX 3x3/2, 32 channels at 32x32, batch 100) 7.8-12.4 / 16.6-22.5 against 5.2-6.6 /
+# 10.7-13.6; GoogLeNet's 3x3/1 MAX (192 channels at 28x28, batch 16) 9.5-12.3 / 31.8-37.3
+# against 6.5-9.4 / 16.6-20.5; pool2 (AVE, 16x16) unchanged. Runs of 64 KiB (one sample of
+# pool1) lost to the calls' own cost: 13.2 / 40.9.
+CHUNK_BYTES = 256 << 10
 CEIL, FLOOR = 0, 1
 
 
@@ -133,31 +144,45 @@ class _Plan:
     def grid_size(self, n, c):
         return n * c * self.qh * self.qw
 
-    def phases(self, x, buffers, fill, xp):
-        """x split into its stride phases: a cached (sh*sw, N*C*Qh*Qw + margin) buffer whose
-        padding cells keep `fill` (written once, when the buffer is made)."""
-        n, c = x.shape[:2]
-        size = self.grid_size(n, c)
-        buf = buffers.get(f"phases{fill}", (len(self.regions), size + self.margin), x.dtype, xp,
-                          fill)
+    def phases(self, n, c, buffers, fill, dtype, xp):
+        """The cached (sh*sw, N*C*Qh*Qw + margin) buffer of the stride phases of n samples,
+        whose padding cells keep `fill` (written once, when the buffer is made)."""
+        return buffers.get(f"phases{fill}", (len(self.regions), self.grid_size(n, c) + self.margin),
+                           dtype, xp, fill)
+
+    def chunks(self, n, c, itemsize, xp):
+        """(first sample, end sample, first grid cell, end grid cell) of the runs of samples that
+        a pass takes at once: on the CPU a run's grid arrays fit the L2 cache together (see
+        CHUNK_BYTES); on a GPU, all n."""
+        per = self.grid_size(1, c)
+        step = n if xp is not numpy else max(1, min(n, CHUNK_BYTES // (per * itemsize)))
+        return [(s0, min(n, s0 + step), s0 * per, min(n, s0 + step) * per)
+                for s0 in range(0, n, step)]
+
+    def split(self, x, buf, start):
+        """Write x's samples into the phase buffer from sample `start` on."""
+        k, c = x.shape[:2]
+        lo = self.grid_size(start, c)
         for p, region in enumerate(self.regions):
             if region is None:
                 continue
             (gr, gc), (ir, ic) = region
-            buf[p, :size].reshape(n, c, self.qh, self.qw)[:, :, gr, gc] = x[:, :, ir, ic]
-        return buf
+            buf[p, lo:lo + self.grid_size(k, c)].reshape(k, c, self.qh, self.qw)[:, :, gr, gc] = \
+                x[:, :, ir, ic]
 
-    def scatter_back(self, dphases, dx):
-        """dx (N, C, H, W) = the phase gradients written back at their image cells."""
-        n, c = dx.shape[:2]
-        size = self.grid_size(n, c)
+    def scatter_back(self, dphases, dx, start=0):
+        """dx (k, C, H, W) = the phase gradients of samples start..start+k written back at their
+        image cells."""
+        k, c = dx.shape[:2]
+        lo = self.grid_size(start, c)
         if not self.grid_covers_all:
             dx.fill(0)
         for p, region in enumerate(self.regions):
             if region is None:
                 continue
             (gr, gc), (ir, ic) = region
-            dx[:, :, ir, ic] = dphases[p, :size].reshape(n, c, self.qh, self.qw)[:, :, gr, gc]
+            dx[:, :, ir, ic] = dphases[p, lo:lo + self.grid_size(k, c)].reshape(
+                k, c, self.qh, self.qw)[:, :, gr, gc]
 
     def valid(self, grid, n, c):
         """The (N, C, out_h, out_w) cells of a flat (N*C*Qh*Qw) grid array (a view)."""
@@ -372,19 +397,24 @@ class PoolingLayer(Layer):
     def _forward_grid(self, x, y, plan, buffers, xp):
         n, c = x.shape[:2]
         fill = 0 if self.method == AVE else NEG_FLT_MAX
-        phases = plan.phases(x, buffers, fill, xp)
-        size = plan.grid_size(n, c)
+        phases = plan.phases(n, c, buffers, fill, x.dtype, xp)
         # MAX keeps its own grid of maxima for backward (the top may be changed in place later)
-        grid = buffers.get("grid", (size,), x.dtype, xp)
+        grid = buffers.get("grid", (plan.grid_size(n, c),), x.dtype, xp)
         op = xp.add if self.method == AVE else xp.maximum
         (p0, o0), rest = plan.offsets[0], plan.offsets[1:]
-        grid[...] = phases[p0, o0:o0 + size]
-        for p, off in rest:
-            op(grid, phases[p, off:off + size], out=grid)
-        if self.method == AVE:
-            xp.multiply(plan.valid(grid, n, c), plan.inv_divisor, out=y)
-        else:
-            y[...] = plan.valid(grid, n, c)
+        # run by run of samples, every offset over a run while it is in cache; an offset's slice
+        # may reach past its run into the next one's cells (not yet split), but only from cells
+        # past out_h x out_w, which are discarded (a valid cell's window stays in its own plane)
+        for s0, s1, a, b in plan.chunks(n, c, x.dtype.itemsize, xp):
+            plan.split(x[s0:s1], phases, s0)
+            cells = grid[a:b]
+            cells[...] = phases[p0, o0 + a:o0 + b]
+            for p, off in rest:
+                op(cells, phases[p, off + a:off + b], out=cells)
+            if self.method == AVE:
+                xp.multiply(plan.valid(cells, s1 - s0, c), plan.inv_divisor, out=y[s0:s1])
+            else:
+                y[s0:s1] = plan.valid(cells, s1 - s0, c)
 
     def _forward_max_argmax(self, src, ymax, mask, plan, xp):
         ymax.fill(NEG_FLT_MAX)
@@ -440,38 +470,48 @@ class PoolingLayer(Layer):
         # (made zero: with a kernel smaller than the stride some phases are never written)
         dphases = buffers.get("dphases", (len(plan.regions), size + plan.margin), dy.dtype,
                               xp, 0)
-        if not plan.disjoint:
-            dphases.fill(0)
-        if self.method == AVE:
-            xp.multiply(dy, plan.inv_divisor, out=plan.valid(left, n, c))
-            for p, off in plan.offsets:
-                if plan.disjoint:
-                    dphases[p, off:off + size] = left
-                else:
-                    dphases[p, off:off + size] += left
-            plan.scatter_back(dphases, dx)
-            return
-        # MAX: walk the offsets in row-major order, hand the remaining gradient to the cells equal
-        # to the maximum and remove it from what remains, so a later tie receives nothing.
-        plan.valid(left, n, c)[...] = dy
-        phases = buffers.get(f"phases{NEG_FLT_MAX}", (len(plan.regions), size + plan.margin),
-                             dy.dtype, xp, NEG_FLT_MAX)          # forward's copy of x
-        grid = buffers.get("grid", (size,), dy.dtype, xp)        # forward's maxima
-        equal = buffers.get("equal", (size,), bool, xp)
-        part = buffers.get("part", (size,), dy.dtype, xp)
+        if self.method == MAX:
+            phases = plan.phases(n, c, buffers, NEG_FLT_MAX, dy.dtype, xp)   # forward's x
+            grid = buffers.get("grid", (size,), dy.dtype, xp)                  # forward's maxima
+            equal = buffers.get("equal", (size,), bool, xp)
+            part = buffers.get("part", (size,), dy.dtype, xp)
+        # run by run of samples, as in forward: a run's cells past out_h x out_w carry no
+        # gradient (left is 0 there), so what they add past the run's end is zero, and the next
+        # run clears its own cells before it adds
+        for s0, s1, a, b in plan.chunks(n, c, dy.dtype.itemsize, xp):
+            if not plan.disjoint:
+                dphases[:, a:b].fill(0)
+            cells = left[a:b]
+            if self.method == AVE:
+                xp.multiply(dy[s0:s1], plan.inv_divisor, out=plan.valid(cells, s1 - s0, c))
+                for p, off in plan.offsets:
+                    if plan.disjoint:
+                        dphases[p, off + a:off + b] = cells
+                    else:
+                        dphases[p, off + a:off + b] += cells
+            else:
+                self._max_gradient(dy[s0:s1], cells, dphases, phases, grid[a:b], equal[a:b],
+                                   part[a:b], plan, a, b, xp)
+            plan.scatter_back(dphases, dx[s0:s1], s0)
+
+    @staticmethod
+    def _max_gradient(dy, left, dphases, phases, grid, equal, part, plan, a, b, xp):
+        """MAX: walk the offsets in row-major order, hand the remaining gradient to the cells
+        equal to the maximum and remove it from what remains, so a later tie receives nothing
+        (grid cells a..b, whose views left, grid, equal and part are)."""
+        plan.valid(left, dy.shape[0], dy.shape[1])[...] = dy
         last = len(plan.offsets) - 1
         for k, (p, off) in enumerate(plan.offsets):
-            xp.equal(phases[p, off:off + size], grid, out=equal)
+            xp.equal(phases[p, off + a:off + b], grid, out=equal)
             if plan.disjoint:
-                target = dphases[p, off:off + size]
+                target = dphases[p, off + a:off + b]
                 xp.multiply(left, equal, out=target)
             else:
                 xp.multiply(left, equal, out=part)
-                dphases[p, off:off + size] += part
+                dphases[p, off + a:off + b] += part
                 target = part
             if k < last:
                 left -= target
-        plan.scatter_back(dphases, dx)
 
     def _backward_max_direct(self, x, dy, dx, plan, xp):
         """MAX backward on the strided windows of the padded input (with the argmax top)."""

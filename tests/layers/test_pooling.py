@@ -143,6 +143,31 @@ def test_forward_and_backward_match_caffe_loops(name, shape, extra, kw):
     numpy.testing.assert_allclose(bottom[0].diff, expected_dx, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("run_samples", [1, 2])
+@pytest.mark.parametrize("name,shape,extra,kw", CONFIGS, ids=IDS)
+def test_runs_of_samples_match_caffe_loops(name, shape, extra, kw, run_samples, monkeypatch):
+    """The grid passes taken a run of samples at a time (pooling.CHUNK_BYTES), twice, the second
+    time with ties: a run's offsets reach into the next run's cells, left from the pass before."""
+    from engine.layers import pooling
+    rs = numpy.random.RandomState(6)
+    shape = (5,) + shape[1:]
+    layer = pool(extra)
+    bottom, top = run_forward(layer, [distinct(shape, seed=7)])
+    plan = layer._plan
+    monkeypatch.setattr(pooling, "CHUNK_BYTES", run_samples * plan.grid_size(1, shape[1]) * 8)
+    if not plan.global_reduce:
+        assert len(plan.chunks(5, shape[1], 8, numpy)) == -(-5 // run_samples)
+    for x in (distinct(shape, seed=8), rs.randint(0, 3, size=shape).astype(float)):
+        bottom[0].data[...] = x
+        layer.forward(bottom, top)
+        dy = rs.standard_normal(top[0].shape)
+        expected, _, expected_dx = ref_pool(x, dy=dy, **kw)
+        numpy.testing.assert_allclose(top[0].data, expected, rtol=1e-12, atol=1e-12)
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+        numpy.testing.assert_allclose(bottom[0].diff, expected_dx, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("name,shape,extra,kw", CONFIGS, ids=IDS)
 def test_gradient(name, shape, extra, kw):
     if name == "max_empty_windows":
