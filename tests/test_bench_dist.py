@@ -2,6 +2,8 @@
 taken from the jobs' stats (warm-up left out, rounds paired for the hybrid / no-overlap ratio),
 and part c's alternating measurement end to end (a real KV server process). No timing assertions.
 """
+from pathlib import Path
+
 import pytest
 
 from tools.bench import dist_parts, report
@@ -35,6 +37,25 @@ def test_a_failed_job_makes_a_failed_row_with_its_reason():
     row = dist_parts._scaling_row("fc_heavy", 2, "hybrid", "1Gbit",
                                   [([], None, 1.0, "exit status 1: boom")], skip=1)
     assert row["status"] == "failed" and "boom" in row["reason"]
+
+
+def test_scaling_gives_its_rounds_to_the_target_row_only(tmp_path, monkeypatch):
+    """fc_heavy at 4 workers (the target) gets up to 3 rounds of each mode, every other row one:
+    the bench stays under 15 minutes on a slower machine."""
+    jobs = []
+
+    def job(solver_path, p1, p2, folder, extra, timeout, threads):
+        jobs.append((Path(folder).parent.name, p1))
+        return _records([0, 9, 11, 13, 15]), None, 1.0, None
+
+    monkeypatch.setattr(dist_parts, "run_job", job)
+    monkeypatch.setattr(dist_parts, "status", lambda: (True, ""))
+    out = dist_parts.scaling(tmp_path, runs=5)
+    assert out["rounds"] == {"fc_heavy-2": 1, "fc_heavy-4": 3, "cifar10_quick-2": 1,
+                             "cifar10_quick-4": 1}
+    modes = len(dist_parts.MODES)
+    assert jobs.count(("fc_heavy-4", 4)) == 3 * modes and jobs.count(("fc_heavy-2", 2)) == modes
+    assert len(out["hybrid_over_no_overlap"]["fc_heavy-4"]["runs"]) == 3
 
 
 def test_scaling_refuses_an_unknown_net():

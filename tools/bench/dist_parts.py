@@ -195,18 +195,23 @@ def overhead_variants(quick=False):
 # interval about +-3%; 96 rounds gave +2.5, +1.6 and +2.2%, intervals about +-1.2%, for 24 s a
 # figure (cifar10_quick, 2 threads).
 ROUNDS = 96
+# The variants beside it (overhead_variants) are shown, not judged: a third of the rounds (95%
+# intervals about +-2%) keeps the bench under 15 minutes on a slower 2-core machine (1,216 s with
+# 96 rounds each on a Zen 3 EPYC, 2026-11-26).
+VARIANT_ROUNDS = 32
 
 
-def single_node_overhead(workdir, quick=False, threads=None, block=2, warmup=3, options=None):
+def single_node_overhead(workdir, quick=False, threads=None, block=2, warmup=3, options=None,
+                         rounds=ROUNDS):
     """The plain engine and 1 worker + 1 server (`--sync ps`) on the same solver file, in one
     child process taking turns in blocks of `block` iterations (tools/bench/overhead_ab.py), the
-    order swapped every round, ROUNDS rounds (4 with `quick`). Per round the ratio of the two
+    order swapped every round, `rounds` rounds (4 with `quick`). Per round the ratio of the two
     blocks' medians; the overhead is the median of those ratios."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
     net = nets.cifar10_quick(20 if quick else 100)
-    rounds = 4 if quick else ROUNDS
+    rounds = 4 if quick else rounds
     folder = Path(workdir) / "overhead"
     solver_path = nets.write_solver_files(net, folder, 10 ** 6)
     env = dict(os.environ)
@@ -450,10 +455,11 @@ MODES = (("no-overlap ps", ["--no-overlap", "--sync", "ps"]),
          ("hybrid", ["--sync", "hybrid"]))
 
 
-# net key -> (builder, measured iterations per job, most rounds): fc_heavy carries the target, so
-# it gets the rounds; a job's start-up (8 processes, worker 0's state sent under the cap) is most of
-# its 15-45 s here.
+# net key -> (builder, measured iterations per job, most rounds at TARGET_WORKERS): fc_heavy at 4
+# workers carries the target, so it gets the rounds, every other row one; a job's start-up (8
+# processes, worker 0's state sent under the cap) is most of its 15-45 s here.
 SCALING_NETS = {"fc_heavy": (nets.fc_heavy, 3, 3), "cifar10_quick": (nets.cifar10_quick, 6, 1)}
+TARGET_WORKERS = 4
 
 
 def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), iterations=None,
@@ -477,8 +483,9 @@ def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), itera
     for key in net_keys:
         make, default_iters, most_rounds = SCALING_NETS[key]
         bench_net, iters = make(), iterations or default_iters
-        rounds = all_rounds[key] = max(1, min(int(runs), most_rounds))
         for p1 in worker_counts:
+            rounds = all_rounds[f"{key}-{p1}"] = max(1, min(int(runs), most_rounds)) \
+                if p1 == TARGET_WORKERS else 1
             folder = Path(workdir) / "scaling" / f"{bench_net.key}-{p1}"
             solver_path = nets.write_solver_files(bench_net, folder, iters + skip + 1)
             jobs = {mode: [] for mode, _ in MODES}

@@ -33,7 +33,8 @@ def add(sub):
     p.add_argument("--quick", action="store_true",
                    help="a one-minute smoke run: small batches, 2 runs, no distributed jobs")
     p.add_argument("--runs", type=positive_int, help="runs per figure (default 5; --quick 2); "
-                   "part c takes 96 rounds of its A/B whatever this says")
+                   "part c takes 96 rounds of its A/B whatever this says (32 for the "
+                   "variants beside it), part f 2")
     p.add_argument("--threads", type=positive_int,
                    help="BLAS / PyTorch threads (default: the cores this process may use)")
     p.add_argument("--parts", default=",".join(PARTS),
@@ -132,7 +133,7 @@ def run(args):
     if "f" in parts:
         out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
         results["real_nets"] = model_ref.measure(
-            real_nets, threads, rounds=min(runs, 3), iterations=1 if args.quick else 2,
+            real_nets, threads, rounds=min(runs, 2), iterations=1 if args.quick else 2,
             with_torch=not args.no_torch, log=out)
         part_done("f")
     dist_results = {}
@@ -150,7 +151,8 @@ def run(args):
             out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
             for v in dist_parts.overhead_variants(args.quick):
                 variant = dist_parts.single_node_overhead(work / v.key, options=v.options,
-                                                          threads=v.threads)
+                                                          threads=v.threads,
+                                                          rounds=dist_parts.VARIANT_ROUNDS)
                 dist_results[f"single_node_overhead_{v.key}"] = variant
                 out(f"  with {v.flag}: {_status(variant, 'overhead', '{:+.1%}')}")
             part_done("c")
