@@ -32,6 +32,27 @@ def _buffer(holder, name, shape, dtype, xp, zero=False):
     return buf
 
 
+# LRN's passes (a dozen over arrays of the bottom's size) take runs of samples of about this many
+# bytes a run, so that a run's arrays stay in cache from one pass to the next. 2 threads, Zen 3
+# EPYC, forward / backward ms: AlexNet's norm1 (96 channels at 55x55, batch 32) 94.6 / 64.9 with
+# the whole range at once, 22.1 / 21.5 with runs of 1 MiB (one sample; 256 KiB and 4 MiB within
+# 10% of it, 16 MiB 49 / 52); GoogLeNet's 192 channels at 56x56, batch 16, 89.1 / 52.6 -> 23.9 /
+# 23.5 (both with the square roots below).
+RUN_BYTES = 1 << 20
+
+
+def _in_runs(fn, xp):
+    """fn(*arrays) applied to runs of samples (axis 0) of about RUN_BYTES of the first array
+    (at least one sample; on a GPU, all at once)."""
+    def runs(*arrays):
+        n = arrays[0].shape[0]
+        per = max(arrays[0][:1].nbytes, 1)
+        step = n if xp is not numpy else max(1, RUN_BYTES // per)
+        for s0 in range(0, n, step):
+            fn(*(a[s0:s0 + step] for a in arrays))
+    return runs
+
+
 def _reduce(a3):
     """Sum of an (outer, dim, inner) array over outer and inner: shape (dim,)."""
     return a3.sum(axis=2).sum(axis=0)
@@ -101,6 +122,13 @@ class LRNLayer(Layer):
                 out += pad[:, o:o + c]
         return out
 
+    def _interior(self, pad, shape):
+        """The cells of the window sum's padded scratch that hold the summed array: free scratch
+        of the bottom's shape between two sums (its zero border is never written)."""
+        n, c, h, w = shape
+        p = self.pre_pad
+        return pad[:, :, p:p + h, p:p + w] if self.within else pad[:, p:p + c]
+
     def _norm_factor(self):
         return self.alpha / (self.size * self.size if self.within else self.size)
 
@@ -108,33 +136,50 @@ class LRNLayer(Layer):
         return [self._scale, self._pow, self._pad] + ([self._rows] if self.within else [])
 
     def forward(self, bottom, top):
-        """Samples are independent: one range of them per core (split_rows)."""
-        split_rows(self._forward_rows, [bottom[0].data, top[0].data] + self._scratch(), self.xp)
+        """Samples are independent: one range of them per core (split_rows), taken a run of
+        samples at a time (_in_runs)."""
+        split_rows(_in_runs(self._forward_rows, self.xp),
+                   [bottom[0].data, top[0].data] + self._scratch(), self.xp)
 
     def _forward_rows(self, x, y, scale, power, pad, rows=None):
         xp = self.xp
-        self._window_sum(x * x, scale, pad, rows)
+        xp.multiply(x, x, out=power)                    # x², where s^-beta is made below
+        self._window_sum(power, scale, pad, rows)
         scale *= self._norm_factor()
         scale += 1.0 if self.within else self.k
-        xp.power(scale, -self.beta, out=power)
+        self._negative_power(scale, power, self._interior(pad, x.shape))
         xp.multiply(x, power, out=y)
+
+    def _negative_power(self, scale, out, scratch):
+        """out = scale ** -beta. Caffe's models all use beta 0.75, made here as 1 / (√s · √√s):
+        square roots run as SIMD loops where numpy's power calls the C library element by
+        element (4.6 M floats on one core: 11 ms against 47; within 3 ulp of the rounded
+        power, against pow's 1)."""
+        xp = self.xp
+        if self.beta != 0.75:
+            xp.power(scale, -self.beta, out=out)
+            return
+        xp.sqrt(scale, out=out)
+        out *= xp.sqrt(out, out=scratch)
+        xp.reciprocal(out, out=out)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        split_rows(self._backward_rows,
+        split_rows(_in_runs(self._backward_rows, self.xp),
                    [bottom[0].data, top[0].diff, bottom[0].diff] + self._scratch(), self.xp)
 
     def _backward_rows(self, x, dy, out, scale, power, pad, rows=None):
-        # dx_j = dy_j s_j^-beta - 2 alpha' beta x_j sum_{c: j in W(c)} dy_c y_c / s_c (W symmetric)
-        ratio = dy * x
+        # dx_j = dy_j s_j^-beta - 2 alpha' beta x_j sum_{c: j in W(c)} dy_c y_c / s_c (W symmetric);
+        # the sum is made in the bottom gradient's own memory, the scratch taking the first term
+        xp = self.xp
+        ratio = xp.multiply(dy, x, out=out)
         ratio *= power
         ratio /= scale
         acc = self._window_sum(ratio, ratio, pad, rows)
         acc *= x
         acc *= -2.0 * self._norm_factor() * self.beta
-        self.xp.multiply(dy, power, out=out)
-        out += acc
+        out += xp.multiply(dy, power, out=self._interior(pad, x.shape))
 
 
 # ------------------------------------------------------------------------------------------------

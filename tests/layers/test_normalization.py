@@ -87,6 +87,34 @@ def test_lrn_gradient(text):
     check_gradient(make_layer('type: "LRN" ' + text), [rand(2, 5, 4, 3)])
 
 
+@pytest.mark.parametrize("text", [
+    'lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 }',
+    'lrn_param { local_size: 3 alpha: 0.8 beta: 0.6 k: 1.5 }',
+    'lrn_param { norm_region: WITHIN_CHANNEL local_size: 3 alpha: 2 beta: 0.75 }',
+])
+def test_lrn_runs_of_samples_are_bitwise_the_whole_batch(text, monkeypatch):
+    """The passes taken one sample at a time (normalization.RUN_BYTES) give the very numbers of
+    the whole range at once, forward and backward, in float32, twice (scratch reused)."""
+    from engine.layers import normalization
+    rs = numpy.random.RandomState(9)
+    xs = [rs.standard_normal((5, 6, 4, 3)).astype(numpy.float32) * 3 for _ in range(2)]
+    dys = [rs.standard_normal((5, 6, 4, 3)).astype(numpy.float32) for _ in range(2)]
+    got = {}
+    for run_bytes in (1 << 40, 1):
+        monkeypatch.setattr(normalization, "RUN_BYTES", run_bytes)
+        layer = make_layer('type: "LRN" ' + text, dtype=numpy.float32)
+        bottom, top = run_forward(layer, [xs[0]], dtype=numpy.float32)
+        for x, dy in zip(xs, dys):
+            bottom[0].data[...] = x
+            layer.forward(bottom, top)
+            top[0].diff[...] = dy
+            layer.backward(top, [True], bottom)
+            got.setdefault(run_bytes, []).append((top[0].data.copy(), bottom[0].diff.copy()))
+    for (y_all, dx_all), (y_one, dx_one) in zip(got[1 << 40], got[1]):
+        numpy.testing.assert_array_equal(y_one, y_all)
+        numpy.testing.assert_array_equal(dx_one, dx_all)
+
+
 def test_lrn_errors():
     with pytest.raises(engine.errors.LayerError, match="odd"):
         run_forward(make_layer('type: "LRN" lrn_param { local_size: 4 }'), [rand(1, 5, 2, 2)])
