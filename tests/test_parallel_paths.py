@@ -114,12 +114,17 @@ def _run_split_layer(text, shapes, in_place):
 @pytest.mark.parametrize("text,shapes,in_place", SPLIT_LAYERS,
                          ids=[f"{t.split()[1]}-{i}" for i, (t, _, _) in enumerate(SPLIT_LAYERS)])
 def test_split_layers_give_the_one_call_numbers(text, shapes, in_place, monkeypatch):
-    """Split over 2 or 3 threads (the size threshold lowered to 0), each channel or sample is
-    computed exactly as in one call: the results are bitwise those of one call."""
+    """Split over 2 or 3 threads (the size threshold lowered to 0), and taken one sample or
+    channel a call within each thread's range (normalization.RUN_BYTES, for the layers that
+    make several passes), each channel or sample is computed exactly as in one call: the results
+    are bitwise those of one call."""
+    from engine.layers import normalization
     results = []
-    for threshold, workers in ((1 << 40, 1), (0, 2), (0, 3)):
+    for threshold, workers, run_bytes in ((1 << 40, 1, 1 << 40), (0, 2, 1 << 40), (0, 3, 1 << 40),
+                                          (0, 2, 1)):
         monkeypatch.setattr(im2col, "SPLIT_MIN_ELEMENTS", threshold)
         monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        monkeypatch.setattr(normalization, "RUN_BYTES", run_bytes)
         results.append(_run_split_layer(text, shapes, in_place))
     for other in results[1:]:
         assert len(other) == len(results[0])

@@ -364,10 +364,17 @@ _PARALLEL = None
 SPLIT_MIN_ELEMENTS = 1 << 16
 
 
-def split_range(fn, n, size, xp):
+def split_range(fn, n, size, xp, run=None):
     """fn(lo, hi) over one range of [0, n) per core when the work covers `size` >=
     SPLIT_MIN_ELEMENTS elements, else fn(0, n): for per-channel work, each channel's numbers
-    computed exactly as in one call."""
+    computed exactly as in one call. `run` (numpy only): each range taken at most that many
+    items a call, so that work making several passes keeps one run in cache between them."""
+    if run is not None and xp is numpy and run < n:
+        whole = fn
+
+        def fn(lo, hi):
+            for a in range(lo, hi, run):
+                whole(a, min(a + run, hi))
     if size < SPLIT_MIN_ELEMENTS:
         fn(0, n)
         return
