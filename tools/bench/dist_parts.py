@@ -473,7 +473,7 @@ def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), itera
     if not ok:
         return not_measured(reason)
     if quick:
-        return not_measured("skipped in --quick (it starts 12 jobs of up to 8 processes)")
+        return not_measured("skipped in --quick (it starts 18 jobs of up to 8 processes)")
     unknown = [k for k in net_keys if k not in SCALING_NETS]
     if unknown:
         return not_measured(f"unknown net(s) {', '.join(unknown)} for part e (known: "
