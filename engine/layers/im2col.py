@@ -381,14 +381,14 @@ def split_range(fn, n, size, xp, run=None):
     parallel().run(lambda worker, lo, hi: fn(lo, hi), n, xp)
 
 
-def split_rows(fn, arrays, xp):
+def split_rows(fn, arrays, xp, run=None):
     """fn(*slices) over one range of axis 0 per core for large arrays (all with the same first
-    axis; split_range), else on the whole arrays."""
+    axis; split_range, `run` rows a call at most), else on the whole arrays."""
     a = arrays[0]
     if a.ndim == 0:
         fn(*arrays)
         return
-    split_range(lambda lo, hi: fn(*(b[lo:hi] for b in arrays)), a.shape[0], a.size, xp)
+    split_range(lambda lo, hi: fn(*(b[lo:hi] for b in arrays)), a.shape[0], a.size, xp, run)
 
 
 def parallel():

@@ -42,16 +42,10 @@ def _buffer(holder, name, shape, dtype, xp, zero=False):
 RUN_BYTES = 1 << 20
 
 
-def _in_runs(fn, xp):
-    """fn(*arrays) applied to runs of samples (axis 0) of about RUN_BYTES of the first array
-    (at least one sample; on a GPU, all at once)."""
-    def runs(*arrays):
-        n = arrays[0].shape[0]
-        per = max(arrays[0][:1].nbytes, 1)
-        step = n if xp is not numpy else max(1, RUN_BYTES // per)
-        for s0 in range(0, n, step):
-            fn(*(a[s0:s0 + step] for a in arrays))
-    return runs
+def _run_of(item_bytes):
+    """How many items (samples or channels) of item_bytes each make a run of about RUN_BYTES
+    (at least one), for split_range's and split_rows' `run`."""
+    return max(1, RUN_BYTES // max(int(item_bytes), 1))
 
 
 def _reduce(a3):
@@ -138,9 +132,10 @@ class LRNLayer(Layer):
 
     def forward(self, bottom, top):
         """Samples are independent: one range of them per core (split_rows), taken a run of
-        samples at a time (_in_runs)."""
-        split_rows(_in_runs(self._forward_rows, self.xp),
-                   [bottom[0].data, top[0].data] + self._scratch(), self.xp)
+        samples at a time (RUN_BYTES)."""
+        x = bottom[0].data
+        split_rows(self._forward_rows, [x, top[0].data] + self._scratch(), self.xp,
+                   _run_of(x[:1].nbytes))
 
     def _forward_rows(self, x, y, scale, power, pad, rows=None):
         xp = self.xp
@@ -167,8 +162,9 @@ class LRNLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        split_rows(_in_runs(self._backward_rows, self.xp),
-                   [bottom[0].data, top[0].diff, bottom[0].diff] + self._scratch(), self.xp)
+        x = bottom[0].data
+        split_rows(self._backward_rows, [x, top[0].diff, bottom[0].diff] + self._scratch(),
+                   self.xp, _run_of(x[:1].nbytes))
 
     def _backward_rows(self, x, dy, out, scale, power, pad, rows=None):
         # dx_j = dy_j s_j^-beta - 2 alpha' beta x_j sum_{c: j in W(c)} dy_c y_c / s_c (W symmetric);
@@ -304,7 +300,7 @@ class BatchNormLayer(Layer):
     def _channel_run(self):
         """Channels a call of the multi-pass work takes: about RUN_BYTES of activations."""
         n, c, s = self._shape3
-        return max(1, RUN_BYTES // max(n * s * self._x_norm.itemsize, 1))
+        return _run_of(n * s * self._x_norm.itemsize)
 
     def unfold(self, top):
         """After a folded forward whose Scale has not run yet: the top gets this layer's own

@@ -9,6 +9,7 @@ same layer in PyTorch on the same input and thread count (tools/bench/torch_ref.
 a gap in part a's throughput can be traced to the layers where it arises.
 """
 import time
+from typing import NamedTuple
 
 import numpy
 
@@ -67,9 +68,8 @@ def measure(bench_nets, threads, peaks, runs=5, iterations=5, xp=None, log=print
         timed.append((bn, _time_layers(bn, runs, iterations, xp)))
         peaks.sample()
     out = {}
-    for bn, (names, types, algorithms, flops, fwd, bwd, upd, gemm) in timed:
-        out[bn.key] = _shares(bn, names, types, algorithms, flops, fwd, bwd, upd, gemm,
-                              peaks.machine_peak, peaks.call_peak)
+    for bn, times in timed:
+        out[bn.key] = _shares(bn, times, peaks.machine_peak, peaks.call_peak)
         net = out[bn.key]
         log(f"  {bn.key}: forward {net['forward_ms']:.1f} ms, backward {net['backward_ms']:.1f} "
             f"ms, update {net['update_ms']['median']:.1f} ms; conv/IP layers at "
@@ -85,10 +85,23 @@ def measure(bench_nets, threads, peaks, runs=5, iterations=5, xp=None, log=print
     return out
 
 
+class LayerTimes(NamedTuple):
+    """What _time_layers measured of one net, per layer unless said: name, type, convolution
+    algorithm (or None), GEMM FLOPs (forward, backward), forward and backward ms of each run,
+    the update's ms of each run (one list), [metered GEMM FLOPs, seconds inside the calls]."""
+    names: list
+    types: list
+    algorithms: list
+    flops: list
+    fwd: list
+    bwd: list
+    upd: list
+    gemm: list
+
+
 def _time_layers(bn, runs, iterations, xp=None):
-    """(layer names, types, algorithms, GEMM FLOPs (forward, backward) per layer, forward ms
-    runs, backward ms runs, update ms runs, [metered GEMM FLOPs, seconds] per layer) of `runs`
-    runs of `iterations` training steps of bench net `bn`, timed layer by layer."""
+    """LayerTimes of `runs` runs of `iterations` training steps of bench net `bn`, timed layer
+    by layer."""
     # the engine runs its own threads (POSEIDON_THREADS, set by the command)
     solver = nets.make_solver(bn, xp=xp)
     net = solver.net
@@ -130,22 +143,22 @@ def _time_layers(bn, runs, iterations, xp=None):
         METER.enabled = False
     flops = [gemm_flops(net, li) for li in range(n_layers)]
     algorithms = [getattr(layer, "algorithm", None) for layer in net.layers]
-    return (list(net.layer_names), [layer.type for layer in net.layers], algorithms, flops,
-            fwd, bwd, upd, gemm)
+    return LayerTimes(list(net.layer_names), [layer.type for layer in net.layers], algorithms,
+                      flops, fwd, bwd, upd, gemm)
 
 
-def _shares(bn, names, types, algorithms, flops, fwd, bwd, upd, gemm, peak_gflops,
-            call_peak_gflops):
-    """The rows of one net and its totals, with the shares of the two peaks."""
+def _shares(bn, t, peak_gflops, call_peak_gflops):
+    """The rows of one net (LayerTimes t) and its totals, with the shares of the two peaks."""
     rows = []
     gemm_time = gemm_fl = 0.0
     call_fl = call_s = 0.0
-    for li, name in enumerate(names):
-        ff, bf = flops[li]
-        row = {"name": name, "type": types[li], "forward_ms": stats(fwd[li]),
-               "backward_ms": stats(bwd[li])}
-        if algorithms[li]:      # im2col, fourier or winograd (conv.py)
-            row["algorithm"] = algorithms[li]
+    gemm = t.gemm
+    for li, name in enumerate(t.names):
+        ff, bf = t.flops[li]
+        row = {"name": name, "type": t.types[li], "forward_ms": stats(t.fwd[li]),
+               "backward_ms": stats(t.bwd[li])}
+        if t.algorithms[li]:      # im2col, fourier or winograd (conv.py)
+            row["algorithm"] = t.algorithms[li]
         if ff:
             tf = row["forward_ms"]["median"] / 1e3
             tb = row["backward_ms"]["median"] / 1e3
@@ -166,7 +179,7 @@ def _shares(bn, names, types, algorithms, flops, fwd, bwd, upd, gemm, peak_gflop
                 call_fl += gemm[li][0]
                 call_s += gemm[li][1]
         rows.append(row)
-    update = stats(upd)
+    update = stats(t.upd)
     total_f = sum(r["forward_ms"]["median"] for r in rows)
     total_b = sum(r["backward_ms"]["median"] for r in rows)
     return {"net": bn.title, "layers": rows, "update_ms": update,

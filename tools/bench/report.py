@@ -229,7 +229,8 @@ def markdown(results):
         lines += ["", f"Per-call GEMM peak ({call_peak['threads']} thread{at_once}: the engine runs "
                       f"one GEMM per core while it splits the batch over cores): "
                       f"{call_peak['peak']:.0f} GFLOP/s best run, {_mm(call_peak)}"
-                      + _sampled(call_peak) + (f"; one such call alone on the machine: {alone['peak']:.0f} GFLOP/s"
+                      + _sampled(call_peak)
+                      + (f"; one such call alone on the machine: {alone['peak']:.0f} GFLOP/s"
                          if alone else "") + "."]
     thr = results.get("throughput")
     if thr:
