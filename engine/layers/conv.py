@@ -78,6 +78,9 @@ class _ConvCore:
     MIN_CHUNK_CELLS = 512
     # on CuPy (one range, one thread) chunks are only cut to bound the columns' memory
     GPU_BLOCK_BYTES = 1 << 28
+    # forward in Caffe's own column layout (`_forward_planar`) when a window row of the
+    # channels-last input is at most this many bytes: a net's first layer (3 channels)
+    PLANAR_MAX_RUN_BYTES = 132
 
     def __init__(self, geom, group):
         self.geom = geom
@@ -85,6 +88,7 @@ class _ConvCore:
         self.buffers = BufferCache()
         self._wbuf = WorkerBuffers()
         self.sources = {}
+        self._unpadded = {}   # key -> the input of a planar forward, padded channels-last on demand
         g = geom
         # 1x1 without padding: no im2col, GEMMs on the NCHW arrays; with a stride (ResNet's
         # downsampling 1x1s) on a contiguous copy of the cells the kernel meets (_subsampled)
@@ -157,6 +161,7 @@ class _ConvCore:
     def prepare(self, x, key=0):
         """Keep x (padded, channels-last) under `key` for a later weight gradient."""
         g = self.geom
+        self._unpadded.pop(key, None)
         if self.pointwise:
             src = self.sources[key] = self._subsampled(x, key) if self.strided else x
             return src
@@ -248,6 +253,9 @@ class _ConvCore:
             if self.strided:
                 x = self._subsampled(x, key)
             return self._forward_pointwise(x, weight, out, bias, key)
+        if self._planar(x):
+            return self._forward_planar(x, weight, out, bias, key)
+        self._unpadded.pop(key, None)
         g = self.geom
         grp = self.group
         o, cg = weight.shape[:2]
@@ -278,6 +286,108 @@ class _ConvCore:
 
         parallel().run(work, x.shape[0], xp)
         return out
+
+    # ----- forward in Caffe's column layout, for narrow inputs ------------------------------------
+    def _planar(self, x):
+        """Whether forward takes Caffe's own column layout (`_forward_planar`): on the CPU, one
+        group, and channels-last window rows of at most PLANAR_MAX_RUN_BYTES (kw*C numbers: 15
+        for cifar10_quick's conv1, 33 for AlexNet's), whose copy would be one short run per
+        window row and whose narrow GEMM output would need the transposing copy into NCHW."""
+        g = self.geom
+        return (_xp(x) is numpy and self.group == 1
+                and g.kw * x.shape[1] * x.itemsize <= self.PLANAR_MAX_RUN_BYTES)
+
+    def _forward_planar(self, x, weight, out, bias, key):
+        """Forward as Caffe lays it out: columns (C*kh*kw, cells) copied from a zero-padded NCHW
+        copy in runs of output-row length, and the GEMM W (O, C*kh*kw) x columns writes NCHW
+        (in place for a chunk of one sample). The channels-last copy that the weight gradient
+        reads is made in backward (`_source`), so a forward-only pass never pays for it.
+
+        Why: with 3 input channels a channels-last window row is 9-33 numbers, and copying the
+        columns a run at a time plus the transposing copy of the (cells, 32-96) output cost as
+        much as the GEMM. Forward, 2 threads on the 2-core EPYC, channels-last -> this layout:
+        Inception-v3's conv1 (3x3/2, batch 8) 20.8 -> 10.5 ms, VGG19's conv1_1 (batch 4) 23.7 ->
+        11.4, GoogLeNet's conv1 (7x7/2, batch 16) 67 -> 52, ResNet-50's (batch 8) 38 -> 33,
+        AlexNet's (11x11/4, batch 32) 104 -> 91, cifar10_quick's conv1 13.5 -> 12.1. The weight
+        gradient from these columns won on some of those layers and lost on others (7x7/2,
+        11x11/4), so backward keeps the channels-last columns."""
+        xp = numpy
+        g = self.geom
+        n, c, h, w = x.shape
+        o = weight.shape[0]
+        wk = weight.reshape(o, -1)                        # (O, C*kh*kw): Caffe's column order
+        xpad = self.buffers.get(f"xnchw{key}", (n, c, h + 2 * g.ph, w + 2 * g.pw), x.dtype, xp, 0)
+        self.sources.pop(key, None)
+        self._unpadded[key] = x
+
+        def fill(lo, hi):
+            xpad[lo:hi, :, g.ph:g.ph + h, g.pw:g.pw + w] = x[lo:hi]
+
+        bands = self._bands(n, out.shape[2], xp)
+        if bands is not None:         # fewer samples than cores: bands of output rows
+            parallel().run(lambda worker, lo, hi: fill(lo, hi), n, xp)
+
+            def band_work(worker, lo, hi):
+                for s, r0, r1 in bands[lo:hi]:
+                    self._planar_pass(self._wbuf(worker), xpad, wk, out, bias, s, s + 1,
+                                      rows=(r0, r1))
+
+            parallel().run(band_work, len(bands), xp)
+            return out
+
+        def work(worker, lo, hi):
+            fill(lo, hi)
+            self._planar_pass(self._wbuf(worker), xpad, wk, out, bias, lo, hi)
+
+        parallel().run(work, n, xp)
+        return out
+
+    def _planar_pass(self, buf, xpad, wk, out, bias, lo, hi, rows=None):
+        """out[lo:hi] (or output rows `rows` of the one sample lo) from the padded NCHW input:
+        per chunk, one copy into (C, kh, kw, samples, rows, Wo) columns and one GEMM."""
+        xp = numpy
+        g = self.geom
+        c = xpad.shape[1]
+        o, k = wk.shape
+        out_h, out_w = out.shape[2:]
+        plane = out_h * out_w
+        sn, sc, sh, sw = xpad.strides
+        for s0, m, r0, r1 in self._chunks(lo, hi, out_h, out_w, k * out.itemsize, o, xp,
+                                          rows=rows):
+            cells = (r1 - r0) * out_w
+            shape = (c, g.kh, g.kw, m, r1 - r0, out_w)
+            view = xp.lib.stride_tricks.as_strided(
+                xpad[s0, :, r0 * g.sh:], shape,
+                (sc, sh * g.dh, sw * g.dw, sn, sh * g.sh, sw * g.sw))
+            col = buf.get(f"pcol{shape}", shape, out.dtype, xp)
+            col[...] = view
+            cols = col.reshape(k, m * cells)
+            if m == 1:                # straight into the sample's rows (strided by its plane)
+                dst = out[s0].reshape(o, plane)[:, r0 * out_w:r1 * out_w]
+                matmul(xp, wk, cols, out=dst)
+                if bias is not None:
+                    dst += bias[:, None]
+                continue
+            y = buf.get(f"py{m * cells}", (o, m, cells), out.dtype, xp)
+            matmul(xp, wk, cols, out=y.reshape(o, m * cells))
+            dst = out[s0:s0 + m].reshape(m, o, plane)
+            if bias is None:
+                dst[...] = y.transpose(1, 0, 2)
+            else:
+                xp.add(y.transpose(1, 0, 2), bias.reshape(1, o, 1), out=dst)
+
+    def _source(self, key):
+        """The padded channels-last input kept under `key` for the weight gradient; after a
+        planar forward, made now from that forward's input (which, as in Caffe, backward
+        expects unchanged)."""
+        x = self._unpadded.pop(key, None)
+        if x is None:
+            return self.sources.get(key)
+        g = self.geom
+        src = self.sources[key] = self._padded(x, f"xpad{key}", g.ph, g.pw)
+        parallel().run(lambda worker, lo, hi: self._fill(x, src, g.ph, g.pw, lo, hi),
+                       x.shape[0], _xp(x))
+        return src
 
     def _forward_pointwise(self, x, weight, out, bias, key):
         """1x1, stride 1, no pad: per sample one GEMM on the NCHW arrays, no im2col; one range
@@ -330,7 +440,7 @@ class _ConvCore:
         og = o // grp
         cg = weight.shape[1]
         kg = g.kh * g.kw * cg
-        src = self.sources.get(key) if weight_diff is not None else None
+        src = self._source(key) if weight_diff is not None else None
         data = self._data_grad_plan(dy, weight) if dx is not None else None
         if data is not None and data["mode"] == "correlate":   # made here, filled per range
             data["dpad"] = self._padded(dy, "dypad", data["qh"], data["qw"])

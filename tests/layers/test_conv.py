@@ -9,14 +9,16 @@ from engine.errors import LayerError
 from engine.layers.conv import _ConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
-@pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands", "fourier_1",
-                                      "fourier_2", "winograd_1", "winograd_2"])
+@pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands", "channels_last",
+                                      "fourier_1", "fourier_2", "winograd_1", "winograd_2"])
 def chunking(request, monkeypatch):
     """Run every test through the three ways im2col cuts a batch (see _ConvCore._chunks): one
     chunk on one thread, several whole samples per chunk on two threads, and bands of one output
-    row; then through the frequency route (conv_fourier) and Winograd's F(2x2, 3x3)
-    (conv_winograd, one sample per chunk) on one and two threads, wherever they apply (the other
-    layers stay on im2col)."""
+    row, each with forward in Caffe's column layout where the input is narrow enough
+    (_ConvCore._planar: most configurations here, 3 channels of float64); then the same two-thread
+    chunks with forward always channels-last ("channels_last"); then the frequency route
+    (conv_fourier) and Winograd's F(2x2, 3x3) (conv_winograd, one sample per chunk) on one and
+    two threads, wherever they apply (the other layers stay on im2col)."""
     from engine.layers import im2col
     from engine.layers.conv_winograd import WinogradConvCore
     route = request.param.split("_")[0]
@@ -29,6 +31,8 @@ def chunking(request, monkeypatch):
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
                         1 if request.param == "row_bands" else 1 << 30)
     monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
+    if request.param == "channels_last":
+        monkeypatch.setattr(_ConvCore, "PLANAR_MAX_RUN_BYTES", 0)
     return request.param
 
 
