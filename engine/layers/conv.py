@@ -155,8 +155,17 @@ class _ConvCore:
 
     @staticmethod
     def _fill(x, dst, ph, pw, lo, hi):
+        """dst's interior (samples lo..hi) = x (NCHW) channels-last. With under 8 channels one
+        plane at a time: numpy's transposing copy runs its inner loop over the few channels
+        (3 numbers for an image), 3x slower here (AlexNet's input at batch 16: 7.3 against 2.4
+        ms) than a copy per channel, which loses from 16 channels on."""
         h, w = x.shape[2:]
-        dst[lo:hi, ph:ph + h, pw:pw + w] = x[lo:hi].transpose(0, 2, 3, 1)
+        inner = dst[lo:hi, ph:ph + h, pw:pw + w]
+        if x.shape[1] < 8:
+            for c in range(x.shape[1]):
+                inner[..., c] = x[lo:hi, c]
+        else:
+            inner[...] = x[lo:hi].transpose(0, 2, 3, 1)
 
     def prepare(self, x, key=0):
         """Keep x (padded, channels-last) under `key` for a later weight gradient."""
