@@ -101,3 +101,16 @@ def test_channels_last_copy_is_made_in_backward_from_the_latest_input(monkeypatc
         for g, e in zip(got, want):
             numpy.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-4)
     assert not numpy.allclose(first[1], second[1])
+
+
+@pytest.mark.parametrize("channels,stride,mode", [
+    (3, 1, "planar"),        # a Deconvolution to an image, or an image's gradient: 3 outputs
+    (3, 2, "planar"),
+    (32, 1, "correlate"),
+    (32, 2, "col2im"),
+])
+def test_input_gradient_route_follows_the_input_width(channels, stride, mode):
+    core = _ConvCore(_geom(5, stride, 2), 1)
+    weight = numpy.zeros((16, channels, 5, 5), numpy.float32)
+    dy = numpy.zeros((2, 16, 6, 6), numpy.float32)
+    assert core._data_grad_plan(dy, weight)["mode"] == mode
