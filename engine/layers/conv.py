@@ -33,7 +33,12 @@ How the im2col work is laid out (the column layout is in im2col.py, the threads 
   columns, then col2im into a padded channels-last buffer, per chunk of whole samples;
 - 1x1 kernels with no pad: no im2col, batched GEMMs straight on the NCHW arrays, one range of
   samples per core as well (output channels or plane ranges below that batch); with a stride,
-  on a contiguous copy of the cells the kernel meets, and the input gradient scattered back.
+  on a contiguous copy of the cells the kernel meets, and the input gradient scattered back;
+- narrow inputs (a net's first layer, 3 channels: window rows of kw*C <= 33 numbers) take
+  Caffe's own layout in forward and in the input gradient (`_planar`): columns (C*kh*kw, cells)
+  from a padded NCHW copy in output-row runs, the GEMM W x columns writing NCHW, and for the
+  input gradient W^T x the top gradient's rows then col2im on NCHW planes; their weight
+  gradient keeps the channels-last columns, whose copy of the input is then made in backward.
 Scratch buffers are cached per thread and reallocated only when a shape changes. On CuPy the
 whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 """
