@@ -323,12 +323,12 @@ class _ConvCore:
 
         Why: with 3 input channels a channels-last window row is 9-33 numbers, and copying the
         columns a run at a time plus the transposing copy of the (cells, 32-96) output cost as
-        much as the GEMM. Forward, 2 threads on the 2-core EPYC, channels-last -> this layout:
-        Inception-v3's conv1 (3x3/2, batch 8) 20.8 -> 10.5 ms, VGG19's conv1_1 (batch 4) 23.7 ->
-        11.4, GoogLeNet's conv1 (7x7/2, batch 16) 67 -> 52, ResNet-50's (batch 8) 38 -> 33,
-        AlexNet's (11x11/4, batch 32) 104 -> 91, cifar10_quick's conv1 13.5 -> 12.1. The weight
-        gradient from these columns won on some of those layers and lost on others (7x7/2,
-        11x11/4), so backward keeps the channels-last columns."""
+        much as the GEMM. Forward, 2 threads on the 2-core EPYC, the two alternated, channels-last
+        -> this layout: Inception-v3's conv1 (3x3/2, batch 8) 14.9 -> 9.4 ms, VGG19's conv1_1
+        (batch 4) 25.8 -> 13.9, GoogLeNet's conv1 (7x7/2, batch 16) 61.1 -> 54.9, ResNet-50's
+        (batch 8) 30.4 -> 27.1, AlexNet's (11x11/4, batch 32) 81.6 -> 77.0, cifar10_quick's conv1
+        12.2 -> 10.5. The weight gradient from these columns won on some of those layers and lost
+        on others (7x7/2, 11x11/4), so backward keeps the channels-last columns."""
         xp = numpy
         g = self.geom
         n, c, h, w = x.shape
