@@ -54,7 +54,7 @@ from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
 from .conv_winograd import WinogradConvCore, winograd_applies, winograd_pays
 from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, bias_gradient_of,
                      bias_gradient_part, bias_gradient_sum, nhwc_col2im, nhwc_window_view,
-                     parallel)
+                     offset_slices, parallel)
 
 
 ALGORITHMS = ("auto", "im2col", "fourier", "winograd")
@@ -281,25 +281,33 @@ class _ConvCore:
         wt = xp.ascontiguousarray(weight.reshape(grp, og, cg, g.kh, g.kw).transpose(0, 1, 3, 4, 2)
                                   ).reshape(grp, og, g.kh * g.kw * cg).transpose(0, 2, 1)
         src = self.sources[key] = self._padded(x, f"xpad{key}", g.ph, g.pw)
-        bands = self._bands(x.shape[0], out.shape[2], xp)
-        if bands is not None:         # fewer samples than cores: bands of output rows
-            parallel().run(lambda worker, lo, hi: self._fill(x, src, g.ph, g.pw, lo, hi),
-                           x.shape[0], xp)
+        self._run_forward(x.shape[0], out.shape[2], xp,
+                          lambda lo, hi: self._fill(x, src, g.ph, g.pw, lo, hi),
+                          lambda buf, lo, hi, rows=None: self._conv_pass(
+                              buf, src, g, wt, out, bias, lo, hi, "col", rows=rows))
+        return out
+
+    def _run_forward(self, n, out_h, xp, fill, conv):
+        """A forward over the cores: fill(lo, hi) copies samples lo..hi of the input into its
+        padded buffer, conv(buf, lo, hi, rows=None) makes their output (or output rows `rows` of
+        the one sample lo); a range of samples per core, or with fewer samples than cores every
+        input first, then bands of output rows (`_bands`)."""
+        bands = self._bands(n, out_h, xp)
+        if bands is not None:
+            parallel().run(lambda worker, lo, hi: fill(lo, hi), n, xp)
 
             def band_work(worker, lo, hi):
                 for s, r0, r1 in bands[lo:hi]:
-                    self._conv_pass(self._wbuf(worker), src, g, wt, out, bias, s, s + 1, "col",
-                                    rows=(r0, r1))
+                    conv(self._wbuf(worker), s, s + 1, rows=(r0, r1))
 
             parallel().run(band_work, len(bands), xp)
-            return out
+            return
 
         def work(worker, lo, hi):
-            self._fill(x, src, g.ph, g.pw, lo, hi)
-            self._conv_pass(self._wbuf(worker), src, g, wt, out, bias, lo, hi, "col")
+            fill(lo, hi)
+            conv(self._wbuf(worker), lo, hi)
 
-        parallel().run(work, x.shape[0], xp)
-        return out
+        parallel().run(work, n, xp)
 
     # ----- forward in Caffe's column layout, for narrow inputs ------------------------------------
     def _planar(self, x):
@@ -307,12 +315,12 @@ class _ConvCore:
         group, and channels-last window rows of at most PLANAR_MAX_RUN_BYTES (kw*C numbers: 15
         for cifar10_quick's conv1, 33 for AlexNet's), whose copy would be one short run per
         window row and whose narrow GEMM output would need the transposing copy into NCHW."""
-        return self._planar_width(x.shape[1], self.group, x.itemsize, _xp(x))
+        return self._planar_width(x.shape[1], x.itemsize, _xp(x))
 
-    def _planar_width(self, channels, group, itemsize, xp):
+    def _planar_width(self, channels, itemsize, xp):
         """The rule of `_planar` for an input of `channels` channels (also the input gradient's
         route: `_data_grad_planar`)."""
-        return (xp is numpy and group == 1 and not self.pointwise
+        return (xp is numpy and self.group == 1 and not self.pointwise
                 and self.geom.kw * channels * itemsize <= self.PLANAR_MAX_RUN_BYTES)
 
     def _forward_planar(self, x, weight, out, bias, key):
@@ -341,23 +349,9 @@ class _ConvCore:
         def fill(lo, hi):
             xpad[lo:hi, :, g.ph:g.ph + h, g.pw:g.pw + w] = x[lo:hi]
 
-        bands = self._bands(n, out.shape[2], xp)
-        if bands is not None:         # fewer samples than cores: bands of output rows
-            parallel().run(lambda worker, lo, hi: fill(lo, hi), n, xp)
-
-            def band_work(worker, lo, hi):
-                for s, r0, r1 in bands[lo:hi]:
-                    self._planar_pass(self._wbuf(worker), xpad, wk, out, bias, s, s + 1,
-                                      rows=(r0, r1))
-
-            parallel().run(band_work, len(bands), xp)
-            return out
-
-        def work(worker, lo, hi):
-            fill(lo, hi)
-            self._planar_pass(self._wbuf(worker), xpad, wk, out, bias, lo, hi)
-
-        parallel().run(work, n, xp)
+        self._run_forward(n, out.shape[2], xp, fill,
+                          lambda buf, lo, hi, rows=None: self._planar_pass(
+                              buf, xpad, wk, out, bias, lo, hi, rows=rows))
         return out
 
     def _planar_pass(self, buf, xpad, wk, out, bias, lo, hi, rows=None):
@@ -605,7 +599,7 @@ class _ConvCore:
         w5 = weight.reshape(grp, og, cg, g.kh, g.kw)
         qh = g.dh * (g.kh - 1) - g.ph
         qw = g.dw * (g.kw - 1) - g.pw
-        if self._planar_width(cg * grp, grp, weight.itemsize, xp):
+        if self._planar_width(cg * grp, weight.itemsize, xp):
             return {"mode": "planar", "wk": weight.reshape(o, -1)}
         if g.sh == 1 and g.sw == 1 and qh >= 0 and qw >= 0:
             # K order (kh, kw, O/g) of the padded gradient's columns, output C/g: a copy that
@@ -685,9 +679,8 @@ class _ConvCore:
             dpad.fill(0)
             for i in range(g.kh):
                 for j in range(g.kw):
-                    h0, w0 = i * g.dh, j * g.dw
-                    dpad[:, :, h0:h0 + (out_h - 1) * g.sh + 1:g.sh,
-                         w0:w0 + (out_w - 1) * g.sw + 1:g.sw] += cols[:, i, j].transpose(1, 0, 2, 3)
+                    dpad[offset_slices(i, j, out_h, out_w, g)] += \
+                        cols[:, i, j].transpose(1, 0, 2, 3)
             dx[s0:s0 + m] = dpad[:, :, g.ph:g.ph + h, g.pw:g.pw + w]
 
     def _backward_pointwise(self, dy, weight, weight_diff, bias_diff, dx, key):
