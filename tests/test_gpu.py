@@ -119,8 +119,7 @@ def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
                                          ("winograd", "kernel_size: 3 pad: 1"),
                                          ("winograd", "kernel_size: 3 pad: 2")])
 def test_convolution_routes_on_cupy_match_numpy(route, extra, monkeypatch):
-    """The frequency route and Winograd (POSEIDON_CONV=fourier|winograd; 'auto' keeps im2col on
-    CuPy) against numpy."""
+    """The frequency route and Winograd (POSEIDON_CONV=fourier|winograd) against numpy."""
     import cupy
     monkeypatch.setenv("POSEIDON_CONV", route)
     text = (f'type: "Convolution" convolution_param {{ num_output: 5 {extra} '
@@ -148,6 +147,28 @@ def test_accuracy_on_cupy_matches_numpy():
         got[name] = float(backend.to_numpy(top[0].data).ravel()[0])
     top2 = np.argsort(-scores, axis=1)[:, :2]
     assert got["numpy"] == got["cupy"] == np.mean((top2 == labels[:, None]).any(axis=1))
+
+
+def test_auto_on_cupy_takes_the_gpu_rule(monkeypatch):
+    """On CuPy `auto` asks fourier_pays_on_gpu: a 64 -> 64 3x3 layer on 28x28 planes takes the
+    frequency route (and still matches numpy's im2col), a 3-channel one keeps im2col."""
+    import cupy
+    monkeypatch.delenv("POSEIDON_CONV", raising=False)
+    text = ('type: "Convolution" convolution_param { num_output: 64 kernel_size: 3 pad: 1 '
+            'weight_filler { type: "gaussian" std: 0.1 } }')
+    rs = np.random.RandomState(4)
+    x = rs.standard_normal((2, 64, 28, 28))
+    wide = make_layer(text, TRAIN, np.float64, cupy)
+    _, top = run_forward(wide, [x], 1, np.float64, cupy)
+    assert wide.algorithm == "fourier"
+    ref = make_layer(text, TRAIN, np.float64, np)
+    ref.blobs[0].data[...] = backend.to_numpy(wide.blobs[0].data)
+    _, want = run_forward(ref, [x], 1, np.float64, np)
+    assert ref.algorithm == "im2col"
+    np.testing.assert_allclose(backend.to_numpy(top[0].data), want[0].data, rtol=1e-9, atol=1e-10)
+    narrow = make_layer(text, TRAIN, np.float64, cupy)
+    run_forward(narrow, [rs.standard_normal((2, 3, 28, 28))], 1, np.float64, cupy)
+    assert narrow.algorithm == "im2col"
 
 
 def test_gradient_check_on_cupy():
@@ -184,8 +205,8 @@ def test_training_on_cupy_matches_numpy_and_resumes_bitwise(tmp_path, monkeypatc
     On CPU `auto` sends the digits net's conv2 and conv3 to the frequency route, whose rounding
     turns the exact zeros of the images' background into +-1e-12; the ReLUs then pass gradient
     where im2col's exact zeros pass none, and the biases part by tens of percent within six
-    iterations (measured on numpy alone, auto vs im2col). CuPy's `auto` keeps im2col, so the
-    reference must too."""
+    iterations (measured on numpy alone, auto vs im2col). On CuPy `auto` keeps im2col for the
+    digits net's small planes; both sides are held to it."""
     import cupy
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
     from engine.io.datasets import make_digits_lmdb

@@ -50,7 +50,8 @@ from ..backend import get_array_module as _xp
 from ..gemm import matmul
 from ..layer import Layer, register
 from ..proto import caffe_pb2
-from .conv_fourier import FourierConvCore, fourier_applies, fourier_pays
+from .conv_fourier import (FourierConvCore, fourier_applies, fourier_pays,
+                           fourier_pays_on_gpu)
 from .conv_winograd import WinogradConvCore, winograd_applies, winograd_pays
 from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, bias_gradient_of,
                      bias_gradient_part, bias_gradient_sum, nhwc_col2im, nhwc_window_view,
@@ -897,8 +898,9 @@ class ConvolutionLayer(Layer):
         for this input size: Caffe's own engine (engine: CAFFE) and Deconvolution keep im2col;
         otherwise POSEIDON_CONV decides, by default through the cost rules: fourier_pays first
         (it was fitted against im2col on all shapes), then winograd_pays (wide 3x3 layers on
-        planes of 14 px or more). The rules were fitted on CPU timings, so on CuPy 'auto' keeps
-        im2col (cuBLAS) and the other routes are taken only when asked for."""
+        planes of 14 px or more). Those rules were fitted on CPU timings; on CuPy 'auto' asks
+        fourier_pays_on_gpu instead (wide layers on planes of 28 px or more) and never takes
+        Winograd."""
         cp = self.param.convolution_param
         if self.reverse or cp.engine == caffe_pb2.ConvolutionParameter.CAFFE:
             return self._im2col
@@ -909,8 +911,10 @@ class ConvolutionLayer(Layer):
         g, c, o = self.geom, self.channels, self.num_output
         ranges = min(parallel().workers, n)
         auto = choice == "auto" and self.xp is numpy
+        auto_gpu = choice == "auto" and self.xp is not numpy
         if (choice == "fourier" and fourier_applies(g, self.group, h, w)) or (
-                auto and fourier_pays(g, self.group, n, c, o, h, w, ranges)):
+                auto and fourier_pays(g, self.group, n, c, o, h, w, ranges)) or (
+                auto_gpu and fourier_pays_on_gpu(g, self.group, n, c, o, h, w)):
             if self._fourier is None:
                 self._fourier = FourierConvCore(g, self.group)
             return self._fourier

@@ -118,6 +118,33 @@ def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
     return fourier + SPECTRUM_FLOPS_PER_BYTE * spectrum <= FOURIER_WORK_SHARE * direct
 
 
+# On CuPy the costs differ in kind: cuBLAS's GEMMs are cheap, while im2col's columns (kh*kw times
+# the input) go through the card's memory three times (written, read by the GEMMs, scattered back
+# by col2im), and each kernel launch costs ~10 us whatever its size. So the frequency route pays
+# on a GPU where the columns are large, the planes wide enough for its DFT products to fill the
+# card and the input wide enough that its transforms are not most of its work. Measured on an H100
+# (CuPy 14, VGG19 at batch 32, per layer forward + backward, im2col -> frequency route):
+# conv1_2 34.6 -> 22.4 ms, conv2_2 22.5 -> 11.6, conv3_2 14.6 -> 8.7, conv4_2 10.9 -> 7.9, but
+# conv5 (14 px) 3.2 -> 4.5 and conv1_1 (3 channels) 3.7 -> 11.4; on cifar10_quick (8-32 px, every
+# layer ~0.3 ms of launches) the route lost on every layer.
+GPU_FOURIER_MIN_CELLS = 28 * 28
+GPU_FOURIER_MIN_CHANNELS = 32
+GPU_FOURIER_MAX_FLOP_RATIO = 2.0
+
+
+def fourier_pays_on_gpu(geom, group, n, c, o, h, w):
+    """The rule `auto` uses on CuPy (see GPU_FOURIER_MIN_CELLS): the route applies, the kernel
+    is wider than one cell, the plane has at least GPU_FOURIER_MIN_CELLS cells, the input at
+    least GPU_FOURIER_MIN_CHANNELS channels a group, and the route needs at most
+    GPU_FOURIER_MAX_FLOP_RATIO times im2col's FLOPs."""
+    if not fourier_applies(geom, group, h, w) or geom.kh * geom.kw == 1:
+        return False
+    if h * w < GPU_FOURIER_MIN_CELLS or c // group < GPU_FOURIER_MIN_CHANNELS:
+        return False
+    direct, fourier, _ = fourier_flops(geom, n, c, o, h, w, 1, group)
+    return fourier <= GPU_FOURIER_MAX_FLOP_RATIO * direct
+
+
 def _forward_matrices(size, positions):
     """DFT matrices of length `size` for samples at `positions`: the real (len, 2*(size//2+1))
     [cos | -sin] pairs of the half spectrum (last axis) and the complex (size, len) full one."""

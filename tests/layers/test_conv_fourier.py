@@ -9,7 +9,8 @@ from engine import gemm
 from engine.errors import LayerError
 from engine.layers import im2col
 from engine.layers.conv_fourier import (FourierConvCore, _Plan,
-                                        fourier_applies, fourier_flops, fourier_pays)
+                                        fourier_applies, fourier_flops, fourier_pays,
+                                        fourier_pays_on_gpu)
 from engine.layers.im2col import Geometry, ScratchArena
 from tests.harness import run_forward
 from tests.layers.conv_routes import assert_routes_agree, conv_layer
@@ -91,6 +92,24 @@ def test_cost_rule_on_the_shapes_it_was_fitted_on():
     assert direct == 3 * 2 * 100 * 16 * 16 * 32 * 32 * 25
     assert fourier < 0.25 * direct
     assert spectrum == 3 * 2 * (18 * 10) * 32 * 32 * 8
+
+
+def test_gpu_cost_rule_on_the_shapes_it_was_measured_on():
+    """CuPy's rule (measured on an H100): VGG19's 3x3 layers on planes of 28-224 px go to the
+    frequency route; its first layer (3 channels), its 14 px layers, cifar10_quick's layers
+    (planes of 32 px and less), 1x1 layers and strided ones stay on im2col."""
+    three = Geometry(3, 3, 1, 1, 1, 1, 1, 1)
+    for c, o, side in ((64, 64, 224), (64, 128, 112), (256, 256, 56), (512, 512, 28)):
+        assert fourier_pays_on_gpu(three, 1, 32, c, o, side, side), (c, o, side)
+    assert not fourier_pays_on_gpu(three, 1, 32, 3, 64, 224, 224)
+    assert not fourier_pays_on_gpu(three, 1, 32, 512, 512, 14, 14)
+    assert not fourier_pays_on_gpu(FIVE, 1, 100, 3, 32, 32, 32)
+    assert not fourier_pays_on_gpu(FIVE, 1, 100, 32, 32, 16, 16)
+    assert not fourier_pays_on_gpu(Geometry(1, 1, 1, 1, 0, 0, 1, 1), 1, 32, 256, 64, 56, 56)
+    assert not fourier_pays_on_gpu(Geometry(3, 3, 2, 2, 1, 1, 1, 1), 1, 32, 64, 64, 56, 56)
+    # the channel floor counts one group's channels
+    assert fourier_pays_on_gpu(three, 1, 32, 64, 64, 56, 56)
+    assert not fourier_pays_on_gpu(three, 4, 32, 64, 64, 56, 56)
 
 
 @pytest.mark.parametrize("geom,group,why", [
