@@ -162,8 +162,10 @@ def test_auto_on_cupy_takes_the_gpu_rule(monkeypatch):
     _, top = run_forward(wide, [x], 1, np.float64, cupy)
     assert wide.algorithm == "fourier"
     ref = make_layer(text, TRAIN, np.float64, np)
+    bottom, want = run_forward(ref, [x], 1, np.float64, np)
     ref.blobs[0].data[...] = backend.to_numpy(wide.blobs[0].data)
-    _, want = run_forward(ref, [x], 1, np.float64, np)
+    ref.blobs[1].data[...] = backend.to_numpy(wide.blobs[1].data)
+    ref.forward(bottom, want)
     assert ref.algorithm == "im2col"
     np.testing.assert_allclose(backend.to_numpy(top[0].data), want[0].data, rtol=1e-9, atol=1e-10)
     narrow = make_layer(text, TRAIN, np.float64, cupy)
