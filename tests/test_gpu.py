@@ -150,14 +150,14 @@ def test_accuracy_on_cupy_matches_numpy():
 
 
 def test_auto_on_cupy_takes_the_gpu_rule(monkeypatch):
-    """On CuPy `auto` asks fourier_pays_on_gpu: a 64 -> 64 3x3 layer on 28x28 planes takes the
-    frequency route (and still matches numpy's im2col), a 3-channel one keeps im2col."""
+    """On CuPy `auto` asks fourier_pays_on_gpu: a 64 -> 64 3x3 layer on 56x56 planes at batch 32
+    takes the frequency route (and still matches numpy's im2col), a 3-channel one keeps im2col."""
     import cupy
     monkeypatch.delenv("POSEIDON_CONV", raising=False)
     text = ('type: "Convolution" convolution_param { num_output: 64 kernel_size: 3 pad: 1 '
             'weight_filler { type: "gaussian" std: 0.1 } }')
     rs = np.random.RandomState(4)
-    x = rs.standard_normal((2, 64, 28, 28))
+    x = rs.standard_normal((32, 64, 56, 56))
     wide = make_layer(text, TRAIN, np.float64, cupy)
     _, top = run_forward(wide, [x], 1, np.float64, cupy)
     assert wide.algorithm == "fourier"
@@ -169,7 +169,7 @@ def test_auto_on_cupy_takes_the_gpu_rule(monkeypatch):
     assert ref.algorithm == "im2col"
     np.testing.assert_allclose(backend.to_numpy(top[0].data), want[0].data, rtol=1e-9, atol=1e-10)
     narrow = make_layer(text, TRAIN, np.float64, cupy)
-    run_forward(narrow, [rs.standard_normal((2, 3, 28, 28))], 1, np.float64, cupy)
+    run_forward(narrow, [rs.standard_normal((32, 3, 56, 56))], 1, np.float64, cupy)
     assert narrow.algorithm == "im2col"
 
 

@@ -122,24 +122,33 @@ def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
 # the input) go through the card's memory three times (written, read by the GEMMs, scattered back
 # by col2im), and each kernel launch costs ~10 us whatever its size. So the frequency route pays
 # on a GPU where the columns are large, the planes wide enough for its DFT products to fill the
-# card and the input wide enough that its transforms are not most of its work. Measured on an H100
-# (CuPy 14, VGG19 at batch 32, per layer forward + backward, im2col -> frequency route):
-# conv1_2 34.6 -> 22.4 ms, conv2_2 22.5 -> 11.6, conv3_2 14.6 -> 8.7, conv4_2 10.9 -> 7.9, but
-# conv5 (14 px) 3.2 -> 4.5 and conv1_1 (3 channels) 3.7 -> 11.4; on cifar10_quick (8-32 px, every
-# layer ~0.3 ms of launches) the route lost on every layer.
+# card and the input wide enough that its transforms are not most of its work. Measured per layer
+# on an H100 (CuPy 14, forward + backward, im2col -> frequency route): VGG19 at batch 32, conv1_2
+# 34.6 -> 21.9 ms, conv2_2 20.4 -> 11.3, conv3_2 14.6 -> 8.0, conv4_2 10.9 -> 7.6 (columns of
+# 58-925 M numbers), but conv5 (14 px) 3.2 -> 4.5 and conv1_1 (3 channels) 3.7 -> 11.4; GoogLeNet
+# at batch 128, conv2/3x3 21.4 -> 8.4; ResNet-50 at batch 32, the 56 px 3x3s 2.4 -> 1.6-2.2
+# (58 M) and the 28 px ones even (29 M); on cifar10_quick (8-32 px, every layer ~0.3 ms of
+# launches) the route lost on every layer. Whole blocks of two such layers on an H200, alternated:
+# 64 channels on 56 px at batch 16 (29 M) 0.79x of im2col's speed, 128 on 28 px at 16 (14 M)
+# 0.78x, 64 on 56 px at batch 64 (116 M) 1.64x, 256 on 56 px at 16 (116 M) 1.09x.
 GPU_FOURIER_MIN_CELLS = 28 * 28
 GPU_FOURIER_MIN_CHANNELS = 32
+GPU_FOURIER_MIN_COLUMNS = 40_000_000
 GPU_FOURIER_MAX_FLOP_RATIO = 2.0
 
 
 def fourier_pays_on_gpu(geom, group, n, c, o, h, w):
     """The rule `auto` uses on CuPy (see GPU_FOURIER_MIN_CELLS): the route applies, the kernel
     is wider than one cell, the plane has at least GPU_FOURIER_MIN_CELLS cells, the input at
-    least GPU_FOURIER_MIN_CHANNELS channels a group, and the route needs at most
-    GPU_FOURIER_MAX_FLOP_RATIO times im2col's FLOPs."""
+    least GPU_FOURIER_MIN_CHANNELS channels a group, im2col's columns would hold at least
+    GPU_FOURIER_MIN_COLUMNS numbers, and the route needs at most GPU_FOURIER_MAX_FLOP_RATIO
+    times im2col's FLOPs."""
     if not fourier_applies(geom, group, h, w) or geom.kh * geom.kw == 1:
         return False
     if h * w < GPU_FOURIER_MIN_CELLS or c // group < GPU_FOURIER_MIN_CHANNELS:
+        return False
+    out_h, out_w = geom.conv_out(h, w)
+    if n * c * geom.kh * geom.kw * out_h * out_w < GPU_FOURIER_MIN_COLUMNS:
         return False
     direct, fourier, _ = fourier_flops(geom, n, c, o, h, w, 1, group)
     return fourier <= GPU_FOURIER_MAX_FLOP_RATIO * direct

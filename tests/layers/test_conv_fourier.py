@@ -95,21 +95,27 @@ def test_cost_rule_on_the_shapes_it_was_fitted_on():
 
 
 def test_gpu_cost_rule_on_the_shapes_it_was_measured_on():
-    """CuPy's rule (measured on an H100): VGG19's 3x3 layers on planes of 28-224 px go to the
-    frequency route; its first layer (3 channels), its 14 px layers, cifar10_quick's layers
-    (planes of 32 px and less), 1x1 layers and strided ones stay on im2col."""
+    """CuPy's rule (measured on an H100 and an H200): VGG19's 3x3 layers on planes of 28-224 px
+    at batch 32 and GoogLeNet's conv2 go to the frequency route; VGG19's first layer (3
+    channels), its 14 px layers, cifar10_quick's layers (planes of 32 px and less), 1x1 layers,
+    strided ones and layers whose im2col columns are small (a 64-channel 56 px block at batch
+    16) stay on im2col."""
     three = Geometry(3, 3, 1, 1, 1, 1, 1, 1)
     for c, o, side in ((64, 64, 224), (64, 128, 112), (256, 256, 56), (512, 512, 28)):
         assert fourier_pays_on_gpu(three, 1, 32, c, o, side, side), (c, o, side)
+    assert fourier_pays_on_gpu(three, 1, 128, 64, 192, 56, 56)
     assert not fourier_pays_on_gpu(three, 1, 32, 3, 64, 224, 224)
     assert not fourier_pays_on_gpu(three, 1, 32, 512, 512, 14, 14)
     assert not fourier_pays_on_gpu(FIVE, 1, 100, 3, 32, 32, 32)
     assert not fourier_pays_on_gpu(FIVE, 1, 100, 32, 32, 16, 16)
     assert not fourier_pays_on_gpu(Geometry(1, 1, 1, 1, 0, 0, 1, 1), 1, 32, 256, 64, 56, 56)
     assert not fourier_pays_on_gpu(Geometry(3, 3, 2, 2, 1, 1, 1, 1), 1, 32, 64, 64, 56, 56)
+    # the columns' size: the same layer at batch 16 (29 M numbers) and 64 (116 M)
+    assert not fourier_pays_on_gpu(three, 1, 16, 64, 64, 56, 56)
+    assert fourier_pays_on_gpu(three, 1, 64, 64, 64, 56, 56)
+    assert not fourier_pays_on_gpu(three, 1, 16, 128, 128, 28, 28)
     # the channel floor counts one group's channels
-    assert fourier_pays_on_gpu(three, 1, 32, 64, 64, 56, 56)
-    assert not fourier_pays_on_gpu(three, 4, 32, 64, 64, 56, 56)
+    assert not fourier_pays_on_gpu(three, 4, 64, 64, 64, 56, 56)
 
 
 @pytest.mark.parametrize("geom,group,why", [
