@@ -240,6 +240,26 @@ def test_bench_refuses_a_bad_real_net_before_measuring(tmp_path):
     assert not (tmp_path / "b" / "results.json").exists()
 
 
+def test_bench_gpu_run_alone_reports_a_missing_device(tmp_path):
+    """`--parts '' --gpu 0` runs no CPU part; on a machine without CuPy or a device the report
+    says why the GPU part was not measured instead of failing."""
+    from engine import backend
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--parts", "", "--gpu", "0",
+                           "--quick", "--no-plots", "--no-torch", "--out", str(tmp_path / "b")],
+                          cwd=str(ROOT), text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert "a. training throughput" not in proc.stdout
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["meta"]["parts"] == []
+    assert "throughput" not in results
+    if not backend.gpu_available():
+        assert results["gpu"]["status"] == "not measured"
+        assert "no GPU" in results["gpu"]["reason"]
+    else:
+        assert results["gpu"]["status"] == "measured"
+
+
 SMALL_NET = """
 name: "mixed"
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 3 dim: 3 dim: 12 dim: 12 } } }

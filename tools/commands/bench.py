@@ -5,6 +5,7 @@ command that writes results.json, results.md and PNG plots into --out (default b
     poseidon bench --quick              # a one-minute smoke run (small batches, 2 runs, no jobs)
     poseidon bench --parts a,b          # only throughput and per-layer times
     poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
+    poseidon bench --parts "" --gpu 0   # the GPU run alone (about a minute)
 
 Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
 path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth, f the real networks of prototxt/
@@ -52,7 +53,7 @@ def add(sub):
                    help="add a labelled second throughput run with OPENBLAS_CORETYPE and "
                         "OPENBLAS_L2_SIZE unset (what a user's own machine gives)")
     p.add_argument("--gpu", default=None, help="also run part a on this GPU: CuPy beside "
-                                               "PyTorch CUDA")
+                                               "PyTorch CUDA (with --parts '' alone)")
     p.set_defaults(run=run)
 
 
