@@ -7,8 +7,10 @@ product, and a real signal needs only Ph * (Pw//2 + 1) frequencies. For cifar10_
 the transforms included. The transforms are written as matrix products rather than FFT calls:
 planes this small (10-34 points a side) are too short for an FFT to beat one large GEMM, the
 padding and cropping cost nothing (the DFT matrices only have rows and columns for the cells
-that exist), and everything, numpy or CuPy, stays in `xp.matmul`. Large planes with 3x3 kernels
-(VGG) lose by this route; `fourier_pays` weighs both and the layer keeps im2col there.
+that exist), and everything, numpy or CuPy, stays in `xp.matmul`. On a CPU large planes with 3x3
+kernels (VGG) lose by this route; `fourier_pays` weighs both and the layer keeps im2col there. On
+a GPU the same layers win (im2col's columns, not the FLOPs, set the time there), so CuPy has its
+own rule, `fourier_pays_on_gpu`.
 
 The arithmetic (one spatial axis shown; the 2-D case applies it per axis). Caffe's convolution
 is a cross-correlation, y[j] = sum_k w[k] x[j + k - p]. With transform size P >= H + p, x placed at
