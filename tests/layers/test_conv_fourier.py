@@ -116,6 +116,9 @@ def test_gpu_cost_rule_on_the_shapes_it_was_measured_on():
     assert not fourier_pays_on_gpu(three, 1, 16, 128, 128, 28, 28)
     # the channel floor counts one group's channels
     assert not fourier_pays_on_gpu(three, 4, 64, 64, 64, 56, 56)
+    # the FLOP ceiling: 32 -> 32 on 224 px needs 3.4x im2col's FLOPs, 32 -> 256 on 112 px 1.15x
+    assert not fourier_pays_on_gpu(three, 1, 32, 32, 32, 224, 224)
+    assert fourier_pays_on_gpu(three, 1, 32, 32, 256, 112, 112)
 
 
 @pytest.mark.parametrize("geom,group,why", [
