@@ -71,9 +71,13 @@ CONFIGS = [
 LABELLED = ("SoftmaxWithLoss",)
 
 
+def _labelled(text):
+    return any(t in text for t in LABELLED)
+
+
 def _run(text, arrays, n_tops, xp, params=None, top_diffs=None):
     propagate = [True] * len(arrays)
-    if any(t in text for t in LABELLED):
+    if _labelled(text):
         propagate[-1] = False
     from engine import rng
     rng.seed(7)
@@ -102,7 +106,7 @@ def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
     arrays = [rs.standard_normal(s) for s in shapes]
     if "Crop" in text:
         arrays = arrays[:1] + [np.zeros(shapes[1])]
-    if any(t in text for t in LABELLED):
+    if _labelled(text):
         classes = shapes[0][1]
         arrays[-1] = rs.randint(0, classes, size=shapes[-1]).astype(np.float64)
     tops, _, params, _ = _run(text, arrays, n_tops, np)

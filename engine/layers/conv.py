@@ -910,11 +910,12 @@ class ConvolutionLayer(Layer):
             raise self.error(str(e)) from None
         g, c, o = self.geom, self.channels, self.num_output
         ranges = min(parallel().workers, n)
-        auto = choice == "auto" and self.xp is numpy
-        auto_gpu = choice == "auto" and self.xp is not numpy
-        if (choice == "fourier" and fourier_applies(g, self.group, h, w)) or (
-                auto and fourier_pays(g, self.group, n, c, o, h, w, ranges)) or (
-                auto_gpu and fourier_pays_on_gpu(g, self.group, n, c, o, h, w)):
+        on_cpu = self.xp is numpy
+        auto = choice == "auto" and on_cpu
+        fourier_auto = choice == "auto" and (
+            fourier_pays(g, self.group, n, c, o, h, w, ranges) if on_cpu else
+            fourier_pays_on_gpu(g, self.group, n, c, o, h, w))
+        if (choice == "fourier" and fourier_applies(g, self.group, h, w)) or fourier_auto:
             if self._fourier is None:
                 self._fourier = FourierConvCore(g, self.group)
             return self._fourier
