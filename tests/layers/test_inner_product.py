@@ -255,3 +255,31 @@ def test_weight_blocks_grow_with_the_rows_of_factors():
     assert block_rows(4096, row_len, 4, factor_rows=8) == plain
     assert block_rows(4096, row_len, 4, factor_rows=512) == 1024
     assert block_rows(100, row_len, 4, factor_rows=512) == 100
+
+
+@pytest.mark.parametrize("batch", [4, 9])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_large_weight_forward_in_blocks_of_rows(batch, workers, monkeypatch):
+    """A large weight's forward (Yᵀ = W·Xᵀ) runs as GEMMs over blocks of FORWARD_ROWS weight
+    rows, the last block short, for batches up to FORWARD_ROWS_MAX_BATCH (here 8: the batch of
+    9 takes one GEMM a core); either way Y = X·Wᵀ + b, and backward is unchanged."""
+    from engine.layers import im2col, inner_product
+    monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(inner_product, "FORWARD_ROWS", 3)
+    monkeypatch.setattr(inner_product, "FORWARD_ROWS_MAX_BATCH", 8)
+    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    calls = []
+    real = inner_product.matmul
+    monkeypatch.setattr(inner_product, "matmul",
+                        lambda xp, a, b, out=None: calls.append(a.shape[0]) or real(xp, a, b, out))
+    rs = numpy.random.RandomState(11)
+    x = rs.standard_normal((batch, 6))
+    layer = ip(11)
+    _, top = run_forward(layer, [x])
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    numpy.testing.assert_allclose(top[0].data, x @ w.T + b, rtol=1e-13, atol=1e-13)
+    if batch <= 8:
+        assert max(calls) <= 3 and sum(calls) == 11
+    else:
+        assert max(calls) > 3 and sum(calls) == 11
+    check_gradient(ip(11), [x])
