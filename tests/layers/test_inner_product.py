@@ -262,7 +262,8 @@ def test_weight_blocks_grow_with_the_rows_of_factors():
 def test_large_weight_forward_in_blocks_of_rows(batch, workers, monkeypatch):
     """A large weight's forward (Yᵀ = W·Xᵀ) runs as GEMMs over blocks of FORWARD_ROWS weight
     rows, the last block short, for batches up to FORWARD_ROWS_MAX_BATCH (here 8: the batch of
-    9 takes one GEMM a core); either way Y = X·Wᵀ + b, and backward is unchanged."""
+    9 takes unblocked GEMMs over its whole range); either way Y = X·Wᵀ + b, and backward is
+    unchanged."""
     from engine.layers import im2col, inner_product
     monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1)
     monkeypatch.setattr(inner_product, "FORWARD_ROWS", 3)
