@@ -1,7 +1,7 @@
 """Poseidon's distributed training for the engine: WFBP, hybrid PS/SFB, KV store, coordinator.
 
-    import dist
-    from engine.solvers import get_solver
+    from poseidon import dist
+    from poseidon.engine.solvers import get_solver
     session = dist.init()                     # rank, coordinator, P1/P2 (a server rank serves here)
     solver = dist.DistributedSolver(get_solver("solver.prototxt", **session.solver_kwargs()))
     solver.solve()

@@ -1,5 +1,5 @@
 """Errors of a distributed run. They are PoseidonErrors, so the command line prints one line."""
-from engine.errors import PoseidonError
+from poseidon.engine.errors import PoseidonError
 
 
 class DistError(PoseidonError):

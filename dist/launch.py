@@ -1,6 +1,6 @@
 """`poseidon train ... --workers P1 --servers P2` (local) or `--coordinator ... --rank R` (multi-host).
 
-Local mode starts all P1 + P2 roles as child processes of this one (`python -m dist.process`),
+Local mode starts all P1 + P2 roles as child processes of this one (`python -m poseidon.dist.process`),
 on a free loopback port, and:
 - prefixes every line a child prints with its role (`[worker 0] ...`, `[server 1] ...`);
 - when a child fails or is killed, writes the reason where the others' SIGTERM handlers read it,
@@ -29,14 +29,14 @@ import threading
 import time
 from pathlib import Path
 
-from engine.errors import PoseidonError
+from poseidon.engine.errors import PoseidonError
 
 from .options import DistOptions
 from .roles import Roles, rank_from_environment
 from .security import make_keys, resolve_keys
+from .spawn import module_command
 from .transport import free_port, split_address
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTLE_S = 0.5          # after a failure: time the others get to stop by themselves
 # ... when the failed process exited with an error status rather than by a signal: it told the
 # coordinator first, whose ABORT carries the real cause to the others; on a loaded machine that
@@ -130,17 +130,16 @@ class LocalJob:
 
     def start(self, snapshot):
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "")
-                                                           .split(os.pathsep) if p])
         env["PYTHONUNBUFFERED"] = "1"
         self.children = {}
         self._readers = []
         for rank in range(self.roles.size):
             job = dict(self.job, local_rank=rank, snapshot=snapshot,
                        options=self.options.as_dict())
-            cmd = [sys.executable, "-m", "dist.process", "--job", json.dumps(job),
-                   "--rank", str(rank), "--parent-pid", str(os.getpid()),
-                   "--abort-file", self.abort_file] + (["--keys-on-stdin"] if self.keys else [])
+            cmd = module_command("poseidon.dist.process", "--job", json.dumps(job),
+                                 "--rank", rank, "--parent-pid", os.getpid(),
+                                 "--abort-file", self.abort_file,
+                                 *(["--keys-on-stdin"] if self.keys else []))
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.PIPE if self.keys else subprocess.DEVNULL,
                                     env=env, start_new_session=True)

@@ -88,79 +88,91 @@ def add_dist_options(parser):
         "Poseidon's WFBP + hybrid PS/SFB over ZeroMQ (see docs/distributed.md). --workers/--servers "
         "start every process on this machine; --coordinator with --rank (or mpirun/srun's rank) "
         "runs one process of a multi-host job.")
-    g.add_argument("--workers", type=_positive_int, help="P1: worker processes (batch_size in the "
-                   "model is per worker; the global batch is P1 x batch_size)")
-    g.add_argument("--servers", type=_nonneg_int, help="P2: KV-store server processes (default 1; "
-                   "0 only when every layer with parameters can use SFB)")
-    g.add_argument("--coordinator", metavar="tcp://HOST:PORT",
-                   help="the job's coordinator address (it runs beside worker 0, which binds it)")
-    g.add_argument("--rank", type=_nonneg_int, help="this process's global rank: 0..P1-1 are "
-                   "workers, P1..P1+P2-1 servers (default: OMPI_COMM_WORLD_RANK, PMI_RANK or "
-                   "SLURM_PROCID)")
-    g.add_argument("--sync", choices=("hybrid", "ps", "sfb"), default="hybrid",
-                   help="hybrid: BestScheme per layer (default); ps / sfb: force one scheme where "
-                   "the layer allows it (convolutions always go by PS)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="sync after the whole backward instead of layer by layer (no WFBP)")
-    g.add_argument("--stats", metavar="FILE", help="each process writes one JSON object per "
-                   "iteration to FILE with its role and rank in the name (stats.worker-0.jsonl)")
-    g.add_argument("--timeline", metavar="FILE", help="one Chrome trace of all workers "
-                   "(forward, backward and sync of each layer), written by worker 0")
-    g.add_argument("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
-                   help="largest KV pair (default 2MB)")
-    g.add_argument("--fusion-bytes", type=_fusion_bytes, metavar="BYTES",
-                   help="a layer's KV pairs on one server go as one message while it stays "
-                   "within BYTES (default: --kv-pair-bytes, so a bias rides with its weight); 0: "
-                   "one message per pair")
-    g.add_argument("--bucket-bytes", type=_bucket_bytes, metavar="BYTES",
-                   help="consecutive small PS layers share one sync (one message per server) "
-                   "while their parameters add up to at most BYTES; it starts when the lowest "
-                   "of them is back (as DDP's buckets: fewer messages, less overlap); 0: each "
-                   "layer alone (the paper's WFBP); default auto: 1MB when every process of the "
-                   "job is on one host (no network to overlap), else 0")
-    g.add_argument("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
-                   "gradients (the paper) instead of averaging them (one process on P1 x batch)")
-    g.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
-                   help="cap each process's send rate (e.g. 1Gbit, 100Mbit) for experiments")
-    g.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
-                   help="seconds a sync waits for a peer's message before failing (default 30)")
-    g.add_argument("--heartbeat-timeout", type=_seconds, default=10.0, metavar="S",
-                   help="a process silent this long is declared lost and the job stops (default 10)")
-    g.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="S",
-                   help="seconds to wait for every process to register (default 120)")
-    g.add_argument("--stall-warning", type=_seconds_or_zero, default=10.0, metavar="S",
-                   help="log which ranks a wait is still waiting for every S seconds (default 10; "
-                   "0: never)")
-    g.add_argument("--max-restarts", type=_nonneg_int, default=3, metavar="N",
-                   help="with --resume auto, the local launcher restarts the whole job from the "
-                   "newest complete snapshot at most N times when a process is lost (default 3)")
-    g.add_argument("--straggler-timeout", type=_seconds, metavar="S", help="BSP with drop: a "
-                   "server waits at most S s after a KV pair's first push of an iteration, then "
-                   "averages the gradients that came (every layer goes by PS)")
-    g.add_argument("--staleness", type=_nonneg_int, default=0, metavar="s", help="SSP: a worker "
-                   "may run s iterations ahead of the slowest (0: BSP; >0: every layer by PS)")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="float type of the nets (float64 for equivalence tests)")
-    g.add_argument("--interface", metavar="NAME|ADDR",
-                   help="network interface (eth0) or address to use for this process's sockets "
-                   "in a multi-host job (default: the one on the route to the coordinator)")
-    g.add_argument("--keys", metavar="FILE", help="the job's key file from `poseidon keys FILE` "
-                   "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
-    g.add_argument("--insecure", action="store_true", help="no CURVE authentication or "
-                   "encryption (experiments on a trusted network only)")
-    g.add_argument("--comm-priority", choices=COMM_PRIORITIES, default="normal",
-                   help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
-                   "(Linux), taking only cores the training leaves free; for jobs whose "
-                   "processes share one machine's cores (default normal)")
-    g.add_argument("--ipc", choices=IPC_CHOICES, default="auto",
-                   help="auto: processes of the job on one host talk over Unix sockets in "
-                   "private folders, without CURVE (only this user can reach them), and a "
-                   "worker's KV pushes and their answers go on direct links that the waiting "
-                   "thread reads itself, their arrays in the server's shared memory; links: "
-                   "the same, the arrays on the links; zmq: the same Unix sockets, every "
-                   "message through "
-                   "ZeroMQ; off: TCP between every pair, as between hosts (default auto)")
+    actions = []
+
+    def add(*flags, **kw):
+        actions.append(g.add_argument(*flags, **kw))
+    add("--workers", type=_positive_int, help="P1: worker processes (batch_size in the "
+        "model is per worker; the global batch is P1 x batch_size)")
+    add("--servers", type=_nonneg_int, help="P2: KV-store server processes (default 1; "
+        "0 only when every layer with parameters can use SFB)")
+    add("--coordinator", metavar="tcp://HOST:PORT",
+        help="the job's coordinator address (it runs beside worker 0, which binds it)")
+    add("--rank", type=_nonneg_int, help="this process's global rank: 0..P1-1 are "
+        "workers, P1..P1+P2-1 servers (default: OMPI_COMM_WORLD_RANK, PMI_RANK or "
+        "SLURM_PROCID)")
+    add("--sync", choices=("hybrid", "ps", "sfb"), default="hybrid",
+        help="hybrid: BestScheme per layer (default); ps / sfb: force one scheme where "
+        "the layer allows it (convolutions always go by PS)")
+    add("--no-overlap", action="store_true",
+        help="sync after the whole backward instead of layer by layer (no WFBP)")
+    add("--stats", metavar="FILE", help="each process writes one JSON object per "
+        "iteration to FILE with its role and rank in the name (stats.worker-0.jsonl)")
+    add("--timeline", metavar="FILE", help="one Chrome trace of all workers "
+        "(forward, backward and sync of each layer), written by worker 0")
+    add("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
+        help="largest KV pair (default 2MB)")
+    add("--fusion-bytes", type=_fusion_bytes, metavar="BYTES",
+        help="a layer's KV pairs on one server go as one message while it stays "
+        "within BYTES (default: --kv-pair-bytes, so a bias rides with its weight); 0: "
+        "one message per pair")
+    add("--bucket-bytes", type=_bucket_bytes, metavar="BYTES",
+        help="consecutive small PS layers share one sync (one message per server) "
+        "while their parameters add up to at most BYTES; it starts when the lowest "
+        "of them is back (as DDP's buckets: fewer messages, less overlap); 0: each "
+        "layer alone (the paper's WFBP); default auto: 1MB when every process of the "
+        "job is on one host (no network to overlap), else 0")
+    add("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
+        "gradients (the paper) instead of averaging them (one process on P1 x batch)")
+    add("--bandwidth", type=_bandwidth, metavar="RATE",
+        help="cap each process's send rate (e.g. 1Gbit, 100Mbit) for experiments")
+    add("--timeout", type=_seconds, default=30.0, metavar="S",
+        help="seconds a sync waits for a peer's message before failing (default 30)")
+    add("--heartbeat-timeout", type=_seconds, default=10.0, metavar="S",
+        help="a process silent this long is declared lost and the job stops (default 10)")
+    add("--start-timeout", type=_seconds, default=120.0, metavar="S",
+        help="seconds to wait for every process to register (default 120)")
+    add("--stall-warning", type=_seconds_or_zero, default=10.0, metavar="S",
+        help="log which ranks a wait is still waiting for every S seconds (default 10; "
+        "0: never)")
+    add("--max-restarts", type=_nonneg_int, default=3, metavar="N",
+        help="with --resume auto, the local launcher restarts the whole job from the "
+        "newest complete snapshot at most N times when a process is lost (default 3)")
+    add("--straggler-timeout", type=_seconds, metavar="S", help="BSP with drop: a "
+        "server waits at most S s after a KV pair's first push of an iteration, then "
+        "averages the gradients that came (every layer goes by PS)")
+    add("--staleness", type=_nonneg_int, default=0, metavar="s", help="SSP: a worker "
+        "may run s iterations ahead of the slowest (0: BSP; >0: every layer by PS)")
+    add("--interface", metavar="NAME|ADDR",
+        help="network interface (eth0) or address to use for this process's sockets "
+        "in a multi-host job (default: the one on the route to the coordinator)")
+    add("--keys", metavar="FILE", help="the job's key file from `poseidon keys FILE` "
+        "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
+    add("--insecure", action="store_true", help="no CURVE authentication or "
+        "encryption (experiments on a trusted network only)")
+    add("--comm-priority", choices=COMM_PRIORITIES, default="normal",
+        help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
+        "(Linux), taking only cores the training leaves free; for jobs whose "
+        "processes share one machine's cores (default normal)")
+    add("--ipc", choices=IPC_CHOICES, default="auto",
+        help="auto: processes of the job on one host talk over Unix sockets in "
+        "private folders, without CURVE (only this user can reach them), and a "
+        "worker's KV pushes and their answers go on direct links that the waiting "
+        "thread reads itself, their arrays in the server's shared memory; links: "
+        "the same, the arrays on the links; zmq: the same Unix sockets, every "
+        "message through "
+        "ZeroMQ; off: TCP between every pair, as between hosts (default auto)")
+    parser.set_defaults(dist_flag_defaults={a.dest: (a.option_strings[0], a.default)
+                                            for a in actions})
     return parser
+
+
+def dist_flags_given(args):
+    """The distributed-only flags set on a command line (their option strings), so that a run in one
+    process can refuse them instead of ignoring them."""
+    defaults = getattr(args, "dist_flag_defaults", {})
+    return [flag for dest, (flag, default) in defaults.items()
+            if getattr(args, dest, default) != default]
 
 
 def shared_kv_memory(opts):

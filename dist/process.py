@@ -1,4 +1,4 @@
-"""One role of a job in this process: `python -m dist.process --job JSON --rank R`.
+"""One role of a job in this process: `python -m poseidon.dist.process --job JSON --rank R`.
 
 The launcher (dist/launch.py) starts one of these per rank; a multi-host job runs `run_main` in
 each `poseidon train --coordinator ... --rank R` process; tests call `run_role` in threads.
@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 
-from engine.errors import PoseidonError
+from poseidon.engine.errors import PoseidonError
 
 from . import faults
 from .errors import AbortError
@@ -30,7 +30,7 @@ ABORT_GRACE_S = 15.0
 
 
 def _build_solver(job, session):
-    from engine.solvers import get_solver
+    from poseidon.engine.solvers import get_solver
     solver = get_solver(job["solver"], progress=False, **session.solver_kwargs())
     if job.get("weights") and session.rank == 0:      # the others get worker 0's weights
         for path in str(job["weights"]).split(","):
@@ -171,8 +171,8 @@ def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
     """A role as a whole process: logging, GPU choice, signals, exit status. Returns the status.
 
     keys: the job's JobKeys when the launcher handed them over (else options name a file)."""
-    from engine.solvers import log_to_stderr
-    from tools.commands.common import apply_gpu
+    from poseidon.engine import backend
+    from poseidon.engine.solvers import final_accuracy_lines, log_to_stderr
     from .roles import Roles, local_rank_from_environment
     if keys is not None:
         job = dict(job, options=dict(job["options"], keys=keys))
@@ -192,12 +192,12 @@ def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
             local = job.get("local_rank")          # set by the local launcher
             if local is None:
                 local = local_rank_from_environment(rank)
-            apply_gpu(argparse.Namespace(gpu=job["gpu"]), local)
+            backend.set_mode_from_flag(job["gpu"], local)
         faults.arm(roles.role(rank), roles.index(rank))
         ds = run_role(job, rank, on_session=_signal_requests(job))
         if ds is not None and rank == 0:
-            from tools.commands.train import report_final
-            report_final(ds.solver)
+            for line in final_accuracy_lines(ds.solver):
+                print(line, flush=True)
     except AbortError as e:
         sys.stderr.write(f"{name}: stopping: {e}\n")
         return 1
@@ -217,7 +217,7 @@ def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m dist.process", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m poseidon.dist.process", description=__doc__.split("\n")[0])
     ap.add_argument("--job", required=True, help="the job as JSON (written by the launcher)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--parent-pid", type=int)

@@ -12,15 +12,15 @@ import glob
 import os
 import re
 
-from engine.errors import ModelError
-from engine.io import manifest
+from poseidon.engine.errors import ModelError
+from poseidon.engine.io import manifest
 
 _ITER = re.compile(r"_iter_(\d+)\.(manifest\.json|caffemodel(\.h5)?|solverstate(\.h5)?)$")
 
 
 def snapshot_settings(solver_path):
     """(snapshot_prefix as the engine will use it, Caffe's defaults applied; snapshot interval)."""
-    from engine.solvers.solver import _read_solver, _upgrade_snapshot_prefix
+    from poseidon.engine.solvers.solver import _read_solver, _upgrade_snapshot_prefix
     param = _read_solver(solver_path)
     _upgrade_snapshot_prefix(param, solver_path)
     return param.snapshot_prefix, param.snapshot

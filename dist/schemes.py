@@ -8,7 +8,7 @@ is chosen by `--sync NAME` or by extending BestScheme, with no change to the wor
 """
 import numpy
 
-from engine.solvers.solver import all_finite, param_label
+from poseidon.engine.solvers.solver import all_finite, param_label
 
 from .cost import ps_cost
 from .errors import DistError

@@ -144,8 +144,8 @@ class Session:
     def serve(self, stats_path=None):
         """The server role: register, build the update rule from the book, serve until shutdown."""
         from google.protobuf import text_format
-        from engine.proto import caffe_pb2
-        from engine.solvers.rules import make_rule
+        from poseidon.engine.proto import caffe_pb2
+        from poseidon.engine.solvers.rules import make_rule
         from .kvstore import KVServer
         self.transport.set_fifo(KVServer.MESSAGES)     # before the book: INIT may come at once
         faults.watch_server(self.transport)

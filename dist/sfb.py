@@ -20,9 +20,9 @@ written to memory or allocated per iteration.
 """
 import numpy
 
-from engine.layers.im2col import WorkerBuffers
-from engine.solvers.factored import update_from_factors
-from engine.solvers.solver import all_finite
+from poseidon.engine.layers.im2col import WorkerBuffers
+from poseidon.engine.solvers.factored import update_from_factors
+from poseidon.engine.solvers.solver import all_finite
 
 from .cost import sfb_cost
 from .errors import DistError

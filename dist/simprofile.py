@@ -15,11 +15,12 @@ VGG19-22K costs nothing to describe); a profile measured with the engine on this
 import json
 import math
 import os
+from importlib import resources
 
-from engine import prototxt
-from engine.errors import PoseidonError
+from poseidon.engine import prototxt
+from poseidon.engine.errors import PoseidonError
 
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+PROFILE_DIR = str(resources.files(__package__) / "profiles")   # package data; wheels install unzipped
 
 # The paper's single-GPU Caffe figures (Titan X, mission.md): model -> (batch per node, img/s).
 PAPER_SINGLE_GPU = {"vgg19": (32, 35.5), "vgg19_22k": (32, 34.2), "googlenet": (128, 257.0)}

@@ -22,7 +22,7 @@ import time
 
 import numpy
 
-from engine import backend
+from poseidon.engine import backend
 
 
 class LayerStats:

@@ -36,8 +36,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy
 
-from engine import backend, rng
-from engine.errors import ModelError
+from poseidon.engine import backend, rng
+from poseidon.engine.errors import ModelError
 
 from . import directlink, faults
 from .book import describe_net, relaxed_consistency
@@ -56,7 +56,7 @@ _NET_FIELDS = ("net", "net_param", "train_net", "train_net_param", "test_net", "
 def solver_text(param):
     """The solver settings that must agree between workers (and that the servers need)."""
     from google.protobuf import text_format
-    from engine.proto import caffe_pb2
+    from poseidon.engine.proto import caffe_pb2
     p = caffe_pb2.SolverParameter()
     p.CopyFrom(param)
     for name in _NET_FIELDS:
@@ -105,7 +105,7 @@ class NonFiniteGradient(DistError):
 
 def worker_cursor_path(state_path, rank):
     """<prefix>_iter_N.solverstate -> <prefix>_iter_N.cursors.worker-R.json."""
-    from engine.io.manifest import snapshot_base
+    from poseidon.engine.io.manifest import snapshot_base
     return f"{snapshot_base(state_path)}.cursors.worker-{rank}.json"
 
 
@@ -114,7 +114,7 @@ class DistributedSolver:
     to the wrapped solver (iter, net, test_nets, param, ...)."""
 
     def __init__(self, solver, session=None):
-        from engine.solvers import Solver, get_solver
+        from poseidon.engine.solvers import Solver, get_solver
         session = session or current()
         if session is None:
             raise DistError("call dist.init() (or pass session=) before DistributedSolver")
@@ -677,14 +677,14 @@ class DistributedSolver:
 
     def _state_file_name(self):
         """The solverstate path worker 0 writes at this iteration (the engine's naming)."""
-        from engine.proto import caffe_pb2
+        from poseidon.engine.proto import caffe_pb2
         hdf5 = self.solver.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
         return self.solver.snapshot_filename(".solverstate.h5" if hdf5 else ".solverstate")
 
     def _write_manifest(self, state_file, extra_files=()):
         """Worker 0, inside the engine's snapshot(): the other workers' cursor files, then the
         manifest naming them too (so a torn distributed snapshot is refused on resume)."""
-        from engine.io import caffemodel
+        from poseidon.engine.io import caffemodel
         extra = list(extra_files)
         for cursor in self._peer_cursors or []:
             path = worker_cursor_path(state_file, cursor["rank"])

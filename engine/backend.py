@@ -10,7 +10,7 @@ try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
 except Exception:  # pragma: no cover - depends on the machine
     cupy = None
 
-_state = {"xp": numpy, "device": None}
+_state = {"xp": numpy, "device": None, "chosen_device": 0}
 
 
 def gpu_available():
@@ -28,8 +28,17 @@ def set_mode_cpu():
     _state["device"] = None
 
 
-def set_mode_gpu(device=0):
-    """Make CuPy the default array module for nets built from now on, on the given device."""
+def set_device(device):
+    """pycaffe's set_device: the GPU that set_mode_gpu() uses (now, if GPU mode is on)."""
+    _state["chosen_device"] = int(device)
+    if _state["device"] is not None:
+        set_mode_gpu(device)
+
+
+def set_mode_gpu(device=None):
+    """Make CuPy the default array module for nets built from now on, on the given device (default:
+    the one set_device chose, else 0)."""
+    device = _state["chosen_device"] if device is None else int(device)
     if not gpu_available():
         raise RuntimeError("GPU mode asked for, but CuPy is not installed or sees no CUDA device: "
                            "install the gpu extra (pip install -e '.[gpu]') or drop --gpu")
@@ -40,6 +49,26 @@ def set_mode_gpu(device=0):
     cupy.cuda.Device(device).use()
     _state["xp"] = cupy
     _state["device"] = device
+
+
+def set_mode_from_flag(gpu, local_rank=0):
+    """Caffe's --gpu: None, '', 'cpu' or '-1' for the CPU; a device id; or a comma-separated list of
+    ids, of which the process with this local rank takes one in turn."""
+    from .errors import PoseidonError
+    if gpu is None or str(gpu).lower() in ("", "none", "cpu", "-1"):
+        set_mode_cpu()
+        return
+    try:
+        ids = [int(x) for x in str(gpu).split(",")]
+    except ValueError:
+        raise PoseidonError(f"--gpu takes a device id or a comma-separated list, got "
+                            f"'{gpu}'; give e.g. --gpu 0 (or omit it for the CPU)") from None
+    if any(i < 0 for i in ids):
+        raise PoseidonError(f"--gpu takes device ids >= 0, got '{gpu}'; omit it for the CPU")
+    try:
+        set_mode_gpu(ids[local_rank % len(ids)])
+    except RuntimeError as e:   # no CuPy, no CUDA device, or no device of that id
+        raise PoseidonError(f"--gpu {gpu}: {e}") from None
 
 
 def default_xp():

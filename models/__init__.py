@@ -2,10 +2,10 @@
 
 ``MODELS`` maps each folder name under prototxt/ to a :class:`Model`: the module that builds it, a
 ``build(deploy)`` returning a ``caffe.NetParameter`` and a ``solver()`` returning a
-``caffe.SolverParameter``. ``python -m models.write_all`` writes them all (see models/write_all.py);
+``caffe.SolverParameter``. ``python -m poseidon.models.write_all`` writes them all (see models/write_all.py);
 edit the builders, never the generated files.
 
-    from models import MODELS
+    from poseidon.models import MODELS
     net = MODELS["vgg19_22k"].build(deploy=True)
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from models import alexnet, cifar, fc_heavy, googlenet, inception_v3, resnet, solvers, vgg
+from poseidon.models import alexnet, cifar, fc_heavy, googlenet, inception_v3, resnet, solvers, vgg
 
 
 @dataclass(frozen=True)

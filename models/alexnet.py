@@ -4,7 +4,7 @@
 data/ilsvrc12/{train,test} (LMDB), batch 256 / 50, mean values (104, 117, 123) in BGR order.
 """
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 MEAN_BGR = (104, 117, 123)
 

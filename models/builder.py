@@ -4,7 +4,7 @@ Every model family in this package is written with it, so the definitions in ``p
 generated from code rather than copied. Each layer method appends one ``caffe.LayerParameter`` and
 returns the name of its top blob, so graphs compose as ordinary expressions::
 
-    from models.builder import NetBuilder
+    from poseidon.models.builder import NetBuilder
     n = NetBuilder("tiny")
     x = n.input("data", (64, 3, 32, 32))
     x = n.conv("conv1", x, 32, 5, pad=2)
@@ -25,7 +25,7 @@ Conventions (those of the BVLC reference models):
 
 from google.protobuf import text_format
 
-from engine.proto import caffe_pb2
+from poseidon.engine.proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST

@@ -8,7 +8,7 @@ digits_quick: the identical architecture for the embedded demo set (32x32x3 digi
 classes) read from data/digits/{train,test} with pixel scale 1/256 instead of a mean file.
 """
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 
 def _quick_body(n, x):

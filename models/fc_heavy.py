@@ -6,7 +6,7 @@ PS-versus-SFB communication dominates a step. Both files are the same net (rando
 to back-propagate), since it exists for benchmarks, not for training on data.
 """
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 
 def fc_heavy(deploy=False, batch=32, in_dim=9216, hidden=4096, num_classes=1000):

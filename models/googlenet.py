@@ -6,7 +6,7 @@ train_val adds the two auxiliary classifiers after inception_4a and 4d (loss wei
 13,378,280 parameters in all). The paper benchmarks it at batch 128 per node.
 """
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 # name: (#1x1, #3x3 reduce, #3x3, #5x5 reduce, #5x5, pool proj)
 MODULES = (

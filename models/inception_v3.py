@@ -9,7 +9,7 @@ auxiliary head). The paper benchmarks it at batch 32 per node. train_val reads d
 inputs scaled to [-1, 1] (mean 128, scale 1/128).
 """
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 XAVIER = {"type": "xavier", "std": 0.01}
 

@@ -12,7 +12,7 @@ statistics in TRAIN and the stored ones in TEST) and pins the statistics' lr_mul
 
 import string
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 MSRA = {"type": "msra"}

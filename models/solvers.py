@@ -20,7 +20,7 @@ tuned to pass 95% test accuracy on the embedded demo set within ~1,000 iteration
 benchmark net with no test phase.
 """
 
-from engine.proto import caffe_pb2
+from poseidon.engine.proto import caffe_pb2
 
 
 def _solver(model, **fields):

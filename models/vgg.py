@@ -6,7 +6,7 @@ block, then fc6/fc7 (4096, ReLU, dropout 0.5) and the classifier. Learnable para
 32 per node, which is the deploy batch here. train_val reads data/ilsvrc12 or data/imagenet22k.
 """
 
-from models.builder import NetBuilder
+from poseidon.models.builder import NetBuilder
 
 BLOCKS = ((64, 2), (128, 2), (256, 4), (512, 4), (512, 4))
 MEAN_BGR = (104, 117, 123)

@@ -8,10 +8,10 @@ elements) so the check stays fast.
 import numpy
 from google.protobuf import text_format
 
-from engine import backend
-from engine.blob import Blob
-from engine.layer import TRAIN, create_layer
-from engine.proto import caffe_pb2
+from poseidon.engine import backend
+from poseidon.engine.blob import Blob
+from poseidon.engine.layer import TRAIN, create_layer
+from poseidon.engine.proto import caffe_pb2
 
 
 def layer_param(text):

@@ -1,4 +1,4 @@
-"""Bad input everywhere (issue 5, item 6): each case runs `python -m tools.cli ...` as a user would,
+"""Bad input everywhere (issue 5, item 6): each case runs `python -m poseidon.tools.cli ...` as a user would,
 and must end with a non-zero exit, no traceback, and one short error line on stderr that names what
 is wrong (file:line, layer, key or flag) and says what to do. A few cases are warnings (Caffe skips
 them) and must exit 0 with one warning line.
@@ -49,7 +49,7 @@ def data_net(source, num_output=3, transform="", test_source=None):
 def write_lmdb(path, shapes, corrupt_at=None):
     """An LMDB of uint8 Datum records of the given (C, H, W) shapes; record corrupt_at is junk."""
     import lmdb
-    from engine.io.datum import array_to_datum
+    from poseidon.engine.io.datum import array_to_datum
     env = lmdb.open(str(path), map_size=1 << 22)
     with env.begin(write=True) as txn:
         for i, shape in enumerate(shapes):
@@ -61,9 +61,9 @@ def write_lmdb(path, shapes, corrupt_at=None):
 
 def make_base(base):
     """Every file the cases share, made once in `base` (the working directory of every case)."""
-    from engine.io.caffemodel import write_binaryproto
-    from engine.net import Net
-    from engine.solvers.solver import Solver
+    from poseidon.engine.io.caffemodel import write_binaryproto
+    from poseidon.engine.net import Net
+    from poseidon.engine.solvers.solver import Solver
 
     def write(name, text):
         (base / name).write_text(text)
@@ -345,7 +345,7 @@ def run_case(case, base):
     if "PYTHONPATH_FIRST" in case.env:
         paths.insert(0, str(base / case.env["PYTHONPATH_FIRST"]))
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    return subprocess.run([sys.executable, "-m", "tools.cli", *case.argv], cwd=str(folder),
+    return subprocess.run([sys.executable, "-m", "poseidon.tools.cli", *case.argv], cwd=str(folder),
                           env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_quick_writes_results(tmp_path):
     out = tmp_path / "bench"
     plots = importlib.util.find_spec("matplotlib") is not None
-    cmd = [sys.executable, "-m", "tools.cli", "bench", "--quick", "--out", str(out)]
+    cmd = [sys.executable, "-m", "poseidon.tools.cli", "bench", "--quick", "--out", str(out)]
     if not plots:
         cmd.append("--no-plots")
     proc = subprocess.run(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -84,7 +84,7 @@ def test_bench_quick_writes_results(tmp_path):
 def test_transport_target_compares_like_for_like():
     """Part d's target row: KV with CURVE against raw ZeroMQ with CURVE, --insecure KV against
     plain raw beside it; results written before both were measured still render."""
-    from tools.bench import report
+    from poseidon.tools.bench import report
 
     def s(v):
         return {"median": v, "min": v, "max": v, "runs": [v]}
@@ -122,7 +122,7 @@ def test_gemm_peaks_take_the_best_run_of_every_sample(monkeypatch):
     """A peak is the fastest the machine was seen to go: a slow sample after a fast one (or the
     other way round) leaves the peak at the fast one, and every share of part b is taken against
     it, whatever the order."""
-    from tools.bench import env
+    from poseidon.tools.bench import env
     machine = iter([[100.0, 120.0], [150.0, 140.0], [90.0, 95.0]])
     alone = iter([[50.0], [85.0], [70.0]])
     call = iter([[40.0, 45.0], [70.0, 80.0], [60.0, 61.0]])
@@ -151,7 +151,7 @@ def test_gemm_peaks_take_the_best_run_of_every_sample(monkeypatch):
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_more_rounds():
-    from tools.bench.env import median_interval
+    from poseidon.tools.bench.env import median_interval
     assert median_interval([0.1, 0.2, 0.3]) is None              # too few rounds to say
     assert median_interval([0.05] * 8) == [0.05, 0.05]
     rs = __import__("numpy").random.default_rng(1)
@@ -166,7 +166,7 @@ def test_median_interval_brackets_the_median_and_narrows_with_more_rounds():
 
 def test_factored_ab_names_the_weights_and_times_both_paths(capsys):
     """tools/bench/factored_ab.py (the A/B behind the factored update's figures) runs end to end."""
-    from tools.bench import factored_ab
+    from poseidon.tools.bench import factored_ab
     factored_ab.main(["cifar10_quick", "1", "1"])
     out = capsys.readouterr().out
     assert "weights from factors: ip1, ip2; 1 rounds of 1 steps" in out
@@ -178,7 +178,7 @@ def test_factored_ab_names_the_weights_and_times_both_paths(capsys):
 def test_stride_ab_times_the_three_ways_of_writing_a_weight_gradient(capsys):
     """tools/bench/stride_ab.py (behind the padded-rows figures) runs end to end; with rows of
     1,024 floats (4 KiB) the padded stride it reports is one cache line more."""
-    from tools.bench import stride_ab
+    from poseidon.tools.bench import stride_ab
     stride_ab.main(["64", "1024", "8"])
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "GFLOP/s" in line]
@@ -191,10 +191,10 @@ def test_model_ref_times_a_training_resnet50():
     """tools/bench/model_ref.py (behind the ResNet-50 and other real-net figures): the net it
     times trains as ResNet-50 does (batch statistics, a backward through every layer but no
     image gradient), and its per-type times add up to the totals it reports."""
-    from tools.bench import model_ref
+    from poseidon.tools.bench import model_ref
     param = model_ref.training_param("resnet50", 1)
-    from engine.net import Net
-    from engine.proto import caffe_pb2
+    from poseidon.engine.net import Net
+    from poseidon.engine.proto import caffe_pb2
     net = Net(param, phase=caffe_pb2.TRAIN)
     assert net.blobs["data"].shape == (1, 3, 224, 224)
     norms = [layer for layer in net.layers if layer.type == "BatchNorm"]
@@ -212,7 +212,7 @@ def test_model_ref_times_a_training_resnet50():
 def test_model_ref_refuses_a_net_without_one_input(tmp_path):
     """A training file (Data layers) is not what model_ref times: a clear error, not a crash."""
     import pytest
-    from tools.bench import model_ref
+    from poseidon.tools.bench import model_ref
     path = tmp_path / "train.prototxt"
     path.write_text('layer { name: "d" type: "DummyData" top: "data" '
                     'dummy_data_param { shape { dim: 1 dim: 3 dim: 8 dim: 8 } } }')
@@ -230,7 +230,7 @@ def test_model_ref_refuses_a_net_without_one_input(tmp_path):
 
 def test_bench_refuses_a_bad_real_net_before_measuring(tmp_path):
     """A --real-nets item that names no deploy file stops the bench at once, with the item."""
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--parts", "a,f",
+    proc = subprocess.run([sys.executable, "-m", "poseidon.tools.cli", "bench", "--parts", "a,f",
                            "--real-nets", "alexnet:2,nonesuch:4", "--no-plots",
                            "--out", str(tmp_path / "b")], cwd=str(ROOT), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
@@ -243,8 +243,8 @@ def test_bench_refuses_a_bad_real_net_before_measuring(tmp_path):
 def test_bench_gpu_run_alone_reports_a_missing_device(tmp_path):
     """`--parts '' --gpu 0` runs no CPU part; on a machine without CuPy or a device the report
     says why the GPU part was not measured instead of failing."""
-    from engine import backend
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--parts", "", "--gpu", "0",
+    from poseidon.engine import backend
+    proc = subprocess.run([sys.executable, "-m", "poseidon.tools.cli", "bench", "--parts", "", "--gpu", "0",
                            "--quick", "--no-plots", "--no-torch", "--out", str(tmp_path / "b")],
                           cwd=str(ROOT), text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=120)
@@ -292,7 +292,7 @@ def test_model_ref_torch_graph_computes_the_engine_nets_function(tmp_path):
     import pytest
     torch = pytest.importorskip("torch", reason="PyTorch is the benchmark's reference; the "
                                                 "engine side is tested without it above")
-    from tools.bench import model_ref
+    from poseidon.tools.bench import model_ref
     path = tmp_path / "deploy.prototxt"
     path.write_text(SMALL_NET)
     side = model_ref.EngineSide(str(path), 3)

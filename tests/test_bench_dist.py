@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import dist_parts, report
+from poseidon.tools.bench import dist_parts, report
 
 
 def _records(times, sent=1000):
@@ -169,7 +169,7 @@ def test_part_c_reads_a_threads_cpu_finer_than_the_clock_tick():
     import os
     import threading
     import time
-    from tools.bench import overhead_ab
+    from poseidon.tools.bench import overhead_ab
     go, done, end = threading.Event(), threading.Event(), threading.Event()
     spent = {}
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy
 import pytest
 
-from engine import prototxt
-from engine.io.caffemodel import write_binaryproto
-from engine.io.datum import array_to_datum
-from engine.io.lmdb_store import write_lmdb
-from engine.net import Net
-from engine.solvers import get_solver
+from poseidon.engine import prototxt
+from poseidon.engine.io.caffemodel import write_binaryproto
+from poseidon.engine.io.datum import array_to_datum
+from poseidon.engine.io.lmdb_store import write_lmdb
+from poseidon.engine.net import Net
+from poseidon.engine.solvers import get_solver
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The `poseidon` command line, run as a user runs it: `python -m tools.cli ...` in a subprocess,
+"""The `poseidon` command line, run as a user runs it: `python -m poseidon.tools.cli ...` in a subprocess,
 in a temporary working directory, with the repository on PYTHONPATH.
 
 * `summary` on every deploy file of prototxt/ and of ../shared/caffe-models (Caffe's totals).
@@ -27,7 +27,7 @@ def poseidon(*args, cwd, timeout=300):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]]
                                                          if env.get("PYTHONPATH") else []))
-    return subprocess.run([sys.executable, "-m", "tools.cli", *map(str, args)], cwd=str(cwd),
+    return subprocess.run([sys.executable, "-m", "poseidon.tools.cli", *map(str, args)], cwd=str(cwd),
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -146,9 +146,9 @@ def test_time_makes_no_gradient_for_what_no_parameter_feeds():
     backward is its weight gradient alone), every blob after a learnable layer does, and a layer
     whose learning is switched off (lr_mult 0) feeds nothing."""
     from google.protobuf import text_format
-    from engine.net import Net
-    from engine.proto import caffe_pb2
-    from tools.commands.timing import skip_input_gradients
+    from poseidon.engine.net import Net
+    from poseidon.engine.proto import caffe_pb2
+    from poseidon.tools.commands.timing import skip_input_gradients
     text = (
         'force_backward: true\n'
         'layer { name: "data" type: "Input" top: "data" top: "label" input_param { '
@@ -223,7 +223,7 @@ def test_error_shape_mismatch_in_weights(tmp_path):
                   '  inner_product_param { num_output: 4 } }\n')
     other = write(tmp_path / "other.prototxt", model.read_text().replace("num_output: 4",
                                                                          "num_output: 5"))
-    from engine.net import Net
+    from poseidon.engine.net import Net
     net = Net(str(other), "TEST")
     net.save(str(tmp_path / "w.caffemodel"))
     fails(poseidon("test", "--model", model, "--weights", "w.caffemodel", "--iterations", 1,
@@ -258,7 +258,7 @@ def test_error_missing_lmdb_path(tmp_path):
 
 def test_error_corrupt_datum(tmp_path):
     import lmdb
-    from engine.io.datum import array_to_datum
+    from poseidon.engine.io.datum import array_to_datum
     env = lmdb.open(str(tmp_path / "bad_lmdb"), map_size=1 << 22)
     with env.begin(write=True) as txn:
         txn.put(b"00000000", array_to_datum(numpy.zeros((1, 4, 4), numpy.uint8), 1)
@@ -308,14 +308,14 @@ def solver_copy(work, name, **fields):
 
 
 def load_params(path):
-    from engine.io.caffemodel import proto_to_array, read_net_proto
+    from poseidon.engine.io.caffemodel import proto_to_array, read_net_proto
     return {(layer.name, i): proto_to_array(blob) for layer in read_net_proto(str(path)).layer
             for i, blob in enumerate(layer.blobs)}
 
 
 def test_data_digits_and_mean(digits, tmp_path):
-    from engine.io.caffemodel import read_binaryproto
-    from engine.io.lmdb_store import ShardedReader, decode_batch, inspect_source
+    from poseidon.engine.io.caffemodel import read_binaryproto
+    from poseidon.engine.io.lmdb_store import ShardedReader, decode_batch, inspect_source
     work, result = digits
     ok(result)
     counts = {}

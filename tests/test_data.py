@@ -9,16 +9,16 @@ import warnings
 import numpy
 import pytest
 
-from engine import rng
-from engine.blob import Blob
-from engine.errors import DataError
-from engine.io.caffemodel import write_binaryproto
-from engine.io.datasets import (cifar10_to_lmdb, compute_mean, digits_arrays, images_to_lmdb,
+from poseidon.engine import rng
+from poseidon.engine.blob import Blob
+from poseidon.engine.errors import DataError
+from poseidon.engine.io.caffemodel import write_binaryproto
+from poseidon.engine.io.datasets import (cifar10_to_lmdb, compute_mean, digits_arrays, images_to_lmdb,
                                 make_digits_lmdb)
-from engine.io.datum import array_to_datum, datum_to_array
-from engine.io.lmdb_store import ShardedReader, iter_records, write_lmdb
-from engine.layer import TEST, TRAIN
-from engine.proto import caffe_pb2
+from poseidon.engine.io.datum import array_to_datum, datum_to_array
+from poseidon.engine.io.lmdb_store import ShardedReader, iter_records, write_lmdb
+from poseidon.engine.layer import TEST, TRAIN
+from poseidon.engine.proto import caffe_pb2
 from tests.harness import make_layer
 
 
@@ -492,7 +492,7 @@ def test_compute_mean(tmp_path):
 
 
 def test_layer_parameter_errors_and_rand_skip(tmp_path, images_db):
-    from engine.errors import LayerError
+    from poseidon.engine.errors import LayerError
     source, _ = images_db
     with pytest.raises(LayerError, match="crop_size 8 is larger"):
         data_layer(source, 2, transform="crop_size: 8")

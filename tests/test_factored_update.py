@@ -11,10 +11,10 @@ import numpy
 import pytest
 from google.protobuf import text_format
 
-from engine.errors import PoseidonError
-from engine.layers import im2col
-from engine.proto import caffe_pb2
-from engine.solvers import Solver
+from poseidon.engine.errors import PoseidonError
+from poseidon.engine.layers import im2col
+from poseidon.engine.proto import caffe_pb2
+from poseidon.engine.solvers import Solver
 
 ITERS = 6
 

@@ -9,9 +9,9 @@ import re
 import numpy
 import pytest
 
-from engine import TEST, TRAIN, PoseidonError
-from engine.net import Net
-from engine import prototxt
+from poseidon.engine import TEST, TRAIN, PoseidonError
+from poseidon.engine.net import Net
+from poseidon.engine import prototxt
 
 from .conftest import SHARED_MODELS
 

@@ -5,11 +5,11 @@ by layer, so a product that bypasses the meter or is done twice shows up here.""
 import numpy
 import pytest
 
-from engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
-from engine.layers import conv_winograd
-from engine.layers.conv_fourier import pass_flops
-from engine.layers.im2col import parallel
-from tools.bench import layers, nets
+from poseidon.engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
+from poseidon.engine.layers import conv_winograd
+from poseidon.engine.layers.conv_fourier import pass_flops
+from poseidon.engine.layers.im2col import parallel
+from poseidon.tools.bench import layers, nets
 
 
 def test_product_flops_broadcasts_batch():
@@ -34,7 +34,7 @@ def test_padded_row_length_gives_an_odd_number_of_cache_lines(dtype):
 
 
 def test_scratch_rows_are_padded_on_the_cpu():
-    from engine.layers.im2col import BufferCache
+    from poseidon.engine.layers.im2col import BufferCache
     rows = BufferCache().get_rows("g", 5, 4096, numpy.float32, numpy)
     assert rows.shape == (5, 4096) and rows.strides == ((4096 + 16) * 4, 4)
 

@@ -6,9 +6,9 @@ the rest of the suite runs unchanged (numpy), and these run the same layers on C
 import numpy as np
 import pytest
 
-from engine import TRAIN, backend
-from engine.net import Net
-from engine.prototxt import parse_net_text
+from poseidon.engine import TRAIN, backend
+from poseidon.engine.net import Net
+from poseidon.engine.prototxt import parse_net_text
 
 from .harness import check_gradient, make_layer, run_forward
 from .test_reference_nets import CIFAR10_QUICK
@@ -79,7 +79,7 @@ def _run(text, arrays, n_tops, xp, params=None, top_diffs=None):
     propagate = [True] * len(arrays)
     if _labelled(text):
         propagate[-1] = False
-    from engine import rng
+    from poseidon.engine import rng
     rng.seed(7)
     layer = make_layer(text, TRAIN, np.float64, xp)
     bottom, top = run_forward(layer, arrays, n_tops, np.float64, xp)
@@ -189,7 +189,7 @@ def test_whole_net_on_cupy_matches_numpy():
     import cupy
     nets = {}
     for name, xp in (("numpy", np), ("cupy", cupy)):
-        from engine import rng
+        from poseidon.engine import rng
         rng.seed(3)
         net = Net(parse_net_text(CIFAR10_QUICK), TRAIN, dtype=np.float64, xp=xp)
         rs = np.random.RandomState(1)
@@ -215,10 +215,10 @@ def test_training_on_cupy_matches_numpy_and_resumes_bitwise(tmp_path, monkeypatc
     digits net's small planes; both sides are held to it."""
     import cupy
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
-    from engine.io.datasets import make_digits_lmdb
-    from engine.solvers import get_solver
-    from engine.proto import caffe_pb2
-    from engine import prototxt
+    from poseidon.engine.io.datasets import make_digits_lmdb
+    from poseidon.engine.solvers import get_solver
+    from poseidon.engine.proto import caffe_pb2
+    from poseidon.engine import prototxt
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     make_digits_lmdb(str(tmp_path / "data" / "digits"))

@@ -9,9 +9,9 @@ import struct
 import numpy as np
 import pytest
 
-from engine.io import caffemodel as cm
-from engine.io.datum import array_to_datum, datum_to_array
-from engine.proto import caffe_pb2
+from poseidon.engine.io import caffemodel as cm
+from poseidon.engine.io.datum import array_to_datum, datum_to_array
+from poseidon.engine.proto import caffe_pb2
 
 rng = np.random.default_rng(0)
 

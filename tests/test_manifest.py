@@ -1,11 +1,11 @@
 """Snapshots carry a manifest; resuming refuses a torn or altered set with a clear message."""
 import pytest
 
-from engine import ModelError
-from engine.io import manifest
-from engine.solvers import get_solver
-from engine.prototxt import parse_net_text
-from engine.proto import caffe_pb2
+from poseidon.engine import ModelError
+from poseidon.engine.io import manifest
+from poseidon.engine.solvers import get_solver
+from poseidon.engine.prototxt import parse_net_text
+from poseidon.engine.proto import caffe_pb2
 
 NET = """
 name: "tiny"

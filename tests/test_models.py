@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from engine.proto import caffe_pb2
-from models import MODELS
-from models.write_all import write_all
+from poseidon.engine.proto import caffe_pb2
+from poseidon.models import MODELS
+from poseidon.models.write_all import write_all
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOTXT = ROOT / "prototxt"
@@ -252,10 +252,10 @@ def test_prototxt_tree_is_what_write_all_writes(tmp_path):
     written = write_all(tmp_path)
     expected = {p.relative_to(tmp_path).as_posix() for p in written}
     actual = {p.relative_to(PROTOTXT).as_posix() for p in PROTOTXT.rglob("*") if p.is_file()}
-    assert actual == expected, "run `python -m models.write_all` to regenerate prototxt/"
+    assert actual == expected, "run `python -m poseidon.models.write_all` to regenerate prototxt/"
     stale = [rel for rel in sorted(expected)
              if (PROTOTXT / rel).read_bytes() != (tmp_path / rel).read_bytes()]
-    assert not stale, f"out of date (run `python -m models.write_all`): {stale}"
+    assert not stale, f"out of date (run `python -m poseidon.models.write_all`): {stale}"
 
 
 def test_write_all_is_deterministic(tmp_path):

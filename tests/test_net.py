@@ -2,10 +2,10 @@
 import numpy
 import pytest
 
-from engine import TEST, TRAIN, ModelError
-from engine.net import Net
-from engine.prototxt import parse_net_text
-from engine.proto import caffe_pb2
+from poseidon.engine import TEST, TRAIN, ModelError
+from poseidon.engine.net import Net
+from poseidon.engine.prototxt import parse_net_text
+from poseidon.engine.proto import caffe_pb2
 
 from .conftest import SHARED_MODELS
 
@@ -254,7 +254,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 def _bn_scale_net(monkeypatch, paired, text=BN_SCALE):
     """The net of `text` with the same weights and data every time; its BatchNorm + Scale pairs
     made (as Net does) or not (the two layers apart)."""
-    from engine import rng
+    from poseidon.engine import rng
     with monkeypatch.context() as patch:
         if not paired:
             patch.setattr(Net, "_pair_batchnorm_scale", lambda self: None)

@@ -3,10 +3,10 @@ InnerProduct's column-split GEMMs and the solver rules' blocked updates."""
 import numpy
 import pytest
 
-from engine.layers import im2col
-from engine.layers import inner_product
-from engine.proto import caffe_pb2
-from engine.solvers import rules
+from poseidon.engine.layers import im2col
+from poseidon.engine.layers import inner_product
+from poseidon.engine.proto import caffe_pb2
+from poseidon.engine.solvers import rules
 from tests.harness import make_layer, run_forward
 
 
@@ -25,7 +25,7 @@ def test_inner_product_split_matches_one_call(transpose, bias, monkeypatch):
         monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", threshold)
         monkeypatch.setattr(im2col.parallel(), "workers", workers)
         numpy.random.seed(0)
-        from engine import rng
+        from poseidon.engine import rng
         rng.seed(3)
         layer = make_layer(text)
         bottom, top = run_forward(layer, [x])
@@ -91,9 +91,9 @@ SPLIT_LAYERS = [
 
 
 def _run_split_layer(text, shapes, in_place):
-    from engine.blob import Blob
+    from poseidon.engine.blob import Blob
     from tests.harness import blobs_from
-    from engine import rng
+    from poseidon.engine import rng
     rs = numpy.random.RandomState(4)
     rng.seed(3)                                       # the fillers
     layer = make_layer(text)
@@ -118,7 +118,7 @@ def test_split_layers_give_the_one_call_numbers(text, shapes, in_place, monkeypa
     channel a call within each thread's range (normalization.RUN_BYTES, for the layers that
     make several passes), each channel or sample is computed exactly as in one call: the results
     are bitwise those of one call."""
-    from engine.layers import normalization
+    from poseidon.engine.layers import normalization
     results = []
     for threshold, workers, run_bytes in ((1 << 40, 1, 1 << 40), (0, 2, 1 << 40), (0, 3, 1 << 40),
                                           (0, 2, 1)):
@@ -134,7 +134,7 @@ def test_split_layers_give_the_one_call_numbers(text, shapes, in_place, monkeypa
 
 def test_split_backward_gives_the_one_call_numbers(monkeypatch):
     """Split's backward (the sum of its tops' gradients) over the cores."""
-    from engine.blob import Blob
+    from poseidon.engine.blob import Blob
     from tests.harness import blobs_from
     results = []
     for threshold, workers in ((1 << 40, 1), (0, 2), (0, 3)):

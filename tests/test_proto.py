@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from engine.proto import caffe_pb2
+from poseidon.engine.proto import caffe_pb2
 
 PROTO_DIR = Path(__file__).resolve().parents[1] / "engine" / "proto"
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"

@@ -13,14 +13,14 @@ import numpy
 import pytest
 from google.protobuf import text_format
 
-from engine.proto import caffe_pb2
-from engine.solvers import get_solver
+from poseidon.engine.proto import caffe_pb2
+from poseidon.engine.solvers import get_solver
 
 MODULE = "poseidon_test_trainable_pylayers"
 REGISTERED = "PoseidonTestChannelScale"
 
 SOURCE = f'''
-import engine
+from poseidon import engine
 
 
 class ChannelScale(engine.Layer):

@@ -1,9 +1,9 @@
 """Whole nets on fixed weights against the plain reference in tests/reference.py (1e-4 relative)."""
 import numpy as np
 
-from engine import TRAIN
-from engine.net import Net
-from engine.prototxt import parse_net_text
+from poseidon.engine import TRAIN
+from poseidon.engine.net import Net
+from poseidon.engine.prototxt import parse_net_text
 
 from . import reference as ref
 

@@ -21,7 +21,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 
 
 def _start(tmp_path, extra=()):
-    from engine.io.datasets import make_digits_lmdb
+    from poseidon.engine.io.datasets import make_digits_lmdb
     if not (tmp_path / "d" / "train").exists():
         make_digits_lmdb(str(tmp_path / "d"))
     (tmp_path / "net.prototxt").write_text(NET % (tmp_path / "d" / "train"))
@@ -30,7 +30,7 @@ def _start(tmp_path, extra=()):
         f'display: 0\nsnapshot_prefix: "{tmp_path / "snap"}"\nrandom_seed: 1\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "train", "--solver",
+    proc = subprocess.Popen([sys.executable, "-m", "poseidon.tools.cli", "train", "--solver",
                              str(tmp_path / "solver.prototxt"), "--no-progress", *extra],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

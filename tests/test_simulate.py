@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from dist import simprofile
-from dist.book import best_scheme, describe_net
-from dist.cost import ps_cost, sfb_cost
-from dist.simulate import MODES, Network, parse_bandwidth, parse_latency, simulate
+from poseidon.dist import simprofile
+from poseidon.dist.book import best_scheme, describe_net
+from poseidon.dist.cost import ps_cost, sfb_cost
+from poseidon.dist.simulate import MODES, Network, parse_bandwidth, parse_latency, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15          # the paper's figures are read off plots; the model is coarse
@@ -165,8 +165,8 @@ def test_wire_bytes_are_table_1():
 # the profiles' shapes
 # ------------------------------------------------------------------------------------------------
 def test_shape_walker_agrees_with_the_real_net():
-    from engine import prototxt
-    from engine.net import Net
+    from poseidon.engine import prototxt
+    from poseidon.engine.net import Net
     path = ROOT / "prototxt" / "cifar10_quick" / "deploy.prototxt"
     _, walked = simprofile.describe_from_shapes(prototxt.read_net(str(path)))
     real = describe_net(Net(str(path), "TEST"))
@@ -242,7 +242,7 @@ def test_parse_bandwidth_and_latency():
 
 def poseidon(*args, cwd):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "tools.cli", *map(str, args)], cwd=str(cwd),
+    return subprocess.run([sys.executable, "-m", "poseidon.tools.cli", *map(str, args)], cwd=str(cwd),
                           env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -7,12 +7,12 @@ import numpy
 import pytest
 from google.protobuf import text_format
 
-import engine
-from engine import rng
-from engine.errors import ModelError, PoseidonError
-from engine.proto import caffe_pb2
-from engine.solvers import Solver, get_solver
-from engine.solvers.solver import GlogFormatter
+from poseidon import engine
+from poseidon.engine import rng
+from poseidon.engine.errors import ModelError, PoseidonError
+from poseidon.engine.proto import caffe_pb2
+from poseidon.engine.solvers import Solver, get_solver
+from poseidon.engine.solvers.solver import GlogFormatter
 
 
 # ----- data layers (referenced from the prototxt as module "tests.test_solver") ----------------------
@@ -323,8 +323,8 @@ def test_resume_is_bitwise_with_lmdb_data_and_dropout(tmp_path):
     """The real Data layer (prefetching, random crop and mirror) and Dropout (engine.rng) resume
     exactly: cursors and random states travel in the .cursors.json sidecar."""
     pytest.importorskip("lmdb")
-    from engine.io.datum import array_to_datum
-    from engine.io.lmdb_store import write_lmdb
+    from poseidon.engine.io.datum import array_to_datum
+    from poseidon.engine.io.lmdb_store import write_lmdb
     rs = numpy.random.RandomState(0)
     images = rs.randint(0, 255, size=(20, 3, 6, 6)).astype(numpy.uint8)
     write_lmdb(str(tmp_path / "db"), (array_to_datum(im, int(im.mean() > 127)).SerializeToString()

@@ -7,10 +7,10 @@ import numpy
 import pytest
 from google.protobuf import text_format
 
-from engine.errors import ModelError
-from engine.proto import caffe_pb2
-from engine.solvers import lr_policy
-from engine.solvers.rules import clip_factor, clip_scale, global_norm_sq, make_rule
+from poseidon.engine.errors import ModelError
+from poseidon.engine.proto import caffe_pb2
+from poseidon.engine.solvers import lr_policy
+from poseidon.engine.solvers.rules import clip_factor, clip_scale, global_norm_sq, make_rule
 
 
 def solver_param(text):
@@ -172,8 +172,8 @@ def test_large_update_with_a_padded_gradient_equals_the_contiguous_one(kind, thr
     """A parameter of BLOCKED_MIN elements or more is updated in blocks; a gradient whose rows are
     padded apart (engine/solvers/factored.py's scratch) is cut into blocks of rows instead of flat
     ones. Both give the parameters and state of the whole-array update, bitwise."""
-    from engine.layers import im2col
-    from engine.solvers import rules
+    from poseidon.engine.layers import im2col
+    from poseidon.engine.solvers import rules
     monkeypatch.setattr(rules, "BLOCKED_MIN", 64)
     monkeypatch.setattr(rules, "BLOCK", 24)                 # 3 rows of 8 a block
     monkeypatch.setattr(im2col.parallel(), "workers", threads)
@@ -205,7 +205,7 @@ def test_a_kept_gradient_is_left_alone_and_changes_nothing_else(kind, variant, b
     """keep_grad (a KV server updating from a worker's diff in shared memory, dist/kvshm.py):
     the gradient is not written, and value and state are bitwise those of the usual update, with
     and without weight decay or a gradient scale, whole or in blocks."""
-    from engine.solvers import rules
+    from poseidon.engine.solvers import rules
     if blocked:
         monkeypatch.setattr(rules, "BLOCKED_MIN", 64)
         monkeypatch.setattr(rules, "BLOCK", 24)

@@ -16,7 +16,7 @@ bad command-line value prints the usage line and exits with status 2 (argparse).
 import argparse
 import sys
 
-from engine.errors import PoseidonError
+from poseidon.engine.errors import PoseidonError
 
 
 def _add_commands(sub):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.proto import caffe_pb2
+from poseidon.engine.proto import caffe_pb2
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 

@@ -9,8 +9,8 @@ import io
 
 import numpy as np
 
-from engine.io.caffemodel import _packed
-from engine.proto import caffe_pb2
+from poseidon.engine.io.caffemodel import _packed
+from poseidon.engine.proto import caffe_pb2
 
 
 def array_to_datum(arr_chw, label=0):

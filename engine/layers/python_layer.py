@@ -9,7 +9,7 @@
    class derives from `engine.Layer` (where pycaffe code says `caffe.Layer`) and implements pycaffe's
    four methods::
 
-       import engine
+       from poseidon import engine
 
        class MyLayer(engine.Layer):
            exact_bottoms = 1                     # optional blob-count declarations, checked first
@@ -35,7 +35,7 @@
 
 2. Register a type of your own, with the engine's contract (see engine/layer.py)::
 
-       import engine
+       from poseidon import engine
 
        @engine.register("MyType")
        class MyType(engine.Layer):

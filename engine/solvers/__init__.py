@@ -1,6 +1,6 @@
 """Solvers: learning-rate policies, the per-parameter update rules, and the training loop.
 
-    from engine.solvers import get_solver, make_rule
+    from poseidon.engine.solvers import get_solver, make_rule
     solver = get_solver("solver.prototxt"); solver.solve()
 
 `rules.make_rule(solver_param)` gives the update rule alone (what KV-store servers and SFB workers
@@ -9,4 +9,4 @@ apply); `Solver` is Caffe's loop around it.
 from .lr_policy import learning_rate, POLICIES  # noqa: F401
 from .rules import (make_rule, rule_types, clip_scale, clip_factor, global_norm_sq,  # noqa: F401
                     UpdateRule)
-from .solver import Solver, get_solver, GlogFormatter, log_to_stderr  # noqa: F401
+from .solver import Solver, get_solver, GlogFormatter, final_accuracy_lines, log_to_stderr  # noqa: F401

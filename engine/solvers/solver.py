@@ -55,6 +55,13 @@ class GlogFormatter(logging.Formatter):
                 f"{record.filename}:{record.lineno}] {message}")
 
 
+def final_accuracy_lines(solver):
+    """'Final test accuracy (net #i): x' for each accuracy output of the solver's last test."""
+    return [f"Final test {name} (net #{i}): {float(value):.4f}"
+            for i, results in enumerate(getattr(solver, "last_test_results", None) or [])
+            for name, value in results.items() if "accuracy" in name]
+
+
 def log_to_stderr(level=logging.INFO, stream=None):
     """Send the "poseidon" logger to stderr (or `stream`) in glog format; idempotent."""
     for handler in log.handlers:
@@ -102,11 +109,13 @@ class Solver:
     and array module (default: float32 on the mode set by engine.set_mode_cpu/gpu). shard=(rank,
     size): the train net's data shard. level/stages: merged into train_state (the CLI's --level and
     --stage). weights: extra .caffemodel paths to initialise from (like the solver's `weights`).
-    progress: show a tqdm bar when stderr is a terminal.
+    progress: show a tqdm bar when stderr is a terminal. solver_type: the update rule to use whatever
+    the file says (pycaffe's SGDSolver, AdamSolver, ...).
     """
 
     def __init__(self, solver_param_or_path, dtype=numpy.float32, xp=None, shard=(0, 1),
-                 level=None, stages=None, weights=None, progress=False, test_shard=(0, 1)):
+                 level=None, stages=None, weights=None, progress=False, test_shard=(0, 1),
+                 solver_type=None):
         if isinstance(solver_param_or_path, (str, os.PathLike)):
             self.source = os.fspath(solver_param_or_path)
             param = _read_solver(self.source)
@@ -115,6 +124,9 @@ class Solver:
             self.source = None
             param = caffe_pb2.SolverParameter()
             param.CopyFrom(solver_param_or_path)
+        if solver_type is not None:
+            param.ClearField("solver_type")
+            param.type = solver_type
         if level is not None:
             param.train_state.level = int(level)
         if stages:

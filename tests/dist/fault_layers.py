@@ -10,9 +10,9 @@ dist.session.current(), so every rank runs the same prototxt. param_str is JSON:
 import json
 import time
 
-import engine
-from engine.layer import TRAIN
-from dist.session import current
+from poseidon import engine
+from poseidon.engine.layer import TRAIN
+from poseidon.dist.session import current
 
 
 def _rank():

@@ -13,12 +13,12 @@ def run_gated(param, workers, servers, chunks, gate=None, keys=None, weights=Non
     """Train param.max_iter iterations in `chunks` equal steps, worker 0 starting from `weights`
     (a .caffemodel; the fillers' random draws of threads are not reproducible). Returns (worker 0's parameters,
     {rank: Session}); raises the first error of any role."""
-    from dist.options import DistOptions
-    from dist.process import run_role
-    from dist.session import Session
-    from dist.transport import free_port
-    from dist.worker import DistributedSolver
-    from engine.solvers import get_solver
+    from poseidon.dist.options import DistOptions
+    from poseidon.dist.process import run_role
+    from poseidon.dist.session import Session
+    from poseidon.dist.transport import free_port
+    from poseidon.dist.worker import DistributedSolver
+    from poseidon.engine.solvers import get_solver
     assert param.max_iter % chunks == 0
     opts = dict(workers=workers, servers=servers, coordinator=f"tcp://127.0.0.1:{free_port()}",
                 local=True, timeout=timeout, dtype="float64", start_timeout=timeout, keys=keys)

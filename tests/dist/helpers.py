@@ -5,10 +5,10 @@ import threading
 import numpy
 from google.protobuf import text_format
 
-from engine.io.datum import array_to_datum
-from engine.io.lmdb_store import write_lmdb
-from engine.proto import caffe_pb2
-from engine.solvers import get_solver
+from poseidon.engine.io.datum import array_to_datum
+from poseidon.engine.io.lmdb_store import write_lmdb
+from poseidon.engine.proto import caffe_pb2
+from poseidon.engine.solvers import get_solver
 
 
 def make_lmdb(path, n=96, shape=(3, 8, 8), classes=5, seed=0):
@@ -127,8 +127,8 @@ def reference(param, dtype=numpy.float64, weights_out=None):
 def run_threads(param, workers, servers, weights=None, snapshot=None, timeout=60, **options):
     """Run every role of a job as threads of this process. Returns the workers' DistributedSolvers
     (rank order); raises the first error of any role."""
-    from dist.process import run_role
-    from dist.transport import free_port
+    from poseidon.dist.process import run_role
+    from poseidon.dist.transport import free_port
     opts = dict(workers=workers, servers=servers,
                 coordinator=f"tcp://127.0.0.1:{free_port()}", local=True, timeout=timeout,
                 dtype="float64", start_timeout=timeout)
@@ -163,7 +163,7 @@ def run_threads(param, workers, servers, weights=None, snapshot=None, timeout=60
 
 
 def params_of(solver):
-    from engine import backend
+    from poseidon.engine import backend
     return [numpy.array(backend.to_numpy(b.data)) for b in solver.net.learnable_params]
 
 

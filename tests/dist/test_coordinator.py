@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy
 import pytest
 
-from dist.coordinator import Coordinator, CoordinatorClient
-from dist.errors import AbortError, DistError
-from dist.kvstore import KVServer
-from dist.roles import COORDINATOR, Roles
-from dist.transport import Msg, ZmqTransport, free_port
+from poseidon.dist.coordinator import Coordinator, CoordinatorClient
+from poseidon.dist.errors import AbortError, DistError
+from poseidon.dist.kvstore import KVServer
+from poseidon.dist.roles import COORDINATOR, Roles
+from poseidon.dist.transport import Msg, ZmqTransport, free_port
 
 from .helpers import fc_net, make_lmdb, run_threads, solver_param
 from .test_cost_book import _description
@@ -171,7 +171,7 @@ class FakeTransport:
         pass
 
     def send(self, dest, mtype, iteration=0, key=0, aux=0, arrays=(), obj=None):
-        from dist.transport import Receipt
+        from poseidon.dist.transport import Receipt
         self.sent.append((dest, mtype, iteration, key, [numpy.array(a) for a in arrays]))
         return Receipt(sum(numpy.asarray(a).nbytes for a in arrays), 24)
 
@@ -185,8 +185,8 @@ class Msg_:
 
 @pytest.mark.parametrize("handler", ["update", "average"])
 def test_server_sums_in_rank_order_then_handles(handler):
-    from engine.solvers.rules import make_rule
-    from dist.book import InformationBook
+    from poseidon.engine.solvers.rules import make_rule
+    from poseidon.dist.book import InformationBook
     desc = _description([("InnerProduct", 2, 3, 1, False)])
     book = InformationBook.build(desc, 3, 1, dict(OPTIONS, dtype="float64"))
     book.data["dtype"] = "float64"
@@ -233,8 +233,8 @@ def test_clip_gradients_refused_clearly(tmp_path):
 # ----- the Python API -----------------------------------------------------------------------------
 SCRIPT = """
 import sys
-import dist
-from engine.solvers import get_solver
+from poseidon import dist
+from poseidon.engine.solvers import get_solver
 session = dist.init()                       # a server rank serves here and exits
 solver = dist.DistributedSolver(get_solver(sys.argv[1], **session.solver_kwargs()))
 solver.solve()
@@ -267,8 +267,8 @@ def test_an_abort_spares_the_rank_that_failed_and_closes_without_lingering(monke
     it (one that cannot be delivered held the coordinator's close, and worker 0's process with
     it, for the whole 2 s linger, and the launcher then blamed the wrong process), and after an
     abort the coordinator's sockets linger 0.5 s, not 2."""
-    from dist.coordinator import Coordinator
-    from dist.transport import Message
+    from poseidon.dist.coordinator import Coordinator
+    from poseidon.dist.transport import Message
 
     coord = Coordinator(Roles(2, 1), "127.0.0.1", 0)
     sent, closed = [], []

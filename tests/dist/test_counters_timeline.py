@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from dist.cost import ps_cost, sfb_cost
-from dist.timeline import role_path
-from dist.transport import FIXED_HEADER_BYTES
+from poseidon.dist.cost import ps_cost, sfb_cost
+from poseidon.dist.timeline import role_path
+from poseidon.dist.transport import FIXED_HEADER_BYTES
 
 from .helpers import conv_net, fc_net, make_lmdb, run_threads, solver_param
 

@@ -25,10 +25,10 @@ import time
 import numpy
 import pytest
 
-from dist import directlink, localipc
-from dist.errors import DeadlineError
-from dist.roles import Roles
-from dist.transport import Msg, ZmqTransport, _link_specs, encode_header
+from poseidon.dist import directlink, localipc
+from poseidon.dist.errors import DeadlineError
+from poseidon.dist.roles import Roles
+from poseidon.dist.transport import Msg, ZmqTransport, _link_specs, encode_header
 
 pytestmark = pytest.mark.skipif(not localipc.supported(),
                                 reason="direct links live beside the Unix-socket inboxes (Linux)")
@@ -143,7 +143,7 @@ def test_the_last_syncs_wait_spins_only_where_every_process_has_a_core(monkeypat
                                                                       spins):
     from types import SimpleNamespace
 
-    from dist import worker
+    from poseidon.dist import worker
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     book = SimpleNamespace(data={"one_host": one_host})
     got = worker.spin_seconds(book, Roles(workers, servers))

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy
 import pytest
 
-from dist.transport import free_port
-from engine.io import caffemodel, manifest
+from poseidon.dist.transport import free_port
+from poseidon.engine.io import caffemodel, manifest
 
 from .helpers import conv_net, make_lmdb
 from .test_processes import alive, cli, env, write_solver
@@ -251,7 +251,7 @@ def test_newest_complete_skips_torn_and_foreign_snapshots(tmp_path):
     """The newest snapshot whose manifest verifies and which has every worker's cursor file wins;
     newer ones without a manifest, with an altered file, or from another worker count are
     skipped, each with a line saying why."""
-    from dist.resume import newest_complete
+    from poseidon.dist.resume import newest_complete
     prefix = str(tmp_path / "run")
 
     def snapshot(it, workers=2):

@@ -6,7 +6,7 @@ Marked `gpu`: skipped with the reason where CuPy or a CUDA device is missing.
 import numpy
 import pytest
 
-from engine import backend
+from poseidon.engine import backend
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, reference,
                       run_threads, solver_param)

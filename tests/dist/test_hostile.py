@@ -22,9 +22,9 @@ import numpy
 import pytest
 import zmq
 
-from dist import security
-from dist.book import InformationBook
-from dist.transport import Msg, encode_header
+from poseidon.dist import security
+from poseidon.dist.book import InformationBook
+from poseidon.dist.transport import Msg, encode_header
 
 from .gated import run_gated
 from .helpers import conv_net, make_lmdb, solver_param
@@ -254,11 +254,11 @@ def _small_book(workers=2, servers=1, dtype="float64"):
 def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(capfd):
     """Worker 1 pushes float32 where the pair (and worker 0) is float64 and sends nothing valid:
     the server drops it, keeps serving, and after half of --timeout stops naming both."""
-    from dist.errors import DistError
-    from dist.kvstore import KVServer
-    from dist.roles import Roles
-    from dist.transport import Message, ZmqTransport
-    from engine.solvers.rules import make_rule
+    from poseidon.dist.errors import DistError
+    from poseidon.dist.kvstore import KVServer
+    from poseidon.dist.roles import Roles
+    from poseidon.dist.transport import Message, ZmqTransport
+    from poseidon.engine.solvers.rules import make_rule
     from .helpers import fc_net
     roles = Roles(2, 1)
     book = _small_book()
@@ -292,9 +292,9 @@ def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(cap
 def test_a_peer_whose_factors_really_disagree_is_named_in_the_deadline_error():
     """Worker 1's sufficient factors have the wrong width: worker 0 drops them at the door, and
     its wait for them ends in a deadline error that says why, naming both workers."""
-    from dist.errors import DeadlineError
-    from dist.roles import Roles
-    from dist.transport import ZmqTransport
+    from poseidon.dist.errors import DeadlineError
+    from poseidon.dist.roles import Roles
+    from poseidon.dist.transport import ZmqTransport
     roles = Roles(2, 1)
     book = _small_book()
     rec = [r for r in book.layers if r["scheme"] == "sfb"][0]

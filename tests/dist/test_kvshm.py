@@ -13,8 +13,8 @@ import os
 import numpy
 import pytest
 
-from dist import kvshm
-from dist.transport import ZmqTransport
+from poseidon.dist import kvshm
+from poseidon.dist.transport import ZmqTransport
 
 from .helpers import (conv_net, fc_net, make_lmdb, params_of, reference, run_threads,
                       solver_param)
@@ -211,11 +211,11 @@ def test_a_mapping_that_is_not_what_was_advertised_is_refused(tmp_path):
 def test_a_server_without_shared_memory_refuses_a_shared_push():
     """A push that says its gradient is in shared memory, to a server that offers none (a
     member that disagrees about --ipc, or a forged message), is dropped naming why."""
-    from engine.solvers.rules import make_rule
-    from dist.book import InformationBook
-    from dist.kvstore import KVServer
-    from dist.roles import Roles
-    from dist.transport import Msg
+    from poseidon.engine.solvers.rules import make_rule
+    from poseidon.dist.book import InformationBook
+    from poseidon.dist.kvstore import KVServer
+    from poseidon.dist.roles import Roles
+    from poseidon.dist.transport import Msg
     from .test_coordinator import OPTIONS, Msg_, _description
 
     class Transport:

@@ -17,9 +17,9 @@ import numpy
 import pytest
 import zmq
 
-from dist import localipc, security
-from dist.roles import Roles
-from dist.transport import Msg, ZmqTransport, encode_header
+from poseidon.dist import localipc, security
+from poseidon.dist.roles import Roles
+from poseidon.dist.transport import Msg, ZmqTransport, encode_header
 
 pytestmark = pytest.mark.skipif(not localipc.supported(),
                                 reason="Unix-socket inboxes need Linux (a boot id to compare)")
@@ -187,9 +187,9 @@ def test_a_process_that_exits_without_closing_leaves_no_folder(how):
     import subprocess
     import sys
     from pathlib import Path
-    end = ("from dist.process import _exit; _exit(3)" if how.startswith("os._exit")
+    end = ("from poseidon.dist.process import _exit; _exit(3)" if how.startswith("os._exit")
            else "raise SystemExit(3)")
-    code = ("from dist.transport import ZmqTransport\n"
+    code = ("from poseidon.dist.transport import ZmqTransport\n"
             "t = ZmqTransport(0, local_ipc=True)\n"
             "t.bind('127.0.0.1')\n"
             "print(t.local.dir, flush=True)\n" + end)

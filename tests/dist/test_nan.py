@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dist.errors import DistError
-from engine.io import manifest
+from poseidon.dist.errors import DistError
+from poseidon.engine.io import manifest
 
 from .helpers import fc_net, make_lmdb, run_threads, solver_param
 from .test_processes import alive, cli, env, write_solver

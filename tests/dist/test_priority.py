@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dist import priority
-from dist.errors import DistError
-from dist.options import DistOptions
+from poseidon.dist import priority
+from poseidon.dist.errors import DistError
+from poseidon.dist.options import DistOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,17 +53,17 @@ def test_idle_threads_lowers_all_but_the_kept_ones():
 
 JOB = r"""
 import json, os, subprocess, sys, tempfile, pathlib, threading, logging
-import dist
-from dist.transport import free_port
-from engine.solvers import get_solver
-from engine.solvers.solver import log_to_stderr
-from tools.bench import nets
+from poseidon import dist
+from poseidon.dist.transport import free_port
+from poseidon.engine.solvers import get_solver
+from poseidon.engine.solvers.solver import log_to_stderr
+from poseidon.tools.bench import nets
 log_to_stderr(logging.WARNING)
 sp = nets.write_solver_files(nets.cifar10_quick(4), pathlib.Path(tempfile.mkdtemp()), 10 ** 6)
 # each layer alone: the last sync runs on the main thread, the others on the pool's threads
 options = dict(workers=1, servers=1, coordinator=f"tcp://127.0.0.1:{free_port()}", sync="ps",
                comm_priority="idle", bucket_bytes=0)
-server = subprocess.Popen([sys.executable, "-c", "import json, sys, dist; "
+server = subprocess.Popen([sys.executable, "-c", "import json, sys; from poseidon import dist; "
                            "dist.init(**json.loads(sys.argv[1]))", json.dumps(dict(options, rank=1))])
 session = dist.init(rank=0, **options)
 solver = dist.DistributedSolver(get_solver(str(sp), **session.solver_kwargs()))

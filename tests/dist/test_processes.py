@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy
 import pytest
 
-from dist.errors import DistError
-from dist.transport import free_port
-from engine.io import caffemodel, manifest
-from engine.solvers import get_solver
+from poseidon.dist.errors import DistError
+from poseidon.dist.transport import free_port
+from poseidon.engine.io import caffemodel, manifest
+from poseidon.engine.solvers import get_solver
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, run_threads, solver_param)
 
@@ -59,7 +59,7 @@ random_seed: 3
 
 
 def cli(*args):
-    return [sys.executable, "-m", "tools.cli", "train", *map(str, args)]
+    return [sys.executable, "-m", "poseidon.tools.cli", "train", *map(str, args)]
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_sigkill_in_a_multi_host_job(data, tmp_path, victim):
 def test_launcher_trains_the_digits_demo_net(tmp_path):
     """`poseidon train --workers 2 --servers 1` on the digits demo set and model (a test copy of
     prototxt/digits_quick with smaller batches and 6 iterations)."""
-    from engine.io.datasets import make_digits_lmdb
+    from poseidon.engine.io.datasets import make_digits_lmdb
     make_digits_lmdb(str(tmp_path / "data" / "digits"))
     net = (ROOT / "prototxt" / "digits_quick" / "train_val.prototxt").read_text()
     net = net.replace("batch_size: 64", "batch_size: 16").replace("batch_size: 100",
@@ -246,7 +246,7 @@ def test_launcher_trains_the_digits_demo_net(tmp_path):
 
 # ----- disagreement and impossible layouts (threads: fast) --------------------------------------------
 def test_ranks_with_different_options_are_stopped_naming_both(data, tmp_path):
-    from dist.process import run_role
+    from poseidon.dist.process import run_role
     import threading
     address = f"tcp://127.0.0.1:{free_port()}"
     errors = {}
@@ -274,7 +274,7 @@ def test_ranks_with_different_options_are_stopped_naming_both(data, tmp_path):
 
 
 def test_workers_with_different_networks_are_stopped(data, tmp_path):
-    from dist.process import run_role
+    from poseidon.dist.process import run_role
     import threading
     address = f"tcp://127.0.0.1:{free_port()}"
     errors = {}
@@ -354,7 +354,7 @@ def test_four_workers_two_servers_converge_like_one_process_on_the_combined_batc
     standard deviation of about 0.014, and 0.045 is three of them. A run that averaged its
     gradients wrongly, or diverged, lands far outside that; equality with one process is tested
     in float64 (test_equivalence.py and test_multi_host_form_with_explicit_ranks)."""
-    from engine.io.datasets import make_digits_lmdb
+    from poseidon.engine.io.datasets import make_digits_lmdb
     make_digits_lmdb(str(tmp_path / "data" / "digits"))
     single = _digits_run(tmp_path, "single", 64, [])
     distributed = _digits_run(tmp_path, "dist", 16, ["--workers", 4, "--servers", 2])

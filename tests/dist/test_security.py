@@ -26,9 +26,9 @@ import pytest
 import zmq
 import zmq.utils.monitor  # noqa: F401  (recv_monitor_message)
 
-from dist import security
-from dist.errors import DistError
-from dist.transport import Msg, encode_header
+from poseidon.dist import security
+from poseidon.dist.errors import DistError
+from poseidon.dist.transport import Msg, encode_header
 
 from .gated import run_gated
 from .helpers import fc_net, make_lmdb, solver_param
@@ -150,7 +150,7 @@ class Stranger:
 
 
 def initial_weights(param, path):
-    from engine.solvers import get_solver
+    from poseidon.engine.solvers import get_solver
     solver = get_solver(param, dtype=numpy.float64)
     solver.net.save(str(path))
     solver.net.shutdown()
@@ -222,7 +222,7 @@ def _cli(*args, env=None, timeout=120):
     e = dict(os.environ, PYTHONPATH=str(ROOT))
     e.pop("POSEIDON_KEYS", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tools.cli", *map(str, args)], env=e,
+    return subprocess.run([sys.executable, "-m", "poseidon.tools.cli", *map(str, args)], env=e,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
                           cwd=ROOT)
 
@@ -339,7 +339,7 @@ def test_a_local_job_listens_on_loopback_only(data, tmp_path):
         'net: "net.prototxt"\nbase_lr: 0.01\nmax_iter: 100000\nlr_policy: "fixed"\n')
     e = dict(os.environ, PYTHONPATH=str(ROOT))
     e.pop("POSEIDON_KEYS", None)
-    launcher = subprocess.Popen([sys.executable, "-m", "tools.cli", "train", "--solver",
+    launcher = subprocess.Popen([sys.executable, "-m", "poseidon.tools.cli", "train", "--solver",
                                  "solver.prototxt", "--workers", "2", "--servers", "1"],
                                 env=e, cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)

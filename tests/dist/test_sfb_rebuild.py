@@ -8,7 +8,7 @@ Run: python -m pytest tests/dist/test_sfb_rebuild.py -q
 import numpy
 import pytest
 
-from engine.layers import im2col
+from poseidon.engine.layers import im2col
 
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
                       solver_param)

@@ -11,9 +11,9 @@ import os
 import numpy
 import pytest
 
-from dist.worker import DistributedSolver, worker_cursor_path
-from engine.io import caffemodel
-from engine.solvers import get_solver
+from poseidon.dist.worker import DistributedSolver, worker_cursor_path
+from poseidon.engine.io import caffemodel
+from poseidon.engine.solvers import get_solver
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, run_threads,
                       solver_param)

@@ -12,10 +12,10 @@ import logging
 import numpy
 import pytest
 
-from dist.book import InformationBook
-from dist.errors import DistError
-from dist.options import DistOptions
-from engine.solvers import get_solver
+from poseidon.dist.book import InformationBook
+from poseidon.dist.errors import DistError
+from poseidon.dist.options import DistOptions
+from poseidon.engine.solvers import get_solver
 
 from .helpers import fc_net, make_lmdb, params_of, reference, run_threads, solver_param
 

@@ -8,9 +8,9 @@ import time
 import numpy
 import pytest
 
-from dist.errors import AbortError, DeadlineError
-from dist.roles import Roles
-from dist.transport import (FIXED_HEADER_BYTES, Msg, TokenBucket, ZmqTransport, decode_header,
+from poseidon.dist.errors import AbortError, DeadlineError
+from poseidon.dist.roles import Roles
+from poseidon.dist.transport import (FIXED_HEADER_BYTES, Msg, TokenBucket, ZmqTransport, decode_header,
                             encode_header, parse_bandwidth)
 
 

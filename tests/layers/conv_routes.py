@@ -2,7 +2,7 @@
 each POSEIDON_CONV route on the same input and top gradient."""
 import numpy
 
-from engine import rng
+from poseidon.engine import rng
 from tests.harness import make_layer, run_forward
 
 

@@ -2,11 +2,11 @@
 import numpy
 import pytest
 
-from engine import rng
-from engine.blob import Blob
-from engine.errors import LayerError
-from engine.layer import TEST, TRAIN
-from engine.layers.activation import ZERO_ROW_LENGTH, relu_into
+from poseidon.engine import rng
+from poseidon.engine.blob import Blob
+from poseidon.engine.errors import LayerError
+from poseidon.engine.layer import TEST, TRAIN
+from poseidon.engine.layers.activation import ZERO_ROW_LENGTH, relu_into
 from tests.harness import check_gradient, make_layer, run_forward
 
 SHAPE = (2, 3, 2, 2)

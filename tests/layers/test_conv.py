@@ -3,10 +3,10 @@ parameter parsing and clear errors."""
 import numpy
 import pytest
 
-from engine import rng
-from engine.blob import Blob
-from engine.errors import LayerError
-from engine.layers.conv import _ConvCore
+from poseidon.engine import rng
+from poseidon.engine.blob import Blob
+from poseidon.engine.errors import LayerError
+from poseidon.engine.layers.conv import _ConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
 @pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands", "channels_last",
@@ -19,8 +19,8 @@ def chunking(request, monkeypatch):
     chunks with forward always channels-last ("channels_last"); then the frequency route
     (conv_fourier) and Winograd's F(2x2, 3x3) (conv_winograd, one sample per chunk) on one and
     two threads, wherever they apply (the other layers stay on im2col)."""
-    from engine.layers import im2col
-    from engine.layers.conv_winograd import WinogradConvCore
+    from poseidon.engine.layers import im2col
+    from poseidon.engine.layers.conv_winograd import WinogradConvCore
     route = request.param.split("_")[0]
     monkeypatch.setenv("POSEIDON_CONV", route if route in ("fourier", "winograd") else "im2col")
     if route == "winograd":
@@ -361,7 +361,7 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
                                                  monkeypatch):
     """A batch of 7 cut into one-sample blocks on 1-3 threads: forward matches the loops, and
     backward (weights, bias, input) matches the same layer run as one batch-wide block."""
-    from engine.layers import im2col
+    from poseidon.engine.layers import im2col
     batch = (7,) + shape[1:]
     x = numpy.random.RandomState(5).standard_normal(batch)
     dy_seed = numpy.random.RandomState(6)
@@ -393,7 +393,7 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
 def test_conv_threads_are_deterministic(monkeypatch):
     """Same input twice on two threads with blocks: bitwise the same weight gradient (im2col, or
     the frequency route or Winograd under the fourier_* and winograd_* modes of the fixture)."""
-    from engine.layers import im2col
+    from poseidon.engine.layers import im2col
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1)
     monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
     monkeypatch.setattr(im2col.parallel(), "workers", 2)

@@ -4,7 +4,7 @@ test_conv.py, whose fixture runs every test through all the routes: these force 
 import numpy
 import pytest
 
-from engine.layers.conv import _ConvCore
+from poseidon.engine.layers.conv import _ConvCore
 from tests.layers.test_conv import CONV_CONFIGS, conv, ref_conv
 from tests.harness import run_forward
 
@@ -24,7 +24,7 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
     sample); a 1x1 layer of one group cuts its output channels (forward, weight gradient) and
     its plane (input gradient). Forward matches the loops; the gradients asked for match one thread on the whole
     batch, and one not asked for is left alone."""
-    from engine.layers import im2col
+    from poseidon.engine.layers import im2col
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
     x = numpy.random.RandomState(3).standard_normal((batch,) + shape[1:])
     dy = None
@@ -68,7 +68,7 @@ def test_deconv_fewer_samples_than_threads_match_one_thread(extra, monkeypatch):
     """Deconvolution runs the convolution's input gradient as its forward (and the convolution's
     forward as its input gradient): at batch 1 on 2 and 3 threads those go through the bands too,
     and every output and gradient equals one thread's."""
-    from engine.layers import im2col
+    from poseidon.engine.layers import im2col
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
     x = numpy.random.RandomState(0).standard_normal((1, 4, 5, 5))
     results = []
@@ -92,8 +92,8 @@ def test_chunks_hold_the_least_cells_and_cover_every_row_once(width, expect_leas
     """_chunks: with blocks of one row's columns, a chunk still holds min(width,
     MIN_CHUNK_CELLS) cells (but the last of a sample or range), and the chunks cover every
     output row of every sample once, whole samples together or one sample's rows in bands."""
-    from engine.layers import im2col
-    from engine.layers.im2col import Geometry
+    from poseidon.engine.layers import im2col
+    from poseidon.engine.layers.im2col import Geometry
     monkeypatch.setattr(im2col.parallel(), "workers", 2)
     n, out_h, out_w = shape
     cell_bytes = 8

@@ -5,13 +5,13 @@ also runs with POSEIDON_CONV=fourier.)"""
 import numpy
 import pytest
 
-from engine import gemm
-from engine.errors import LayerError
-from engine.layers import im2col
-from engine.layers.conv_fourier import (FourierConvCore, _Plan,
+from poseidon.engine import gemm
+from poseidon.engine.errors import LayerError
+from poseidon.engine.layers import im2col
+from poseidon.engine.layers.conv_fourier import (FourierConvCore, _Plan,
                                         fourier_applies, fourier_flops, fourier_pays,
                                         fourier_pays_on_gpu)
-from engine.layers.im2col import Geometry, ScratchArena
+from poseidon.engine.layers.im2col import Geometry, ScratchArena
 from tests.harness import run_forward
 from tests.layers.conv_routes import assert_routes_agree, conv_layer
 
@@ -184,7 +184,7 @@ def test_scratch_frames_reuse_space_nest_and_grow_safely():
 def test_layers_share_scratch_so_memory_does_not_grow_with_depth(monkeypatch):
     """Ten identical Fourier layers keep only their own X^ and weight-sized partials: the
     scratch arena of this thread is the one place the spectra live."""
-    from engine.layers import im2col as module
+    from poseidon.engine.layers import im2col as module
     monkeypatch.setenv("POSEIDON_CONV", "fourier")
     monkeypatch.setattr(module.parallel(), "workers", 1)
     x = numpy.random.RandomState(0).standard_normal((2, 16, 8, 8))

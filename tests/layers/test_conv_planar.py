@@ -5,9 +5,9 @@ when a backward asks for it."""
 import numpy
 import pytest
 
-from engine.layers import im2col
-from engine.layers.conv import _ConvCore
-from engine.layers.im2col import Geometry
+from poseidon.engine.layers import im2col
+from poseidon.engine.layers.conv import _ConvCore
+from poseidon.engine.layers.im2col import Geometry
 
 
 def _geom(k, s=1, p=0, d=1):

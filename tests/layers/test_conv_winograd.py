@@ -5,11 +5,11 @@ test also runs with POSEIDON_CONV=winograd.)"""
 import numpy
 import pytest
 
-from engine.layers import im2col
-from engine.layers.conv_fourier import fourier_pays
-from engine.layers.conv_winograd import (WinogradConvCore, _Shape, pass_flops, winograd_applies,
+from poseidon.engine.layers import im2col
+from poseidon.engine.layers.conv_fourier import fourier_pays
+from poseidon.engine.layers.conv_winograd import (WinogradConvCore, _Shape, pass_flops, winograd_applies,
                                          winograd_pays)
-from engine.layers.im2col import Geometry, ScratchArena
+from poseidon.engine.layers.im2col import Geometry, ScratchArena
 from tests.harness import run_forward
 from tests.layers.conv_routes import assert_routes_agree, conv_layer
 
@@ -32,7 +32,7 @@ def test_kernel_transform_is_g_g_gt_and_its_transpose_is_the_adjoint():
 def test_kernel_transforms_split_over_threads_equal_one_call(workers, monkeypatch):
     """The transforms cut their channels over the threads (16 at least a range): with 40 input
     and 50 output channels, 2 and 3 threads give one thread's numbers."""
-    from engine.layers import im2col
+    from poseidon.engine.layers import im2col
     rs = numpy.random.RandomState(2)
     g = rs.standard_normal((50, 40, 3, 3))
     du = rs.standard_normal((16, 50, 40))

@@ -4,8 +4,8 @@ import math
 import numpy
 import pytest
 
-from engine.blob import Blob
-from engine.errors import LayerError
+from poseidon.engine.blob import Blob
+from poseidon.engine.errors import LayerError
 from tests.harness import check_gradient, make_layer, run_forward
 
 FLT_MIN = float(numpy.finfo(numpy.float32).tiny)

@@ -2,9 +2,9 @@
 import numpy
 import pytest
 
-import engine
-from engine.blob import Blob
-from engine.layer import TEST, TRAIN
+from poseidon import engine
+from poseidon.engine.blob import Blob
+from poseidon.engine.layer import TEST, TRAIN
 from tests.harness import check_gradient, make_layer, run_forward
 
 RS = numpy.random.RandomState(1234)
@@ -95,7 +95,7 @@ def test_lrn_gradient(text):
 def test_lrn_runs_of_samples_are_bitwise_the_whole_batch(text, monkeypatch):
     """The passes taken one sample at a time (normalization.RUN_BYTES) give the very numbers of
     the whole range at once, forward and backward, in float32, twice (scratch reused)."""
-    from engine.layers import normalization
+    from poseidon.engine.layers import normalization
     rs = numpy.random.RandomState(9)
     xs = [rs.standard_normal((5, 6, 4, 3)).astype(numpy.float32) * 3 for _ in range(2)]
     dys = [rs.standard_normal((5, 6, 4, 3)).astype(numpy.float32) for _ in range(2)]

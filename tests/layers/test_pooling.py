@@ -5,8 +5,8 @@ import math
 import numpy
 import pytest
 
-from engine.blob import Blob
-from engine.errors import LayerError
+from poseidon.engine.blob import Blob
+from poseidon.engine.errors import LayerError
 from tests.harness import check_gradient, make_layer, run_forward
 
 FLT_MAX = float(numpy.finfo(numpy.float32).max)
@@ -148,7 +148,7 @@ def test_forward_and_backward_match_caffe_loops(name, shape, extra, kw):
 def test_runs_of_samples_match_caffe_loops(name, shape, extra, kw, run_samples, monkeypatch):
     """The grid passes taken a run of samples at a time (pooling.CHUNK_BYTES), twice, the second
     time with ties: a run's offsets reach into the next run's cells, left from the pass before."""
-    from engine.layers import pooling
+    from poseidon.engine.layers import pooling
     rs = numpy.random.RandomState(6)
     shape = (5,) + shape[1:]
     layer = pool(extra)
@@ -304,7 +304,7 @@ def test_errors(extra, n_tops, shape, message):
 def test_batch_split_over_threads_matches_caffe_loops(extra, workers, monkeypatch):
     """A batch of 9 (split into sample ranges on the worker threads) against Caffe's loops, with
     integer-valued inputs so MAX has ties."""
-    from engine.layers import im2col
+    from poseidon.engine.layers import im2col
     monkeypatch.setattr(im2col.parallel(), "workers", workers)
     rs = numpy.random.RandomState(3)
     x = rs.randint(-3, 4, size=(9, 2, 7, 8)).astype(numpy.float64)

@@ -5,16 +5,16 @@ import sys
 import numpy
 import pytest
 
-import engine
-from engine.blob import Blob
-from engine.layer import TEST, TRAIN
+from poseidon import engine
+from poseidon.engine.blob import Blob
+from poseidon.engine.layer import TEST, TRAIN
 from tests.harness import check_gradient, make_layer, run_forward
 
 LayerError = engine.errors.LayerError
 MODULE = "poseidon_test_pylayers"
 
 SOURCE = '''
-import engine
+from poseidon import engine
 
 CALLS = []
 

@@ -2,8 +2,8 @@
 import numpy
 import pytest
 
-import engine
-from engine.blob import Blob
+from poseidon import engine
+from poseidon.engine.blob import Blob
 from tests.harness import check_gradient, make_layer, run_forward
 
 RS = numpy.random.RandomState(4321)

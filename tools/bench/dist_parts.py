@@ -23,10 +23,11 @@ from typing import NamedTuple, Optional
 
 import numpy
 
+from poseidon.dist.spawn import module_command
+
 from . import nets
 from .env import cpu_count, median_interval, stats
 
-ROOT = Path(__file__).resolve().parents[2]
 NEEDED_OPTIONS = ("workers", "servers", "sync", "no_overlap", "stats", "timeline", "bandwidth",
                   "kv_pair_bytes", "ipc")
 
@@ -34,9 +35,9 @@ NEEDED_OPTIONS = ("workers", "servers", "sync", "no_overlap", "stats", "timeline
 def status():
     """(True, None) when dist can run the jobs these parts need, else (False, reason)."""
     try:
-        import dist  # noqa: F401
-        from dist.options import DistOptions
-        import dist.launch  # noqa: F401
+        from poseidon import dist  # noqa: F401
+        from poseidon.dist.options import DistOptions
+        import poseidon.dist.launch  # noqa: F401
     except Exception as e:
         return False, f"the distributed package is not importable ({type(e).__name__}: {e})"
     missing = [o for o in NEEDED_OPTIONS if o not in DistOptions.FIELDS]
@@ -58,11 +59,10 @@ def run_job(solver_path, workers, servers, folder, extra=(), timeout=300, thread
     solver_path = Path(solver_path).resolve()
     stats_path = folder / "stats.jsonl"
     timeline_path = folder / "timeline.json"
-    cmd = [sys.executable, "-m", "tools.cli", "train", "--solver", str(solver_path),
-           "--no-progress", "--workers", str(workers), "--servers", str(servers),
-           "--stats", str(stats_path), "--timeline", str(timeline_path)] + list(extra)
+    cmd = module_command("poseidon.tools.cli", "train", "--solver", solver_path,
+                         "--no-progress", "--workers", workers, "--servers", servers,
+                         "--stats", stats_path, "--timeline", timeline_path, *extra)
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if threads:   # BLAS's threads and the engine's own (engine/layers/im2col.parallel)
         env["OPENBLAS_NUM_THREADS"] = str(threads)
         env["OMP_NUM_THREADS"] = str(threads)
@@ -144,7 +144,7 @@ def _union(spans):
 # ----- c. single-node overhead ---------------------------------------------------------------------
 def comm_priority_supported():
     """Whether part c can also run with --comm-priority idle here (Linux)."""
-    from dist.priority import supported
+    from poseidon.dist.priority import supported
     return supported()
 
 
@@ -215,14 +215,13 @@ def single_node_overhead(workdir, quick=False, threads=None, block=2, warmup=3, 
     folder = Path(workdir) / "overhead"
     solver_path = nets.write_solver_files(net, folder, 10 ** 6)
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if threads:
         env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                    POSEIDON_THREADS=str(threads))
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "tools.bench.overhead_ab", str(solver_path),
-                               str(rounds), str(block), str(warmup), json.dumps(options or {})],
+        proc = subprocess.run(module_command("poseidon.tools.bench.overhead_ab", solver_path,
+                                             rounds, block, warmup, json.dumps(options or {})),
                               cwd=str(folder), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
                               text=True)
@@ -293,8 +292,8 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
     at the handshake, so it costs the round trips nothing; it is there so the set-up is the job's."""
     import threading
     import zmq
-    from dist import localipc, security
-    from dist.transport import free_port
+    from poseidon.dist import localipc, security
+    from poseidon.dist.transport import free_port
     inbox = localipc.LocalInbox() if ipc else None
     address = inbox.endpoint if ipc else f"tcp://127.0.0.1:{free_port()}"
     n = max(1, total_bytes // frame_bytes)
@@ -370,8 +369,8 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     ok, reason = status()
     if not ok:
         return not_measured(reason)
-    from engine import prototxt
-    from dist.placement import DEFAULT_PAIR_BYTES
+    from poseidon.engine import prototxt
+    from poseidon.dist.placement import DEFAULT_PAIR_BYTES
     if quick:
         megabytes = 4
     side = int((megabytes * 2 ** 20 // 4) ** 0.5)            # a side x side float32 weight

@@ -1,6 +1,6 @@
 """The training step with InnerProduct weights updated from their factors against the diff path.
 
-    python -m tools.bench.factored_ab [NET] [ROUNDS] [STEPS]     (defaults: fc_heavy 12 3)
+    python -m poseidon.tools.bench.factored_ab [NET] [ROUNDS] [STEPS]     (defaults: fc_heavy 12 3)
 
 Two solvers on the same solver file in one process take turns, `STEPS` steps each per round, so
 both see the same moment of a machine whose speed drifts; the second has its factored weights
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy
 
-from engine.solvers import get_solver
-from engine.solvers.solver import log_to_stderr
+from poseidon.engine.solvers import get_solver
+from poseidon.engine.solvers.solver import log_to_stderr
 
 from . import nets
 from .overhead_ab import timed_steps

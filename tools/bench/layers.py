@@ -15,7 +15,7 @@ import numpy
 
 from . import nets
 from .env import stats
-from engine.gemm import METER
+from poseidon.engine.gemm import METER
 
 
 def _sync(xp):

@@ -1,6 +1,6 @@
 """Any deploy net's forward + backward beside PyTorch CPU: where a real network spends its time.
 
-    python -m tools.bench.model_ref [MODEL] [--batch N] [--iterations N] [--rounds N] [--profile]
+    python -m poseidon.tools.bench.model_ref [MODEL] [--batch N] [--iterations N] [--rounds N] [--profile]
 
 MODEL is a folder of prototxt/ (resnet50, googlenet, inception_v3, alexnet, vgg19, ...) or the path
 of a deploy file (one Input layer for the image; default resnet50, batch 8). The engine runs it as
@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy
 
-from engine import prototxt
-from engine.layers.im2col import parallel
-from engine.net import Net
-from engine.proto import caffe_pb2
+from poseidon import prototxt as shipped_prototxt
+from poseidon.engine import prototxt
+from poseidon.engine.layers.im2col import parallel
+from poseidon.engine.net import Net
+from poseidon.engine.proto import caffe_pb2
 
-MODELS = Path(__file__).resolve().parents[2] / "prototxt"
+MODELS = shipped_prototxt.folder()
 PAUSE_S = 0.5       # after each PyTorch run, before the engine's
 
 
@@ -387,7 +388,7 @@ def measure(models, threads, rounds=3, iterations=2, with_torch=True, log=print)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.model_ref",
+    parser = argparse.ArgumentParser(prog="python -m poseidon.tools.bench.model_ref",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default="resnet50",
                         help="a folder of prototxt/ or a deploy file (default resnet50)")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy
 
-from engine import prototxt
-from engine.proto import caffe_pb2
+from poseidon import prototxt as shipped_prototxt
+from poseidon.engine import prototxt
+from poseidon.engine.proto import caffe_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
-PROTOTXT = ROOT / "prototxt"
+PROTOTXT = shipped_prototxt.folder()
 
 
 class BenchNet:
@@ -131,7 +131,7 @@ def synthetic_batch(bench_net, seed=0):
 
 
 def fill_inputs(net, data, label):
-    from engine import backend
+    from poseidon.engine import backend
     net.blobs["data"].data[...] = backend.to_xp(data, net.xp)
     net.blobs["label"].data[...] = backend.to_xp(label, net.xp)
 
@@ -139,8 +139,8 @@ def fill_inputs(net, data, label):
 def make_solver(bench_net, xp=None):
     """An engine solver (engine.solvers.get_solver) on the bench net, inputs filled."""
     import logging
-    from engine.solvers import get_solver
-    from engine.solvers.solver import log_to_stderr
+    from poseidon.engine.solvers import get_solver
+    from poseidon.engine.solvers.solver import log_to_stderr
     log = logging.getLogger("poseidon")
     level = log.level
     log_to_stderr(logging.WARNING)  # no "Creating training net" lines inside the bench output

@@ -2,7 +2,7 @@
 process as worker 0 of `--workers 1 --servers 1 --sync ps`, the KV server a process of its own)
 train the same solver file side by side, in alternating blocks of iterations.
 
-    python -m tools.bench.overhead_ab SOLVER_FILE ROUNDS BLOCK WARMUP [OPTIONS_JSON]
+    python -m poseidon.tools.bench.overhead_ab SOLVER_FILE ROUNDS BLOCK WARMUP [OPTIONS_JSON]
 
 (OPTIONS_JSON: more distributed options for both processes, e.g. '{"comm_priority": "idle"}'.)
 
@@ -109,17 +109,17 @@ def main(argv=None):
     solver_path, rounds, block, warmup = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     extra = json.loads(argv[4]) if len(argv) > 4 else {}
     import logging
-    import dist
-    from dist.transport import free_port
-    from engine.solvers import get_solver
-    from engine.solvers.solver import log_to_stderr
+    from poseidon import dist
+    from poseidon.dist.transport import free_port
+    from poseidon.engine.solvers import get_solver
+    from poseidon.engine.solvers.solver import log_to_stderr
     log_to_stderr(logging.WARNING)
     address = f"tcp://127.0.0.1:{free_port()}"
     # no --stats: its line an iteration would be part of what is measured (0.1 ms); the exposed
     # sync is read from the solver itself
     options = dict(workers=1, servers=1, coordinator=address, sync="ps", **extra)
     server = subprocess.Popen(
-        [sys.executable, "-c", "import json, sys, dist; dist.init(**json.loads(sys.argv[1]))",
+        [sys.executable, "-c", "import json, sys; from poseidon import dist; dist.init(**json.loads(sys.argv[1]))",
          json.dumps(dict(options, rank=1))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         session = dist.init(rank=0, **options)

@@ -310,7 +310,7 @@ def markdown(results):
                          f"–{max(r['ratio_rounds']):.2f}) | {kinds} |")
         lines += ["", "PyTorch's graph is built from the same prototxt (tools/bench/model_ref.py): "
                       "a BatchNorm and its Scale as one affine BatchNorm2d, ReLUs in place where "
-                      "Caffe's are. `python -m tools.bench.model_ref MODEL --profile` gives one "
+                      "Caffe's are. `python -m poseidon.tools.bench.model_ref MODEL --profile` gives one "
                       "net's per-type times beside PyTorch's own profile.", ""]
     d = results.get("distributed") or {}
     lines += ["## c–e. Distributed path", ""]

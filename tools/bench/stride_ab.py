@@ -1,7 +1,7 @@
 """GᵀX into a weight-shaped array against the same product into blocks whose rows are an odd
 number of cache lines apart (engine/gemm.padded_row_length), on one thread.
 
-    python -m tools.bench.stride_ab [M] [N] [K]     (defaults: fc6 of fc_heavy, 4096 9216 32)
+    python -m poseidon.tools.bench.stride_ab [M] [N] [K]     (defaults: fc6 of fc_heavy, 4096 9216 32)
 
 Prints GFLOP/s: straight into the array, in blocks of rows with the array's row stride, in blocks
 with padded rows (the GEMM alone, and with each block copied into the array as the diff path does).
@@ -11,8 +11,8 @@ import time
 
 import numpy
 
-from engine.gemm import padded_row_length
-from engine.layers.im2col import block_rows
+from poseidon.engine.gemm import padded_row_length
+from poseidon.engine.layers.im2col import block_rows
 
 
 def best_seconds(fn, repeats=7):

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.errors import PoseidonError
+from poseidon.dist.spawn import module_command
+from poseidon.engine.errors import PoseidonError
 
 from .common import out, positive_int
 
@@ -58,14 +59,14 @@ def add(sub):
 
 
 def run(args):
-    from tools.bench import env, report
+    from poseidon.tools.bench import env, report
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     bad = [x for x in parts if x not in PARTS]
     if bad:
         raise PoseidonError(f"--parts: unknown part(s) {', '.join(bad)}; choose from "
                             f"{', '.join(PARTS)}")
     if "f" in parts:              # a bad --real-nets item stops here, not after parts a-b
-        from tools.bench import model_ref
+        from poseidon.tools.bench import model_ref
         try:
             real_nets = model_ref.parse_models(
                 "alexnet:2" if args.quick and args.real_nets == REAL_NETS else args.real_nets)
@@ -93,7 +94,7 @@ def run(args):
         f"{meta['blas'].get('library')} kernel {meta['blas'].get('kernel')}, {threads} threads, "
         f"{runs} runs per figure{' (quick)' if args.quick else ''}")
     results = {"meta": meta}
-    from tools.bench import nets
+    from poseidon.tools.bench import nets
     bench_nets = nets.all_nets(quick=args.quick)
 
     # one GEMM call of the engine runs on one core while it splits the batch over cores
@@ -115,14 +116,14 @@ def run(args):
         mark = now
 
     if "a" in parts:
-        from tools.bench import throughput
+        from poseidon.tools.bench import throughput
         out("a. training throughput (engine vs PyTorch CPU, interleaved)")
         results["throughput"] = throughput.measure(
             bench_nets, threads, runs=runs, run_s=0.3 if args.quick else 2.0,
             with_torch=not args.no_torch, log=out)
         part_done("a")
     if "b" in parts:
-        from tools.bench import layers
+        from poseidon.tools.bench import layers
         out("b. per-layer times")
         results["layers"] = layers.measure(bench_nets, threads, peaks, runs=runs,
                                            iterations=1 if args.quick else 4, log=out,
@@ -140,7 +141,7 @@ def run(args):
     dist_results = {}
     need_dist = [p for p in ("c", "d", "e") if p in parts]
     if need_dist:
-        from tools.bench import dist_parts
+        from poseidon.tools.bench import dist_parts
         work = Path(args.out) / "jobs"
         if "c" in parts:
             out("c. single-node overhead of the distributed path")
@@ -224,14 +225,14 @@ def _unpinned(args, threads, runs):
                           "run is the unpinned one"}
     child_out = Path(args.out) / "unpinned"
     env_vars = {k: v for k, v in os.environ.items() if k not in pinned}
-    cmd = [sys.executable, "-m", "tools.cli", "bench", "--parts", "a", "--no-plots",
-           "--out", str(child_out), "--runs", str(runs), "--threads", str(threads)]
+    cmd = module_command("poseidon.tools.cli", "bench", "--parts", "a", "--no-plots",
+                         "--out", child_out, "--runs", runs, "--threads", threads)
     if args.quick:
         cmd.append("--quick")
     if args.no_torch:
         cmd.append("--no-torch")
     out("unpinned: part a again with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset")
-    proc = subprocess.run(cmd, env=env_vars, cwd=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run(cmd, env=env_vars)
     if proc.returncode != 0:
         return {"status": "failed", "reason": f"exit status {proc.returncode}"}
     child = json.loads((child_out / "results.json").read_text())
@@ -240,8 +241,8 @@ def _unpinned(args, threads, runs):
 
 
 def _gpu(args, bench_nets, runs):
-    from engine import backend
-    from tools.bench import throughput
+    from poseidon.engine import backend
+    from poseidon.tools.bench import throughput
     try:
         backend.set_mode_gpu(int(args.gpu))
     except Exception as e:

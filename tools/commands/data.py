@@ -37,19 +37,19 @@ def add(sub):
 
 
 def run_digits(args):
-    from engine.io.datasets import make_digits_lmdb
+    from poseidon.engine.io.datasets import make_digits_lmdb
     make_digits_lmdb(args.output, shards=args.shards)
     out(f"Wrote the digits demo set to {args.output}/train and {args.output}/test")
 
 
 def run_cifar(args):
-    from engine.io.datasets import cifar10_to_lmdb
+    from poseidon.engine.io.datasets import cifar10_to_lmdb
     cifar10_to_lmdb(args.archive, args.output, shards=args.shards)
     out(f"Wrote CIFAR-10 to {args.output}/train and {args.output}/test")
 
 
 def run_images(args):
-    from engine.io.datasets import images_to_lmdb
+    from poseidon.engine.io.datasets import images_to_lmdb
     images_to_lmdb(args.root, args.list_file, args.output, shards=args.shards,
                    resize=(args.resize_height, args.resize_width), gray=args.gray,
                    shuffle=args.shuffle, encoded=args.encoded)

@@ -10,8 +10,8 @@ def add(sub):
 
 
 def run(args):
-    from engine.io.caffemodel import write_binaryproto
-    from engine.io.datasets import compute_mean
+    from poseidon.engine.io.caffemodel import write_binaryproto
+    from poseidon.engine.io.datasets import compute_mean
     mean = compute_mean(args.source)
     write_binaryproto(mean, args.output)
     for c in range(mean.shape[0]):

@@ -13,7 +13,8 @@ import json
 import math
 import os
 
-from engine.errors import PoseidonError
+from poseidon import prototxt as shipped_prototxt
+from poseidon.engine.errors import PoseidonError
 
 from .common import out
 
@@ -82,8 +83,8 @@ def _flops(text):
 
 
 def network_from_args(args):
-    from dist.placement import DEFAULT_PAIR_BYTES, parse_bytes
-    from dist.simulate import Network, parse_bandwidth, parse_latency
+    from poseidon.dist.placement import DEFAULT_PAIR_BYTES, parse_bytes
+    from poseidon.dist.simulate import Network, parse_bandwidth, parse_latency
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
         if args.goodput is not None:
@@ -103,15 +104,14 @@ def network_from_args(args):
 def _prototxt_for(model):
     if os.path.exists(model):
         return model
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(here, "prototxt", model, "deploy.prototxt")
-    if os.path.exists(path):
-        return path
+    path = shipped_prototxt.path(model)
+    if path.exists():
+        return str(path)
     raise PoseidonError(f"--model '{model}' is neither a prototxt file nor a folder of prototxt/")
 
 
 def load_or_build_profile(args):
-    from dist import simprofile
+    from poseidon.dist import simprofile
     if args.profile:
         return simprofile.load_profile(args.profile)
     if not args.model:
@@ -139,8 +139,8 @@ def load_or_build_profile(args):
 def measure_profile(path, iterations):
     """Per-layer forward/backward times of the net on this machine (as `poseidon time` takes
     them), with describe_net's facts from the real Net."""
-    from dist.book import describe_net
-    from engine import prototxt
+    from poseidon.dist.book import describe_net
+    from poseidon.engine import prototxt
 
     from .timing import time_layers, timing_net
     net = timing_net(prototxt.read_net(path), "TRAIN", source=path)
@@ -194,8 +194,8 @@ def _rate(bps):
 
 
 def run(args):
-    from dist import simprofile
-    from dist.simulate import MODES, scaling_table
+    from poseidon.dist import simprofile
+    from poseidon.dist.simulate import MODES, scaling_table
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

@@ -1,5 +1,5 @@
 """`poseidon summary --model M [--phase P]`: each layer's top shapes and parameter count."""
-from engine.net import Net
+from poseidon.engine.net import Net
 
 from .common import out
 

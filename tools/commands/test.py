@@ -1,8 +1,8 @@
 """`poseidon test --model M --weights W --iterations N`: score a trained model (Caffe's `caffe test`)."""
 import numpy
 
-from engine import backend
-from engine.net import Net
+from poseidon.engine import backend
+from poseidon.engine.net import Net
 
 from .common import add_gpu_option, apply_gpu, out, positive_int
 

@@ -10,8 +10,8 @@ import time
 
 import numpy
 
-from engine import backend
-from engine.net import Net
+from poseidon.engine import backend
+from poseidon.engine.net import Net
 
 from .common import add_gpu_option, apply_gpu, out, positive_int
 
@@ -81,7 +81,7 @@ def time_layers(net, iterations, on_iteration=None):
 
 def run(args):
     apply_gpu(args)
-    from engine import prototxt
+    from poseidon.engine import prototxt
     net = timing_net(prototxt.read_net(args.model), args.phase, source=args.model)
     out(f"Performing Forward-Backward on {args.model} for {args.iterations} iterations "
         f"({'GPU' if net.xp is not numpy else 'CPU'})")

@@ -11,11 +11,14 @@ process and on a distributed job alike (there every worker acts at the same iter
 import os
 from pathlib import Path
 
-from engine.errors import PoseidonError
+from poseidon import prototxt as shipped_prototxt
+from poseidon.dist.options import add_dist_options, dist_flags_given
+from poseidon.engine.errors import PoseidonError
+from poseidon.engine.solvers import final_accuracy_lines
 
 from .common import add_gpu_option, apply_gpu, out, setup_logging
 
-DEMO_SOLVER = Path(__file__).resolve().parents[2] / "prototxt" / "digits_quick" / "solver.prototxt"
+DEMO_SOLVER = shipped_prototxt.path("digits_quick", "solver.prototxt")
 
 
 def add(sub):
@@ -39,18 +42,15 @@ def add(sub):
     p.add_argument("--sighup_effect", "--sighup-effect", default="snapshot",
                    choices=("stop", "snapshot", "none"),
                    help="on SIGHUP: as --sigint_effect (Caffe's default: snapshot)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="float type of the nets (float64 for equivalence tests)")
     add_gpu_option(p)
-    try:
-        from dist.options import add_dist_options
-    except ImportError:  # pragma: no cover - dist is part of the package
-        add_dist_options = None
-    if add_dist_options:
-        add_dist_options(p)
+    add_dist_options(p)
     p.set_defaults(run=run)
 
 
 def _prepare_demo(args):
-    from engine.io.datasets import make_digits_lmdb
+    from poseidon.engine.io.datasets import make_digits_lmdb
     work = Path(args.workdir).resolve()
     data = work / "data" / "digits"
     if not (data / "train").exists():
@@ -76,16 +76,20 @@ def run(args):
     if args.resume and args.snapshot:
         raise PoseidonError("give either --snapshot or --resume auto, not both")
     if is_distributed(args):
-        from engine.solvers.solver import check_solver_file
+        from poseidon.engine.solvers.solver import check_solver_file
         check_solver_file(args.solver)   # a bad file: one line, before any process starts
-        from dist.launch import launch
+        from poseidon.dist.launch import launch
         return launch(args)
+    given = dist_flags_given(args)
+    if given:
+        raise PoseidonError(f"{', '.join(given)} only apply to a distributed run: add --workers N "
+                            f"(or --coordinator with --rank on each host), or drop them")
     setup_logging()
     apply_gpu(args)
-    from engine.solvers import get_solver
-    solver = get_solver(args.solver, progress=not args.no_progress)
+    from poseidon.engine.solvers import get_solver
+    solver = get_solver(args.solver, dtype=args.dtype, progress=not args.no_progress)
     if args.resume == "auto":
-        from dist.resume import newest_complete
+        from poseidon.dist.resume import newest_complete
         args.snapshot = newest_complete(solver.param.snapshot_prefix,
                                         say=lambda line: out(f"--resume auto: {line}"))
         out(f"--resume auto: resuming from {args.snapshot}" if args.snapshot else
@@ -100,10 +104,8 @@ def run(args):
 
 
 def report_final(solver):
-    for i, results in enumerate(getattr(solver, "last_test_results", None) or []):
-        for name, value in results.items():
-            if "accuracy" in name:
-                out(f"Final test {name} (net #{i}): {float(value):.4f}")
+    for line in final_accuracy_lines(solver):
+        out(line)
 
 
 def install_signal_effects(solver, args):
