@@ -6,17 +6,17 @@ cluster: P1, P2, addresses; the KV-pair placement; the solver (for the servers' 
 
 The coordinator builds it once from worker 0's description of its net (after checking that every
 worker described the same net) and hands the same book to every process. It is static during a
-run, so every process evaluates `best_scheme(l)` (Algorithm 1) locally with no round trip and all
-reach the same decision; `query(...)` answers the same questions over the coordinator's socket.
+run, so every process evaluates `best_scheme(l)` (Algorithm 1 over the registered schemes,
+dist/schemes/best.py) locally with no round trip and all reach the same decision; `query(...)`
+answers the same questions over the coordinator's socket.
 """
 import hashlib
 import json
 
-from .cost import ps_cost, sfb_cost
 from .errors import DistError
 from .placement import DEFAULT_PAIR_BYTES, MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, place_pairs
+from .schemes import choose_scheme, scheme_class
 
-SYNC_MODES = ("hybrid", "ps", "sfb")
 
 
 def relaxed_consistency(options):
@@ -28,22 +28,6 @@ def relaxed_consistency(options):
     if int(options.get("staleness") or 0) > 0:
         return "--staleness"
     return None
-
-
-def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid", relaxed=None):
-    """Algorithm 1 with the --sync override: 'sfb' or 'ps' for one layer.
-
-    A layer that cannot give sufficient factors (convolutions, shared or frozen weights,
-    iter_size > 1) always goes by PS, and so does every layer under `relaxed` consistency
-    (--straggler-timeout, --staleness > 0). Otherwise --sync ps/sfb force the scheme, and hybrid
-    picks SFB when 2K(P1-1)(M+N) <= 2MN(P1+P2-2)/P2 (and always when there are no servers)."""
-    if not sfb_capable or relaxed:
-        return "ps"
-    if sync == "ps":
-        return "ps"
-    if sync == "sfb" or P2 == 0:
-        return "sfb"
-    return "sfb" if sfb_cost(M, N, K, P1) <= ps_cost(M, N, P1, P2) else "ps"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +161,7 @@ def sync_groups(layers, param_bytes, bucket):
     current, size = [], 0
     for rec in sorted(layers, key=lambda r: -r["index"]):
         nbytes = sum(param_bytes[p] for p in rec["params"])
-        fits = (bucket and rec["scheme"] == "ps" and nbytes <= bucket)
+        fits = (bucket and scheme_class(rec["scheme"]).uses_servers and nbytes <= bucket)
         if current and (not fits or size + nbytes > bucket):
             for li in current:
                 group_of[li] = current[-1]
@@ -203,7 +187,7 @@ def make_bundles(layers, cut, itemsize, fusion):
         by_param.setdefault(pid, []).append((pair_id, length))
     members = {}
     for rec in layers:
-        if rec["scheme"] == "ps":
+        if scheme_class(rec["scheme"]).uses_servers:
             members.setdefault(rec["group"], []).append(rec)
     bundles = []
     for trigger in sorted(members):
@@ -273,15 +257,14 @@ class InformationBook:
         placed on the servers. Raises DistError when --servers 0 cannot work for this net."""
         sync = options.get("sync", "hybrid")
         relaxed = relaxed_consistency(options)
-        if relaxed and sync == "sfb":
-            raise DistError(f"--sync sfb cannot be combined with {relaxed}: SFB needs every "
-                            f"worker's factors of an iteration; give --sync ps or hybrid (under "
-                            f"{relaxed} every layer then goes by PS)")
+        if relaxed and sync != "hybrid" and scheme_class(sync).bsp_only:
+            raise DistError(f"--sync {sync} cannot be combined with {relaxed}: it needs every "
+                            f"worker's contribution of an iteration; give --sync ps or hybrid "
+                            f"(under {relaxed} every layer then goes by PS)")
         layers = []
         for rec in description["layers"]:
             rec = dict(rec)
-            rec["scheme"] = best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], workers,
-                                        servers, sync, relaxed)
+            rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
             layers.append(rec)
         itemsize = 8 if description.get("dtype") == "float64" else 4
         param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
@@ -291,7 +274,7 @@ class InformationBook:
         for rec in layers:
             rec["group"] = group_of[rec["index"]]
         scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
-        needs_ps = [rec for rec in layers if rec["scheme"] == "ps"]
+        needs_ps = [rec for rec in layers if scheme_class(rec["scheme"]).uses_servers]
         if needs_ps and servers == 0:
             names = ", ".join(f"'{r['name']}' ({r['type']})" for r in needs_ps[:6])
             more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
@@ -307,7 +290,8 @@ class InformationBook:
             p["scheme"] = scheme_of.get(p["layer"]) if p["synced"] else None
             params.append(p)
         pair_bytes = int(options.get("kv_pair_bytes"))
-        ps_params = [(p["id"], p["count"]) for p in params if p["scheme"] == "ps"]
+        ps_params = [(p["id"], p["count"]) for p in params
+                     if p["scheme"] is not None and scheme_class(p["scheme"]).uses_servers]
         cut = cut_pairs(ps_params, itemsize, pair_bytes)
         length = {pair_id: n for pair_id, _, _, n in cut}
         bundles = make_bundles(layers, cut, itemsize, fusion_bytes(options))
@@ -350,10 +334,9 @@ class InformationBook:
                 if rec["group"] == li]
 
     def best_scheme(self, li):
-        """Algorithm 1 for layer li (with the --sync override), evaluated on the book."""
-        rec = self._layer[li]
-        return best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], self.workers, self.servers,
-                           self.options.get("sync", "hybrid"), relaxed_consistency(self.options))
+        """BestScheme for layer li (with the --sync override), evaluated on the book."""
+        return choose_scheme(self._layer[li], self.workers, self.servers,
+                             self.options.get("sync", "hybrid"), relaxed_consistency(self.options))
 
     def pairs_of_param(self, pid):
         return self._pairs_of.get(pid, [])

@@ -19,6 +19,7 @@ import numpy
 
 from .placement import MAX_BUNDLE_ARRAYS
 from .roles import COORDINATOR
+from .schemes import scheme_class
 from .transport import Msg
 
 ANY = (0, 64)   # arrays (besides the JSON object) a type may carry: (least, most)
@@ -47,7 +48,7 @@ RULES = {
     Msg.KV_VALUE: ("server", "worker", (1, MAX_BUNDLE_ARRAYS), ()),
     Msg.KV_GET_REPLY: ("server", "worker0", ANY, ()),
     Msg.KV_INIT_ACK: ("server", "worker0", (0, 0), ()),
-    Msg.SF: ("worker", "worker", (2, 3), ()),
+    Msg.SF: ("worker", "worker", (1, 16), ()),   # the layer's scheme checks the arrays
     Msg.WEIGHTS: ("worker0", "other worker", ANY, ()),
     Msg.CURSOR: ("worker0", "other worker", (0, 0), ("iter",)),
 }
@@ -91,7 +92,7 @@ class WireRules:
         self.namer = namer or (lambda r: f"rank {r}")
         self.book = None
         self._pairs = {}
-        self._sfb = {}
+        self._peer = {}              # layer -> its book record, for layers synced peer to peer
         self._dtype = None
         self._verdicts = {}          # (type, sender) -> the role check's verdict (see _roles_say)
         self._verdicts_for = None    # the roles those verdicts were reached with
@@ -101,7 +102,8 @@ class WireRules:
         """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
         self._dtype = numpy.dtype(book.data["dtype"])
         self._pairs = {p["id"]: p for p in book.pairs}
-        self._sfb = {rec["index"]: rec for rec in book.layers if rec.get("scheme") == "sfb"}
+        self._peer = {rec["index"]: rec for rec in book.layers
+                      if rec.get("scheme") and not scheme_class(rec["scheme"]).uses_servers}
         self._values = ({} if self.roles is None else
                         {b["id"]: (self.roles.server_rank(b["server"]),
                                    [(self._pairs[k]["length"],) for k in b["pairs"]])
@@ -203,17 +205,14 @@ class WireRules:
             return self._arrays_are(msg, name, [(pair["length"],)] * len(msg.arrays),
                                     f"KV pair {msg.key}")
         if msg.type == Msg.SF:
-            rec = self._sfb.get(msg.key)
+            rec = self._peer.get(msg.key)
             if rec is None:
-                return f"SF for layer {msg.key}, which the book does not sync by SFB"
-            a = msg.arrays
-            rows = a[0].shape[0] if a[0].ndim == 2 else -1
-            want = [(rows, rec["M"]), (rows, rec["N"])] + [(rec["M"],)] * (len(a) - 2)
-            if rows != rec["K"]:
-                want[0] = want[1] = None
-            return self._arrays_are(msg, name, want, f"layer '{rec['name']}'",
-                                    f"[{rec['K']}, {rec['M']}], [{rec['K']}, {rec['N']}], "
-                                    f"[{rec['M']}]")
+                return f"SF for layer {msg.key}, which the book does not sync peer to peer"
+            want, expected = scheme_class(rec["scheme"]).peer_arrays(rec, msg.arrays)
+            if want is None:
+                return (f"{name} for layer '{rec['name']}' from {self.namer(msg.sender)}: "
+                        f"{len(msg.arrays)} arrays, {self.namer(self.rank)} expects {expected}")
+            return self._arrays_are(msg, name, want, f"layer '{rec['name']}'", expected)
         if msg.type == Msg.WEIGHTS:
             if not 0 <= msg.key < len(self.book.params):
                 return f"WEIGHTS for parameter {msg.key}, which the book does not have"

@@ -22,7 +22,7 @@ import zlib
 
 import numpy
 
-from .book import InformationBook, best_scheme, describe_net, digest, first_difference  # noqa: F401
+from .book import InformationBook, describe_net, digest, first_difference  # noqa: F401
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 from .transport import Msg, ZmqTransport

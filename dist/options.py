@@ -9,6 +9,7 @@ import os
 
 from .placement import DEFAULT_PAIR_BYTES, parse_bytes
 from .priority import CHOICES as COMM_PRIORITIES
+from .schemes import sync_choices
 from .transport import parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
@@ -101,9 +102,10 @@ def add_dist_options(parser):
     add("--rank", type=_nonneg_int, help="this process's global rank: 0..P1-1 are "
         "workers, P1..P1+P2-1 servers (default: OMPI_COMM_WORLD_RANK, PMI_RANK or "
         "SLURM_PROCID)")
-    add("--sync", choices=("hybrid", "ps", "sfb"), default="hybrid",
-        help="hybrid: BestScheme per layer (default); ps / sfb: force one scheme where "
-        "the layer allows it (convolutions always go by PS)")
+    add("--sync", choices=sync_choices(), default="hybrid",
+        help="hybrid: BestScheme per layer, the cheapest registered scheme (default); a "
+        "scheme's name (ps, sfb, ...) forces it where the layer allows it, PS elsewhere "
+        "(convolutions always go by PS)")
     add("--no-overlap", action="store_true",
         help="sync after the whole backward instead of layer by layer (no WFBP)")
     add("--stats", metavar="FILE", help="each process writes one JSON object per "
@@ -220,6 +222,10 @@ class DistOptions:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
         self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
+        if self.sync not in sync_choices():
+            from .errors import DistError
+            raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "
+                            f"{', '.join(sync_choices())}")
         check_consistency(self)
         from .priority import check
         check(self.comm_priority)

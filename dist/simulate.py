@@ -26,7 +26,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .book import InformationBook, best_scheme
+from .book import InformationBook
+from .schemes import best_scheme
 from .placement import DEFAULT_PAIR_BYTES
 
 # mode -> (scheme override for the book, WFBP overlap)
@@ -375,7 +376,7 @@ def scaling_table(profile, nodes, modes, net=None, servers=None):
 
 
 def algorithm1_schemes(profile, workers, servers, sync="hybrid"):
-    """What dist.book.best_scheme says for each synced layer (to check the simulator uses it)."""
+    """What BestScheme (dist/schemes/best.py) says for each synced layer (to check the simulator uses it)."""
     return {rec["name"]: best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], workers, servers,
                                      sync)
             for rec in profile["description"]["layers"]}

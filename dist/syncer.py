@@ -1,11 +1,11 @@
 """One Syncer per layer with parameters: Move, Send, Receive, Move back (Algorithm 2's sync(l)).
 With --bucket-bytes, one Syncer serves a bucket of small PS layers, started after the lowest.
 
-Why: the worker loop only knows "after BackwardThrough(l), run syncers[l].sync(it) on the pool";
+Why: the worker's hooks only know "after layer l's backward, run syncers[l].sync(it) on the pool";
 everything scheme-specific (what is moved, to whom, how the update is made) lives in a Scheme
-strategy object (dist/schemes.py, dist/sfb.py) that the syncer picks each iteration from the book's
-BestScheme(l). Adding a scheme (ring allreduce, a bandwidth-calibrated one) touches neither this
-file nor the worker loop.
+object (dist/schemes/) that the syncer picks each iteration from the book's BestScheme(l). Adding a
+scheme touches neither this file nor the worker. A syncer and its schemes reach the worker only
+through a SyncContext: what one layer's sync may read and use, and nothing of the loop.
 
 Moves: on the CPU the parameter and factor arrays are already host memory, so "Move" hands out
 views (no copy) and the frames go zero-copy from them. On a GPU, Move copies into pinned host buffers
@@ -118,30 +118,33 @@ class Stage:
             self.stream.synchronize()
 
 
-def record_event(xp):
-    """A CUDA event recorded on the current stream after layer l's backward (None on the CPU): the
-    sync's stream waits on it, since a non-blocking stream does not wait for the default one."""
-    if xp is numpy:
-        return None
-    import cupy
-    event = cupy.cuda.Event(block=False, disable_timing=True)
-    event.record()
-    return event
+class SyncContext:
+    """What a sync may use of its worker: the replica (net, rule, history, grad_scale), the job
+    (name, rank, roles, book), the wire (transport, kv: the KV client), the CUDA streams, the
+    parameters kept in a server's shared memory (`placed`), and the verdicts on NaN/Inf."""
+
+    def __init__(self, *, name, rank, roles, book, net, rule, history, grad_scale, transport, kv,
+                 streams, placed, verdicts):
+        self.name, self.rank, self.roles, self.book = name, rank, roles, book
+        self.net, self.rule, self.history, self.grad_scale = net, rule, history, grad_scale
+        self.transport, self.kv, self.streams = transport, kv, streams
+        self.placed, self.verdicts = placed, verdicts
 
 
 class Syncer:
     """Synchronises the parameters of one layer, with the scheme the book picks each iteration."""
 
-    def __init__(self, worker, li):
+    def __init__(self, ctx, li):
         from .schemes import make_scheme
-        self.worker = worker
+        self.ctx = ctx
         self.li = li
-        self.rec = worker.book.layer(li)
-        self.members = worker.book.group_members(li)      # li, or its bucket in backward order
-        self.name = "+".join(worker.book.layer(m)["name"] for m in self.members)
-        self.layer = worker.net.layers[li]
-        self.pids = [p for m in self.members for p in worker.book.layer(m)["params"]]
-        self.stage = Stage(worker.net.xp)
+        book = ctx.book
+        self.rec = book.layer(li)
+        self.members = book.group_members(li)      # li, or its bucket in backward order
+        self.name = "+".join(book.layer(m)["name"] for m in self.members)
+        self.layer = ctx.net.layers[li]
+        self.pids = [p for m in self.members for p in book.layer(m)["params"]]
+        self.stage = Stage(ctx.net.xp)
         self._make = make_scheme
         self._schemes = {}
         self._plan = (None, None)                     # (iteration, scheme) fixed by prepare()
@@ -154,25 +157,21 @@ class Syncer:
         return s
 
     def prepare(self, it):
-        """Before the backward of iteration it: fix its scheme (once per iteration: the diffs are
-        cleared by it before the backward runs) and tell a layer that can give sufficient factors
-        whether it must make its own weight gradient (not under SFB). Returns the parameters whose
-        diff that backward leaves alone (the worker need not clear them)."""
+        """Before the backward of iteration it: fix its scheme (once per iteration). Returns whether
+        the scheme makes the layer's weight gradient from its sufficient factors (the layer's own
+        backward must then leave it alone)."""
         if self._plan[0] != it:
-            self._plan = (it, self.worker.book.best_scheme(self.li))   # per layer, per iteration
-        scheme = self.scheme(self._plan[1])
-        if getattr(self.layer, "has_sufficient_factors", False):
-            self.layer.defer_weight_grad = scheme.defers_weight_grad
-        return scheme.unwritten_params()
+            self._plan = (it, self.ctx.book.best_scheme(self.li))   # per layer, per iteration
+        return self.scheme(self._plan[1]).factored
 
     def sync(self, it, ready=None):
         """Algorithm 2's SYNC(l): stream, Move, BestScheme, Send, Receive, Move back. `ready`: the
         event after layer l's backward (GPU), which the moves wait for."""
-        w = self.worker
-        name = self._plan[1] if self._plan[0] == it else w.book.best_scheme(self.li)
+        ctx = self.ctx
+        name = self._plan[1] if self._plan[0] == it else ctx.book.best_scheme(self.li)
         stats = LayerStats(self.li, self.name, name)
         stats.start = time.time()
-        stream = w.streams.acquire()
+        stream = ctx.streams.acquire()
         self.stage.stream = stream if self.stage.on_gpu else None
         try:
             if ready is not None:
@@ -180,14 +179,14 @@ class Syncer:
             with stream:
                 scheme = self.scheme(name)
                 bad = scheme.nonfinite()                # one reduction per parameter or factor
-                w.checked(it, self.li, bad)
+                ctx.verdicts.record(it, self.li, bad)
                 if bad:
-                    raise w.nonfinite_error(it, self.name, bad)
+                    raise ctx.verdicts.error(it, self.name, bad)
                 scheme.send(it, stats)
                 scheme.receive(it, stats)
                 self.stage.synchronize()
         finally:
             self.stage.stream = None
-            w.streams.release(stream)
+            ctx.streams.release(stream)
         stats.end = time.time()
         return stats

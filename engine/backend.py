@@ -71,6 +71,17 @@ def set_mode_from_flag(gpu, local_rank=0):
         raise PoseidonError(f"--gpu {gpu}: {e}") from None
 
 
+def record_event(xp):
+    """A CUDA event recorded on the current stream (None on the CPU): work on another stream that
+    must follow what was queued so far waits on it (a non-blocking stream does not wait for the
+    default one)."""
+    if xp is numpy:
+        return None
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record()
+    return event
+
+
 def default_xp():
     """The array module new nets allocate with (numpy unless set_mode_gpu was called)."""
     return _state["xp"]

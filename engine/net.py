@@ -1,9 +1,10 @@
 """Net: a stack of layers built from a NetParameter, run forward and backward layer by layer.
 
-`BackwardThrough(l)` runs the backward of layer l alone, so a caller can act between layers; this is
-the seam the distribution code uses to schedule the synchronisation of layer l while layers l-1..0
-are still computing (wait-free backpropagation). `Backward()` runs them all, calling every function
-in `after_backward` with the layer index right after each.
+`BackwardThrough(l)` runs the backward of layer l alone, so a caller can act between layers: the
+Solver's loop calls its hooks there (engine/solvers/hooks.py), which is where a distributed worker
+schedules the synchronisation of layer l while layers l-1..0 are still computing (wait-free
+backpropagation). `Backward()` runs them all, calling every function in `after_backward` with the
+layer index right after each.
 """
 import collections
 import logging
@@ -81,6 +82,7 @@ class Net:
         except (ModelError, DataError) as e:
             raise self._locate(e) from None
         self.after_backward = []   # callbacks f(layer_index) run by Backward() after each layer
+        self.backward_passes = [0] * len(self.layers)   # backward runs per layer, see BackwardThrough
         if weights:
             self.copy_from(weights)
 
@@ -291,6 +293,10 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         for li in range(start, end + 1):
             self.ForwardLayer(li, alone=li == end)
+        return self.loss()
+
+    def loss(self):
+        """The weighted loss of the last forward; seeds each loss top's diff with its weight."""
         loss = 0.0
         for li, ti, w in self._loss_tops:
             top = self.top_vecs[li][ti]
@@ -298,17 +304,28 @@ class Net:
             loss += float(w * top.data.sum())
         return loss
 
-    def BackwardThrough(self, l):
-        """The backward of layer l alone (no-op when it needs none)."""
+    def BackwardThrough(self, l, factored=False):
+        """The backward of layer l alone (no-op when it needs none). `factored`: the layer leaves
+        its weight gradient to the caller, who makes it from the layer's sufficient factors (only
+        for layers that have them). Each run is counted in backward_passes[l], so a caller that
+        uses one pass's factors can check that exactly one ran."""
         if self.layer_need_backward[l]:
-            self.layers[l].backward(self.top_vecs[l], self.bottom_need_backward[l], self.bottom_vecs[l])
-            for blob in self.layers[l].blobs:      # whatever it wrote, its diffs are not zeros now
+            layer = self.layers[l]
+            args = (self.top_vecs[l], self.bottom_need_backward[l], self.bottom_vecs[l])
+            if factored:
+                layer.backward(*args, weight_grad=False)
+            else:
+                layer.backward(*args)
+            self.backward_passes[l] += 1
+            for blob in layer.blobs:               # whatever it wrote, its diffs are not zeros now
                 blob.diff_fresh = False
 
-    def Backward(self, start=None, end=0):
+    def Backward(self, start=None, end=0, factored=()):
+        """Backward of layers start..end (descending); `factored`: layer indices that leave their
+        weight gradient to the caller (BackwardThrough)."""
         start = len(self.layers) - 1 if start is None else start
         for li in range(start, end - 1, -1):
-            self.BackwardThrough(li)
+            self.BackwardThrough(li, li in factored)
             for hook in self.after_backward:
                 hook(li)
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from poseidon.dist import simprofile
-from poseidon.dist.book import best_scheme, describe_net
+from poseidon.dist.book import describe_net
+from poseidon.dist.schemes import best_scheme
 from poseidon.dist.cost import ps_cost, sfb_cost
 from poseidon.dist.simulate import MODES, Network, parse_bandwidth, parse_latency, simulate
 

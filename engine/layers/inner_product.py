@@ -31,13 +31,12 @@ FORWARD_ROWS_MAX_BATCH = 128
 class InnerProductLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
+    # backward(..., weight_grad=False) leaves the weight gradient to whoever makes it from
+    # sufficient_factors() instead, block by block inside the update (engine/solvers/factored.py:
+    # the solver, and the sufficient-factor scheme of dist): it then computes only the bias
+    # gradient and the bottom diff, and leaves the weight's diff alone, saving a K·M·N GEMM and
+    # two passes over the weight.
     has_sufficient_factors = True
-    # Set (per iteration) by whoever makes the weight gradient from sufficient_factors() instead,
-    # block by block inside the update (engine/solvers/factored.py: the solver, and dist/sfb.py
-    # under SFB): backward then computes only the bias gradient and the bottom diff, and leaves
-    # the weight's diff alone, saving a K·M·N GEMM and two passes over the weight.
-    defer_weight_grad = False
-    deferred_passes = 0     # backward passes made while deferred (the solver checks it is one)
 
     def layer_setup(self, bottom, top):
         p = self.param.inner_product_param
@@ -120,13 +119,11 @@ class InnerProductLayer(Layer):
 
         self._split(self.num_output, part)
 
-    def backward(self, top, propagate_down, bottom):
+    def backward(self, top, propagate_down, bottom, weight_grad=True):
         xp = self.xp
         g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
         w = self.blobs[0]
-        grad_w = self.param_propagate_down[0] and not self.defer_weight_grad
-        if self.defer_weight_grad:
-            self.deferred_passes += 1
+        grad_w = self.param_propagate_down[0] and weight_grad
         grad_b = self.bias_term and self.param_propagate_down[1]
         # the diff still holds the zeros of ClearParamDiffs: write the gradient over it; else
         # make it in scratch and add that

@@ -74,6 +74,18 @@ class FactoredWeights:
                 self.entries.append((pid, li, layer))
         self.buffers = WorkerBuffers()
 
+    def entries_for(self, layers):
+        """The entries of the layers (indices) a caller makes weight gradients for from factors;
+        a layer that cannot is refused."""
+        mine = {li: (pid, li, layer) for pid, li, layer in self.entries}
+        ok = [mine[li] for li in sorted(layers) if li in mine]
+        if len(ok) != len(set(layers)):
+            bad = sorted(set(layers) - set(mine))
+            raise ValueError(f"layers {bad} cannot have their weight gradient made from "
+                             f"sufficient factors (not an InnerProduct that alone owns a learned "
+                             f"weight and runs backward)")
+        return ok
+
     def active(self, solver_param):
         if (solver_param.iter_size > 1 or solver_param.clip_gradients >= 0
                 or self.net.xp is not numpy):

@@ -16,7 +16,6 @@ Logging goes to the "poseidon" logger in glog's line format (GlogFormatter), so 
 (tools/extra/parse_log.py) read it; `log_to_stderr()` installs the handler.
 """
 import datetime
-import json
 import logging
 import math
 import os
@@ -34,6 +33,8 @@ from ..io import manifest
 from ..proto import caffe_pb2
 from . import rules
 from .factored import FactoredWeights, update_from_factors
+from . import snapshots
+from .hooks import SolverHooks
 
 log = logging.getLogger("poseidon")
 
@@ -110,12 +111,13 @@ class Solver:
     size): the train net's data shard. level/stages: merged into train_state (the CLI's --level and
     --stage). weights: extra .caffemodel paths to initialise from (like the solver's `weights`).
     progress: show a tqdm bar when stderr is a terminal. solver_type: the update rule to use whatever
-    the file says (pycaffe's SGDSolver, AdamSolver, ...).
+    the file says (pycaffe's SGDSolver, AdamSolver, ...). hooks: a SolverHooks (engine/solvers/hooks.py)
+    the loop calls at fixed points; none for a solver that trains alone.
     """
 
     def __init__(self, solver_param_or_path, dtype=numpy.float32, xp=None, shard=(0, 1),
                  level=None, stages=None, weights=None, progress=False, test_shard=(0, 1),
-                 solver_type=None):
+                 solver_type=None, hooks=None):
         if isinstance(solver_param_or_path, (str, os.PathLike)):
             self.source = os.fspath(solver_param_or_path)
             param = _read_solver(self.source)
@@ -138,6 +140,7 @@ class Solver:
         self.xp = xp or backend.default_xp()
         self.shard, self.test_shard = tuple(shard), tuple(test_shard)
         self.progress = progress
+        self.hooks = hooks if hooks is not None else SolverHooks()
         if not _logging_configured():
             log_to_stderr()
         try:
@@ -153,7 +156,10 @@ class Solver:
         self.history = [self.rule.init_state(p.data.shape, backend.get_array_module(p.data),
                                              p.data.dtype) for p in self.net.learnable_params]
         self.factored = FactoredWeights(self.net)
-        self._deferred = {}                 # this iteration's weights updated from factors
+        self._factored = {}                 # this iteration's weights updated from factors
+        # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
+        # factors leaves its diff alone, which then need not be cleared again
+        self._zeroed = set(range(len(self.net.learnable_params)))
         self.smoothed_loss = 0.0
         self._losses = []
         self.requested_early_exit = False
@@ -300,6 +306,8 @@ class Solver:
     def step(self, iters):
         """Run `iters` iterations (tests, display and snapshots included), as Caffe's Step."""
         p = self.param
+        hooks = self.hooks
+        hooks.begin(self)
         start_iter, stop_iter = self.iter, self.iter + int(iters)
         self._losses = []
         self.smoothed_loss = 0.0
@@ -308,19 +316,25 @@ class Solver:
         bar = self._progress_bar(stop_iter - start_iter)
         try:
             while self.iter < stop_iter:
-                self.clear_param_diffs()
-                if (p.test_interval and self.iter % p.test_interval == 0
-                        and (self.iter > 0 or p.test_initialization)):
+                it = self.iter
+                self._begin_iteration(it)
+                if (p.test_interval and it % p.test_interval == 0
+                        and (it > 0 or p.test_initialization)):
                     self.test_all()
                     if self.requested_early_exit:
                         break
-                display = p.display and self.iter % p.display == 0
-                loss = self.forward_backward()
-                self.check_finite(loss)
+                display = p.display and it % p.display == 0
+                loss = hooks.loss(self, it, self.forward_backward())
+                if not hooks.updates_parameters:
+                    self.check_finite(loss)
                 self._update_smoothed_loss(loss, start_iter)
                 if display:
                     self._display()
-                self.apply_update()
+                self._log_rate(it, display)
+                hooks.before_update(self, it, loss)
+                if not hooks.updates_parameters:
+                    self.apply_update()
+                self._factored = {}
                 self.iter += 1
                 if bar is not None:
                     bar.update(1)
@@ -332,8 +346,7 @@ class Solver:
                     self.requested_early_exit = True
                     break
         finally:
-            if self._deferred:                  # left by an early exit or an error mid-step
-                self._defer([])
+            self._factored = {}                 # an early exit or an error mid-step: no plan left
             if bar is not None:
                 bar.close()
 
@@ -355,6 +368,7 @@ class Solver:
                 log.warning("snapshot_prefix is not set: no snapshot after training")
         if self.requested_early_exit:
             log.info("Optimization stopped early.")
+            self.hooks.end(self)
             return
         if p.display and self.iter % p.display == 0:
             loss = self.net.Forward()
@@ -363,6 +377,7 @@ class Solver:
         if p.test_interval and self.iter % p.test_interval == 0:
             self.test_all()
         log.info("Optimization Done.")
+        self.hooks.end(self)
 
     def request(self, action):
         """Ask the loop to 'snapshot' or 'stop' after the current iteration (signal handlers)."""
@@ -370,52 +385,78 @@ class Solver:
             raise ValueError(f"action must be 'snapshot', 'stop' or None, got {action!r}")
         self._action = action
 
-    # ----- seams ------------------------------------------------------------------------------------
-    def clear_param_diffs(self):
-        """Zero every parameter gradient before the iteration's backward (Caffe's ClearParamDiffs),
-        but for the weights updated from sufficient factors this iteration (engine/solvers/
-        factored.py): their layers skip the weight gradient, and nothing reads those diffs."""
-        self._defer(self.factored.active(self.param))
-        if not self._deferred:
-            self.net.ClearParamDiffs()
-            return
-        self.net.clear_diffs([b for pid, b in enumerate(self.net.learnable_params)
-                              if pid not in self._deferred])
+    def set_hooks(self, hooks):
+        """Plug `hooks` (engine/solvers/hooks.py) into the loop; None: train alone again."""
+        self.hooks = hooks if hooks is not None else SolverHooks()
 
-    def _defer(self, entries):
-        """Make `entries` [(param id, layer index, layer)] this iteration's factored weights (and
-        no other layer skip its weight gradient)."""
-        for _, _, layer in self.factored.entries:
-            layer.defer_weight_grad = False
-            layer.deferred_passes = 0
-        self._deferred = {pid: (li, layer) for pid, li, layer in entries}
-        for li, layer in self._deferred.values():
-            layer.defer_weight_grad = True
+    # ----- one iteration ----------------------------------------------------------------------------
+    def _begin_iteration(self, it):
+        """Fix the iteration's plan: the layers whose weight gradient is made from their sufficient
+        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py), and clear the
+        other gradients. A weight gradient made from factors is never stored, so its diff is zeroed
+        only if it may hold something (an earlier iteration wrote it), not every iteration."""
+        chosen = self.hooks.factored_layers(self, it)
+        if chosen is None:
+            entries = self.factored.active(self.param)
+        else:
+            entries = self.factored.entries_for(chosen)
+        self._factored = {pid: (li, layer) for pid, li, layer in entries}
+        for li in {li for li, _ in self._factored.values()}:
+            self.net.backward_passes[li] = 0
+        to_clear = []
+        for pid, blob in enumerate(self.net.learnable_params):
+            if pid in self._factored:
+                if pid in self._zeroed:
+                    continue
+                self._zeroed.add(pid)
+            else:
+                self._zeroed.discard(pid)        # its backward writes it
+            to_clear.append(blob)
+        self.net.clear_diffs(to_clear)
+
+    def clear_param_diffs(self):
+        """Zero every parameter gradient (Caffe's ClearParamDiffs)."""
+        self.net.ClearParamDiffs()
+        self._zeroed = set(range(len(self.net.learnable_params)))
+
+    def forward_backward(self):
+        """iter_size forward and backward passes of the train net (gradients accumulate), with the
+        hooks called between layers; the mean loss."""
+        net, hooks, it = self.net, self.hooks, self.iter
+        factored = {li for li, _ in self._factored.values()}
+        events = hooks.wants_backward_events
+        n = self.param.iter_size
+        loss = 0.0
+        for pass_index in range(n):
+            for li in range(len(net.layers)):
+                hooks.before_forward(self, it, li)
+                net.ForwardLayer(li, alone=li == len(net.layers) - 1)
+            pass_loss = net.loss()
+            hooks.after_forward(self, it, pass_index, pass_loss)
+            loss += pass_loss
+            for li in range(len(net.layers) - 1, -1, -1):
+                net.BackwardThrough(li, li in factored)
+                for callback in net.after_backward:
+                    callback(li)
+                hooks.after_backward(self, it, li, pass_index,
+                                     backend.record_event(net.xp) if events else None)
+        return loss / n
 
     def _param_grad_finite(self, pid):
         """Whether parameter pid's gradient of this iteration is finite: its diff, or for a
         factored weight its factors (G and X, from which the gradient will be made)."""
-        if pid in self._deferred:
-            li, layer = self._deferred[pid]
+        if pid in self._factored:
+            li, layer = self._factored[pid]
             return all(all_finite(a) for a in self.factored.factors(li, layer))
         return all_finite(self.net.learnable_params[pid].diff)
-
-    def forward_backward(self):
-        """iter_size forward and backward passes of the train net (gradients accumulate); the mean loss."""
-        n = self.param.iter_size
-        loss = 0.0
-        for _ in range(n):
-            loss += self.net.Forward()
-            self.net.Backward()
-        return loss / n
 
     def check_finite(self, loss):
         """Stop with a PoseidonError when the loss or a parameter gradient is not finite, naming the
         iteration and the first layer (in backward order) whose gradient is not finite."""
         params = self.net.learnable_params
-        diffs = [b.diff for pid, b in enumerate(params) if pid not in self._deferred]
+        diffs = [b.diff for pid, b in enumerate(params) if pid not in self._factored]
         if (math.isfinite(loss) and math.isfinite(rules.global_norm_sq(diffs))
-                and all(self._param_grad_finite(pid) for pid in self._deferred)):
+                and all(self._param_grad_finite(pid) for pid in self._factored)):
             return
         pid_of = {id(b): pid for pid, b in enumerate(params)}
         culprit = None
@@ -437,7 +478,6 @@ class Solver:
             layer, bi = culprit
             detail = (f"the first non-finite parameter gradient (in backward order) is in layer "
                       f"'{layer.name}' (type {layer.type}), param #{bi}")
-        self._defer([])                     # no update follows: backward is whole again
         raise PoseidonError(f"iteration {self.iter}: loss is {loss:g}; {detail}; lower base_lr or "
                             f"set clip_gradients (no snapshot was written)")
 
@@ -460,23 +500,24 @@ class Solver:
             scale *= 1.0 / p.iter_size
         return scale
 
-    def apply_update(self):
-        """Update every learnable parameter from its accumulated gradient (does not advance iter)."""
+    def _log_rate(self, it, display):
         p = self.param
+        if p.lr_policy == "multistep" and self.rule.current_step(it) > self.current_step:
+            log.info(f"MultiStep Status: Iteration {it}, step = {self.rule.current_step(it)}")
+        if display:
+            log.info(f"Iteration {it}, lr = {_g(self.rule.rate(it))}")
+
+    def apply_update(self):
+        """Update every learnable parameter from its accumulated gradient (does not advance iter);
+        inside step(), a weight planned to come from its factors is updated from them."""
         rate = self.rule.rate(self.iter)
-        if p.lr_policy == "multistep" and self.rule.current_step(self.iter) > self.current_step:
-            log.info(f"MultiStep Status: Iteration {self.iter}, step = "
-                     f"{self.rule.current_step(self.iter)}")
-        if p.display and self.iter % p.display == 0:
-            log.info(f"Iteration {self.iter}, lr = {_g(rate)}")
         scale = self.gradient_scale()
         for pid, (blob, spec, state) in enumerate(zip(
                 self.net.learnable_params, self.net.learnable_param_specs, self.history)):
-            if pid in self._deferred:
-                li, layer = self._deferred[pid]
-                if layer.deferred_passes != 1:
-                    passes = layer.deferred_passes
-                    self._defer([])
+            if pid in self._factored:
+                li, layer = self._factored[pid]
+                passes = self.net.backward_passes[li]
+                if passes != 1:
                     raise PoseidonError(
                         f"iteration {self.iter}: layer '{layer.name}' ran backward {passes} "
                         f"times since clear_param_diffs(), but its weight is updated from the "
@@ -490,7 +531,6 @@ class Solver:
             else:
                 self.rule.update(blob.data, blob.diff, state, self.iter, spec.lr_mult,
                                  spec.decay_mult, scale, rate=rate)
-        self._defer([])
 
     # ----- display and testing -----------------------------------------------------------------------
     def _update_smoothed_loss(self, loss, start_iter):
@@ -526,10 +566,12 @@ class Solver:
 
     def test(self, i):
         """test_iter[i] forward passes of test net i; logs and returns {output blob: mean value}
-        (a float for one-element blobs, else an array averaged element by element)."""
-        p = self.param
+        (a float for one-element blobs, else an array averaged element by element). The hooks
+        may run a share of the batches here and combine the means with other processes'."""
+        p, hooks = self.param, self.hooks
         net = self.test_nets[i]
-        n = p.test_iter[i]
+        hooks.before_test(self, i)
+        n = hooks.test_batches(self, i, p.test_iter[i])
         log.info(f"Iteration {self.iter}, Testing net (#{i})")
         sums = None
         loss = 0.0
@@ -542,17 +584,22 @@ class Solver:
             else:
                 for acc, name in zip(sums, net.output_names):
                     acc += net.blobs[name].data
-        if p.test_compute_loss and n > 0:
-            log.info(f"Test loss: {_g(loss / n)}")
+        if not n:
+            return OrderedDict()
+        local = numpy.concatenate([[loss]] + [backend.to_numpy(acc).reshape(-1) for acc in sums])
+        means = hooks.reduce_test(self, i, local / n)
+        if p.test_compute_loss:
+            log.info(f"Test loss: {_g(means[0])}")
         results = OrderedDict()
-        k = 0
-        for acc, name in zip(sums or [], net.output_names):
-            mean = backend.to_numpy(acc) / n
+        k, off = 0, 1
+        for acc, name in zip(sums, net.output_names):
+            mean = means[off:off + acc.size]
+            off += acc.size
             weight = net.blob_loss_weights.get(name, 0)
-            for value in mean.reshape(-1):
+            for value in mean:
                 log.info(f"    Test net output #{k}: {name} = {_g(value)}{_loss_suffix(weight, value)}")
                 k += 1
-            results[name] = float(mean.reshape(-1)[0]) if mean.size == 1 else mean
+            results[name] = float(mean[0]) if mean.size == 1 else mean.reshape(acc.shape)
         return results
 
     def _progress_bar(self, total):
@@ -569,51 +616,13 @@ class Solver:
         return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
 
     def snapshot(self):
-        """Write <prefix>_iter_N.caffemodel(.h5), .solverstate(.h5) and .cursors.json; returns the
-        solverstate path."""
-        from ..io import caffemodel
-        p = self.param
-        if not p.HasField("snapshot_prefix"):
-            raise ModelError(f"{self._where()}: cannot snapshot: snapshot_prefix is not set")
-        hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
-        folder = os.path.dirname(p.snapshot_prefix)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        net = self.net
-        if hdf5:
-            model_file = self.snapshot_filename(".caffemodel.h5")
-            log.info(f"Snapshotting to HDF5 file {model_file}")
-            blobs = OrderedDict((name, [backend.to_numpy(b.data) for b in layer.blobs])
-                                for name, layer in zip(net.layer_names, net.layers) if layer.blobs)
-            diffs = None
-            if p.snapshot_diff:
-                diffs = OrderedDict((name, [backend.to_numpy(b.diff) for b in layer.blobs])
-                                    for name, layer in zip(net.layer_names, net.layers) if layer.blobs)
-            caffemodel.write_net_hdf5(model_file, blobs, diffs)
-        else:
-            model_file = self.snapshot_filename(".caffemodel")
-            log.info(f"Snapshotting to binary proto file {model_file}")
-            if p.snapshot_diff:
-                caffemodel.write_net_proto(net.to_proto(write_diff=True), model_file)
-            else:
-                net.save(model_file)
-        history = [backend.to_numpy(state[k]) for k in range(self.rule.num_state)
-                   for state in self.history]
-        current_step = self.current_step
-        if hdf5:
-            state_file = self.snapshot_filename(".solverstate.h5")
-            log.info(f"Snapshotting solver state to HDF5 file {state_file}")
-            caffemodel.write_solverstate_hdf5(state_file, self.iter, model_file, history, current_step)
-        else:
-            state_file = self.snapshot_filename(".solverstate")
-            log.info(f"Snapshotting solver state to binary proto file {state_file}")
-            caffemodel.write_solverstate(state_file, self.iter, model_file, history, current_step)
-        sidecar = {"iter": self.iter, "rng": rng.get_state(), "train": net.data_cursors(),
-                   "test": [t.data_cursors() for t in self.test_nets]}
-        caffemodel.write_atomic(self.snapshot_filename(".cursors.json"),
-                                json.dumps(sidecar).encode("utf-8"))
-        self.snapshot_files = [model_file, state_file, self.snapshot_filename(".cursors.json")]
-        self.write_manifest(state_file)
+        """Write <prefix>_iter_N.caffemodel(.h5), .solverstate(.h5) and .cursors.json, and the
+        manifest over them last (engine/solvers/snapshots.py); returns the solverstate path."""
+        return self.hooks.snapshot(self, self._write_snapshot)
+
+    def _write_snapshot(self):
+        self.snapshot_files, state_file = snapshots.write(self)
+        self.write_manifest(state_file, self.hooks.snapshot_files(self, state_file))
         return state_file
 
     def write_manifest(self, state_file, extra_files=()):
@@ -626,78 +635,22 @@ class Solver:
         """Resume from a .solverstate (or .solverstate.h5): weights, history and iter (current_step
         follows from iter), and the data cursors and random state from the .cursors.json beside it,
         when present."""
-        from ..io import caffemodel
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise ModelError(f"{path}: solver state file does not exist; check the --snapshot "
-                             f"path (snapshots are <snapshot_prefix>_iter_N.solverstate)")
-        if os.path.exists(manifest.manifest_path(path)):
-            manifest.verify_manifest(manifest.manifest_path(path))
-        else:
-            log.warning(f"{path}: no snapshot manifest beside it (a Caffe snapshot?); "
-                        f"resuming without checksum verification")
-        try:
-            state = (caffemodel.read_solverstate_hdf5(path) if path.endswith(".h5")
-                     else caffemodel.read_solverstate(path))
-        except ImportError:
-            raise ModelError(f"{path}: is an HDF5 solver state and reading it needs h5py: pip "
-                             f"install h5py") from None
-        except (ValueError, OSError, KeyError) as e:
-            reason = caffemodel.unreadable_reason(e, "SolverState")
-            raise ModelError(f"{path}: not a readable solver state ({reason}); give the "
-                             f".solverstate a snapshot wrote (a torn copy also gives this: resume "
-                             f"from an earlier snapshot)") from None
-        if state.learned_net:
-            weights = self._learned_net(state.learned_net, path)
-            try:
-                self.net.copy_from(weights)
-            except ModelError as e:
-                detail = str(e).split("; check that the file")[0]
-                raise ModelError(f"{path}: is a snapshot of another net ({detail}); resume with "
-                                 f"the solver and model that wrote it") from None
-        params = self.net.learnable_params
-        expected = len(params) * self.rule.num_state
-        if len(state.history) != expected:
-            raise ModelError(f"{path}: holds {len(state.history)} history blobs, the "
-                             f"{self.rule.type} solver of this net needs {expected} "
-                             f"({len(params)} parameters x {self.rule.num_state}); check the "
-                             f"solver type and the model")
-        log.info(f"{self.rule.type}Solver: restoring history")
-        for k in range(self.rule.num_state):
-            for i, blob in enumerate(params):
-                array = numpy.asarray(state.history[k * len(params) + i])
-                target = self.history[i][k]
-                if array.size != target.size:
-                    raise ModelError(f"{path}: history blob {k * len(params) + i} has "
-                                     f"{array.size} values, parameter "
-                                     f"'{self.net.learnable_param_specs[i].name}' has "
-                                     f"{target.size}")
-                target[...] = backend.to_xp(array.reshape(target.shape).astype(target.dtype),
-                                            backend.get_array_module(target))
-        self.iter = int(state.iter)
-        sidecar = _sidecar_path(path)
-        if os.path.exists(sidecar):
-            with open(sidecar, "r", encoding="utf-8") as f:
-                extra = json.load(f)
-            if extra.get("rng") is not None:
-                rng.set_state(extra["rng"])
-            self.net.set_data_cursors(extra.get("train"))
-            for net, cursors in zip(self.test_nets, extra.get("test") or []):
-                net.set_data_cursors(cursors)
+        self.hooks.restore(self, path, lambda p: snapshots.read(self, p))
 
-    def _learned_net(self, name, state_path):
-        if os.path.exists(name):
-            return name
-        folder = os.path.dirname(os.path.abspath(state_path))
-        for candidate in (os.path.join(folder, name), os.path.join(folder, os.path.basename(name))):
-            if os.path.exists(candidate):
-                return candidate
-        raise ModelError(f"{state_path}: its weights file '{name}' does not exist (looked in the "
-                         f"current directory and {folder})")
+    def cursor_state(self):
+        """Where this process's data and random streams stand (saved beside each snapshot)."""
+        return {"iter": self.iter, "rng": rng.get_state(), "train": self.net.data_cursors(),
+                "test": [t.data_cursors() for t in self.test_nets]}
 
-
-def _sidecar_path(state_path):
-    return manifest.snapshot_base(state_path) + ".cursors.json"
+    def load_cursor_state(self, state):
+        """Put the data and random streams (and, when given, the iteration) where `state` says."""
+        if state.get("iter") is not None:
+            self.iter = int(state["iter"])
+        if state.get("rng") is not None:
+            rng.set_state(state["rng"])
+        self.net.set_data_cursors(state.get("train"))
+        for net, cursors in zip(self.test_nets, state.get("test") or []):
+            net.set_data_cursors(cursors)
 
 
 def _loss_suffix(weight, value):

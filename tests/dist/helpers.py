@@ -163,7 +163,9 @@ def run_threads(param, workers, servers, weights=None, snapshot=None, timeout=60
 
 
 def params_of(solver):
+    """The parameters of an engine Solver, or of a DistributedSolver's."""
     from poseidon.engine import backend
+    solver = getattr(solver, "solver", solver)
     return [numpy.array(backend.to_numpy(b.data)) for b in solver.net.learnable_params]
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from poseidon.dist.book import InformationBook, best_scheme, first_difference
+from poseidon.dist.book import InformationBook, first_difference
+from poseidon.dist.schemes import best_scheme
 from poseidon.dist.cost import adam_cost, ps_cost, sfb_cost
 from poseidon.dist.errors import DistError
 from poseidon.dist.placement import (MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, parse_bytes, place_pairs,

@@ -1,5 +1,6 @@
 """SFB's rebuild on the workers: block by block of weight rows, fused with the update, and with
-the layer's own weight gradient skipped (dist/sfb.py, InnerProduct's defer_weight_grad).
+the layer's own weight gradient skipped (dist/schemes/sfb.py: the solver runs the layer's backward
+with weight_grad=False).
 
 Roles run as threads of this process over real ZeroMQ sockets (tests/dist/helpers.py), float64.
 
@@ -43,7 +44,6 @@ def test_rebuild_in_small_blocks_equals_one_process(data, tmp_path, monkeypatch,
     net = solvers[0].solver.net
     for name in ("ip1", "ip2", "ip3"):
         layer = net.layers[net.layer_names.index(name)]
-        assert layer.defer_weight_grad is False              # only during SFB's backward
         assert not layer.blobs[0].diff.any(), f"{name} made its own weight gradient under SFB"
         if len(layer.blobs) > 1:
             assert layer.blobs[1].diff.any()                 # the bias gradient is still made
@@ -63,8 +63,8 @@ def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
     earlier iteration (simulated here, as the book's scheme is fixed for a job)."""
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=3), 4, 2)
     ds = solvers[0]
-    net = ds.net
-    assert [rec["scheme"] for rec in ds.book.layers] == ["sfb", "sfb", "ps"]
+    net = ds.solver.net
+    assert [rec["scheme"] for rec in ds.hooks.book.layers] == ["sfb", "sfb", "ps"]
     weights = {net.layers[net.layer_names.index(n)].blobs[0] for n in ("ip1", "ip2")}
     params = net.learnable_params
     assert not any(b.diff.any() for b in weights)            # kept at zero through the run
@@ -75,18 +75,18 @@ def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
             b.diff[...] = 1.0
 
     written()
-    ds._clear_param_diffs()                                  # known zero already: SFB's skipped
+    ds.solver._begin_iteration(ds.solver.iter)       # known zero already: SFB's skipped
     for b in params:
         assert b.diff.any() == (b in weights)
     with monkeypatch.context() as m:                         # an iteration where all go by PS
-        for syncer in ds.syncers.values():
-            m.setattr(syncer, "prepare", lambda it: ())
-        ds._clear_param_diffs()
+        for syncer in ds.hooks.syncers.values():
+            m.setattr(syncer, "prepare", lambda it: False)
+        ds.solver._begin_iteration(ds.solver.iter)
         assert not any(b.diff.any() for b in params)
         written()
-    ds._clear_param_diffs()                                  # back to SFB: cleared once
+    ds.solver._begin_iteration(ds.solver.iter)       # back to SFB: cleared once
     assert not any(b.diff.any() for b in params)
     written()
-    ds._clear_param_diffs()
+    ds.solver._begin_iteration(ds.solver.iter)
     for b in params:
         assert b.diff.any() == (b in weights)

@@ -11,7 +11,8 @@ import os
 import numpy
 import pytest
 
-from poseidon.dist.worker import DistributedSolver, worker_cursor_path
+from poseidon.dist.snapshots import worker_cursor_path
+from poseidon.dist.worker import WorkerHooks
 from poseidon.engine.io import caffemodel
 from poseidon.engine.solvers import get_solver
 
@@ -124,14 +125,14 @@ def test_batchnorm_statistics_are_averaged(data, tmp_path, monkeypatch):
     p = solver_param(net, max_iter=3)
     p.snapshot_prefix = str(tmp_path / "bn" / "run")
     seen = {}
-    original = DistributedSolver._average_statistics
+    original = WorkerHooks._average_statistics
 
     def spy(self):
         before = [numpy.array(b.data) for b in self.net.layer_dict["bn1"].blobs]
         original(self)
         seen.setdefault(self.rank, []).append(
             (before, [numpy.array(b.data) for b in self.net.layer_dict["bn1"].blobs]))
-    monkeypatch.setattr(DistributedSolver, "_average_statistics", spy)
+    monkeypatch.setattr(WorkerHooks, "_average_statistics", spy)
     solvers = run_threads(p, 2, 1)
     (b0, a0), (b1, a1) = seen[0][-1], seen[1][-1]
     assert not all(numpy.array_equal(x, y) for x, y in zip(b0, b1))   # workers saw other data

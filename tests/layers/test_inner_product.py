@@ -169,18 +169,17 @@ def test_errors():
 
 @pytest.mark.parametrize("extra", ["", "transpose: true", "bias_term: false"])
 def test_deferred_weight_gradient_leaves_the_weight_diff_alone(extra):
-    """defer_weight_grad (set by SFB): backward makes the bias gradient and the bottom diff as
-    usual and does not touch the weight's diff (the syncer rebuilds it from the factors)."""
+    """backward(weight_grad=False) (a weight made from factors: the solver's or SFB's): it makes
+    the bias gradient and the bottom diff as usual and does not touch the weight's diff."""
     rs = numpy.random.RandomState(8)
     x, g = rs.standard_normal((3, 5)), rs.standard_normal((3, 4))
     full = ip(4, extra=extra)
     bottom_full, _ = _backward(full, x, g)
     deferred = ip(4, extra=extra)
-    deferred.defer_weight_grad = True
     bottom, top = run_forward(deferred, [x])
     deferred.blobs[0].diff[...] = 7.0                     # must survive untouched
     top[0].diff[...] = g
-    deferred.backward(top, [True], bottom)
+    deferred.backward(top, [True], bottom, weight_grad=False)
     numpy.testing.assert_array_equal(deferred.blobs[0].diff, 7.0)
     numpy.testing.assert_array_equal(bottom[0].diff, bottom_full[0].diff)
     if "bias_term: false" not in extra:

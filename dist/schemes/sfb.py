@@ -12,8 +12,8 @@ and applies the solver's update rule with the 1/P1 scale and its own copy of the
 state. Every worker computes the same numbers in the same order, so the replicas stay bitwise
 identical.
 
-Cost: the layer's own backward skips its local weight gradient (`prepare` sets the layer's
-`defer_weight_grad`: the rebuild covers it), and the rebuild and the update go together block by
+Cost: the layer's own backward skips its local weight gradient (the scheme is `factored`: the
+worker's hooks tell the solver, whose backward of the layer then leaves the weight alone), and the rebuild and the update go together block by
 block of weight rows (engine/solvers/factored.py, which the single-process solver uses too), so
 each gradient block is updated while it is still in cache and no weight-sized gradient is ever
 written to memory or allocated per iteration.
@@ -24,19 +24,38 @@ from poseidon.engine.layers.im2col import WorkerBuffers
 from poseidon.engine.solvers.factored import update_from_factors
 from poseidon.engine.solvers.solver import all_finite
 
-from .cost import sfb_cost
-from .errors import DistError
-from .schemes import Scheme, register_scheme
-from .transport import Msg
+from ..cost import sfb_cost
+from ..errors import DistError
+from ..transport import Msg
+from .base import Scheme, register_scheme
+
 
 @register_scheme
 class SFBScheme(Scheme):
     name = "sfb"
-    defers_weight_grad = True       # the layer's backward skips its weight gradient (rebuilt here)
+    factored = True                 # the layer's backward skips its weight gradient (rebuilt here)
+
+    @staticmethod
+    def applies_to(rec):
+        """InnerProduct layers that alone own a learned weight, with iter_size 1 (the book's 'sfb'
+        flag: the factors of one pass are the iteration's gradient)."""
+        return bool(rec["sfb"])
+
+    @staticmethod
+    def peer_arrays(rec, arrays):
+        """G (K×M), X (K×N) and, with a bias, its gradient (M)."""
+        expected = f"[{rec['K']}, {rec['M']}], [{rec['K']}, {rec['N']}], [{rec['M']}]"
+        if not 2 <= len(arrays) <= 3:
+            return None, expected
+        rows = arrays[0].shape[0] if arrays[0].ndim == 2 else -1
+        want = [(rows, rec["M"]), (rows, rec["N"])] + [(rec["M"],)] * (len(arrays) - 2)
+        if rows != rec["K"]:
+            want[0] = want[1] = None
+        return want, expected
 
     def __init__(self, syncer):
         super().__init__(syncer)
-        w = self.worker
+        ctx = self.ctx
         layer = syncer.layer
         if not getattr(layer, "has_sufficient_factors", False):
             raise DistError(f"layer '{syncer.name}' ({layer.type}) cannot give sufficient "
@@ -44,14 +63,14 @@ class SFBScheme(Scheme):
         self.layer = layer
         self.weight = self.bias = None
         for pid in syncer.pids:
-            li, bi = w.book.params[pid]["owner"]
+            li, bi = ctx.book.params[pid]["owner"]
             if bi == 0:
                 self.weight = pid
             elif bi == 1:
                 self.bias = pid
         if self.weight is None:
             raise DistError(f"layer '{syncer.name}': SFB needs its weight to be learnable")
-        self.peers = [r for r in w.roles.worker_ranks() if r != w.rank]
+        self.peers = [r for r in ctx.roles.worker_ranks() if r != ctx.rank]
         self.receipts = []
         self._own = None
         self._buffers = WorkerBuffers()         # the rebuilt gradient blocks, reused
@@ -61,7 +80,7 @@ class SFBScheme(Scheme):
         return sfb_cost(rec["M"], rec["N"], rec["K"], P1)
 
     def _factors(self):
-        net, li = self.worker.net, self.syncer.li
+        net, li = self.ctx.net, self.syncer.li
         G, X = self.layer.sufficient_factors(net.bottom_vecs[li], net.top_vecs[li])
         arrays = [G, X]
         if self.bias is not None:
@@ -80,28 +99,27 @@ class SFBScheme(Scheme):
         return None
 
     def send(self, it, stats):
-        w, stage = self.worker, self.syncer.stage
-        self.layer.defer_weight_grad = False    # set by prepare() for this iteration's backward only
+        ctx, stage = self.ctx, self.syncer.stage
         own = [stage.to_host(a, ("f", i)) for i, a in enumerate(self._factors())]
         stage.synchronize()
         self._own = own
         for peer in self.peers:
-            receipt = w.transport.send(peer, Msg.SF, iteration=it, key=self.syncer.li, arrays=own)
+            receipt = ctx.transport.send(peer, Msg.SF, iteration=it, key=self.syncer.li, arrays=own)
             stats.sent(receipt)
             self.receipts.append(receipt)
 
     def receive(self, it, stats):
-        w, stage, syncer = self.worker, self.syncer.stage, self.syncer
+        ctx, stage, syncer = self.ctx, self.syncer.stage, self.syncer
         msgs = []
         if self.peers:
-            msgs = w.transport.receive(
+            msgs = ctx.transport.receive(
                 Msg.SF, syncer.li, it, count=len(self.peers), senders=self.peers,
                 what=f"the sufficient factors of layer '{syncer.name}' for iteration {it}")
         for m in msgs:
             stats.received(m)
         by_rank = {m.sender: m.arrays for m in msgs}
-        by_rank[w.rank] = self._own
-        sets = [by_rank[r] for r in w.roles.worker_ranks()]   # rank order
+        by_rank[ctx.rank] = self._own
+        sets = [by_rank[r] for r in ctx.roles.worker_ranks()]   # rank order
         k_total = sum(s[0].shape[0] for s in sets)
         G0, X0 = self._own[0], self._own[1]
         g_all = stage.buffer("G_all", (k_total, G0.shape[1]), G0.dtype)
@@ -115,7 +133,7 @@ class SFBScheme(Scheme):
             g_all[row:row + k] = s[0]
             x_all[row:row + k] = s[1]
             row += k
-        xp = w.net.xp
+        xp = ctx.net.xp
         self._rebuild_and_update(stage.device_array(g_all, xp), stage.device_array(x_all, xp), it)
         if self.bias is not None:
             b = stage.buffer("b_sum", sets[0][2].shape, sets[0][2].dtype)
@@ -130,15 +148,15 @@ class SFBScheme(Scheme):
 
     def _rebuild_and_update(self, g_all, x_all, it):
         """The weight's update from the stacked factors, block of rows by block of rows."""
-        w = self.worker
-        p = w.book.params[self.weight]
-        update_from_factors(self.layer, w.rule, w.net.learnable_params[self.weight].data,
-                            w.history[self.weight], g_all, x_all, it, p["lr_mult"],
-                            p["decay_mult"], w.grad_scale, w.rule.rate(it), self._buffers)
+        ctx = self.ctx
+        p = ctx.book.params[self.weight]
+        update_from_factors(self.layer, ctx.rule, ctx.net.learnable_params[self.weight].data,
+                            ctx.history[self.weight], g_all, x_all, it, p["lr_mult"],
+                            p["decay_mult"], ctx.grad_scale, ctx.rule.rate(it), self._buffers)
 
     def _apply(self, pid, grad, it):
-        w = self.worker
-        p = w.book.params[pid]
-        blob = w.net.learnable_params[pid]
-        w.rule.update(blob.data, grad.reshape(blob.data.shape), w.history[pid], it, p["lr_mult"],
-                      p["decay_mult"], w.grad_scale)
+        ctx = self.ctx
+        p = ctx.book.params[pid]
+        blob = ctx.net.learnable_params[pid]
+        ctx.rule.update(blob.data, grad.reshape(blob.data.shape), ctx.history[pid], it, p["lr_mult"],
+                      p["decay_mult"], ctx.grad_scale)

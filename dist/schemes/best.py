@@ -1,0 +1,36 @@
+"""BestScheme: Algorithm 1 of the Poseidon paper, over every registered scheme.
+
+The paper compares two schemes' communication on the busiest node (Table 1: the parameter server's
+2·M·N·(P1 + P2 − 2)/P2 floats against sufficient-factor broadcasting's 2·K·(P1 − 1)·(M + N)) and
+takes the cheaper. Here each registered scheme states its own cost and where it applies, and the
+cheapest that can sync the layer wins; a tie goes to the scheme that needs no servers (the paper's
+"≤"). `--sync NAME` forces a scheme wherever it applies; elsewhere the layer goes by PS, which
+applies to every layer. Under --straggler-timeout or --staleness only schemes that tolerate a late
+or early worker (not `bsp_only`) may run: PS.
+"""
+from .base import SCHEMES, scheme_class
+
+FALLBACK = "ps"
+
+
+def sync_choices():
+    """What --sync accepts: hybrid (BestScheme per layer) and every registered scheme."""
+    return ("hybrid",) + tuple(SCHEMES)
+
+
+def choose_scheme(rec, P1, P2, sync="hybrid", relaxed=None):
+    """The scheme's name for the layer the book describes as `rec`, with P1 workers and P2
+    servers. `relaxed`: the option that relaxes BSP, if any."""
+    usable = [cls for cls in SCHEMES.values()
+              if cls.applies_to(rec) and not (relaxed and cls.bsp_only)]
+    if sync != "hybrid":
+        forced = scheme_class(sync)
+        return forced.name if forced in usable else FALLBACK
+    order = {name: i for i, name in enumerate(SCHEMES)}
+    return min(usable, key=lambda cls: (cls.cost(rec, P1, P2), cls.uses_servers,
+                                        order[cls.name])).name
+
+
+def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid", relaxed=None):
+    """choose_scheme for a layer given by its GEMM shape: M outputs, N inputs, K rows a worker."""
+    return choose_scheme({"sfb": sfb_capable, "M": M, "N": N, "K": K}, P1, P2, sync, relaxed)
