@@ -39,13 +39,13 @@ import numpy
 from poseidon.engine import backend, rng
 from poseidon.engine.errors import ModelError
 
-from . import directlink, faults
+from . import faults
 from .book import describe_net, relaxed_consistency
 from .errors import DistError
 from .session import current, make_current
 from .syncer import StreamPool, Syncer, record_event
 from .timeline import Timeline, role_path, write_trace
-from .transport import Msg
+from .transport import Msg, onehost
 
 log = logging.getLogger("poseidon")
 
@@ -84,7 +84,7 @@ def _start_sync_thread(device, idle):
 
 def spin_seconds(book, roles):
     """How long the main thread's wait for the last sync's answers may spin before it sleeps
-    (directlink.SPIN_SECONDS): only on a job whose processes all share this host and have a core
+    (onehost.SPIN_SECONDS): only on a job whose processes all share this host and have a core
     each, so that the spinning takes no core a server or another worker needs."""
     if not book.data.get("one_host"):
         return 0.0
@@ -92,7 +92,7 @@ def spin_seconds(book, roles):
         cores = len(os.sched_getaffinity(0))
     except AttributeError:   # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return directlink.SPIN_SECONDS if roles.workers + roles.servers <= cores else 0.0
+    return onehost.SPIN_SECONDS if roles.workers + roles.servers <= cores else 0.0
 
 
 def _g(x):
@@ -259,9 +259,10 @@ class DistributedSolver:
 
     def _place_in_kv_memory(self):
         """Put each PS parameter whose KV pairs all sit, back to back, in the shared memory of
-        one server of this host (dist/kvshm.py) there: its values in the server's values, its
-        gradient in this worker's region. The backward then writes the gradient where the server
-        reads it and the server updates the values the forward reads; a sync moves headers only.
+        one server of this host (dist/transport/onehost/kvshm.py) there: its values in the
+        server's values, its gradient in this worker's region. The backward then writes the
+        gradient where the server reads it and the server updates the values the forward reads; a
+        sync moves headers only.
 
         After the start barrier the server's values are this worker's (worker 0 initialised
         them, the others took worker 0's), so nothing is copied but the gradient. CPU nets only
