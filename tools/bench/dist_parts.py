@@ -281,9 +281,9 @@ def _echo(sock, rounds):
 
 def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
     """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback (or,
-    with `ipc`, a Unix socket in a private folder: dist/localipc.LocalInbox, as the job binds) to
-    an echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy);
-    bytes/s counts both directions, as a push + pull does.
+    with `ipc`, a Unix socket in a private folder: dist/transport/onehost/localipc.LocalInbox, as
+    the job binds) to an echo thread (pyzmq releases the GIL while it moves frames, and frames go
+    zero-copy); bytes/s counts both directions, as a push + pull does.
 
     Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
     encryption and decryption run on two I/O threads as in the KV job's two processes. With
