@@ -130,8 +130,9 @@ AUTO_BUCKET_BYTES = 1 << 20
 
 
 def one_host(local, size):
-    """Whether all `size` processes advertised a Unix-socket inbox (dist/localipc.py) on the same
-    boot, so every pair talks on this host (a job with --ipc off gives none)."""
+    """Whether all `size` processes advertised a Unix-socket inbox
+    (dist/transport/onehost/localipc.py) on the same boot, so every pair talks on this host (a job
+    with --ipc off gives none)."""
     boots = {(info or {}).get("boot") for info in (local or {}).values()}
     return len(local or {}) == size and len(boots) == 1 and None not in boots
 
@@ -199,8 +200,8 @@ def make_bundles(layers, cut, itemsize, fusion):
 
 
 def servers_share_memory(local, workers, servers):
-    """Whether every server advertised its shared KV memory (dist/kvshm.py; it does so only with
-    --ipc auto, under BSP and without the bandwidth cap)."""
+    """Whether every server advertised its shared KV memory (dist/transport/onehost/kvshm.py; it
+    does so only with --ipc auto, under BSP and without the bandwidth cap)."""
     local = {str(k): v for k, v in (local or {}).items()}
     return servers > 0 and all(isinstance((local.get(str(r)) or {}).get("kv_memory"), dict)
                                for r in range(workers, workers + servers))
@@ -361,7 +362,7 @@ class InformationBook:
         return self.data["addresses"][str(rank)]
 
     def local(self, rank):
-        """The rank's Unix-socket inbox (dist/localipc.py), or None."""
+        """The rank's Unix-socket inbox (dist/transport/onehost/localipc.py), or None."""
         return self.data.get("local", {}).get(str(rank))
 
     def digest(self):

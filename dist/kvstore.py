@@ -22,10 +22,10 @@ Why it is built this way (the paper's KV store, made exact):
 - `--straggler-timeout` and `--staleness` relax BSP through a policy (dist/consistency.py) that
   takes over pushes; with neither, `self.policy` is None and the path above is untouched.
 - On one host (`--ipc auto`, BSP, the update handler) the values live in the server's shared
-  memory (dist/kvshm.py) beside a gradient region per worker: a worker that mapped it pushes a
-  header alone, its gradient already in its region, and is answered with a header alone, the
-  values updated in place. Others push and are answered with arrays, as before; one pair may
-  have both kinds of worker.
+  memory (dist/transport/onehost/kvshm.py) beside a gradient region per worker: a worker that
+  mapped it pushes a header alone, its gradient already in its region, and is answered with a
+  header alone, the values updated in place. Others push and are answered with arrays, as
+  before; one pair may have both kinds of worker.
 """
 import json
 import threading
@@ -33,10 +33,10 @@ import time
 
 import numpy
 
-from . import kvshm
 from .consistency import make_policy, rank_order_sum
 from .errors import DistError
 from .transport import Msg
+from .transport.onehost import kvshm
 
 
 class PairState:

@@ -179,8 +179,8 @@ def dist_flags_given(args):
 
 def shared_kv_memory(opts):
     """Whether KV pushes and answers on one host keep their arrays in the server's shared memory
-    (dist/kvshm.py): with --ipc auto, under BSP, and without the bandwidth cap (whose experiments
-    emulate a network the bytes must cross)."""
+    (dist/transport/onehost/kvshm.py): with --ipc auto, under BSP, and without the bandwidth cap
+    (whose experiments emulate a network the bytes must cross)."""
     return (opts.ipc == "auto" and not opts.bandwidth and opts.straggler_timeout is None
             and not opts.staleness)
 

@@ -120,7 +120,7 @@ def _signal_requests(job):
 
 def _exit(status):
     """os._exit, after removing this process's Unix-socket folders (os._exit runs no atexit)."""
-    from .localipc import remove_all
+    from .transport.onehost.localipc import remove_all
     remove_all()
     os._exit(status)
 

@@ -42,7 +42,7 @@ from poseidon.engine import backend
 from poseidon.engine.errors import ModelError
 from poseidon.engine.solvers.hooks import SolverHooks
 
-from . import directlink, faults, replicas
+from . import faults, replicas
 from .book import describe_net, relaxed_consistency
 from .errors import DistError
 from .kvclient import KVClient
@@ -50,6 +50,7 @@ from .session import current, make_current
 from .snapshots import JobSnapshots, worker_cursor_path  # noqa: F401  (part of the worker's API)
 from .syncer import StreamPool, SyncContext, Syncer
 from .timeline import Timeline, role_path, write_trace
+from .transport import onehost
 from .verdicts import NonFiniteGradient, Verdicts  # noqa: F401
 
 log = logging.getLogger("poseidon")
@@ -89,7 +90,7 @@ def _start_sync_thread(device, idle):
 
 def spin_seconds(book, roles):
     """How long the main thread's wait for the last sync's answers may spin before it sleeps
-    (directlink.SPIN_SECONDS): only on a job whose processes all share this host and have a core
+    (onehost.SPIN_SECONDS): only on a job whose processes all share this host and have a core
     each, so that the spinning takes no core a server or another worker needs."""
     if not book.data.get("one_host"):
         return 0.0
@@ -97,7 +98,7 @@ def spin_seconds(book, roles):
         cores = len(os.sched_getaffinity(0))
     except AttributeError:   # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return directlink.SPIN_SECONDS if roles.workers + roles.servers <= cores else 0.0
+    return onehost.SPIN_SECONDS if roles.workers + roles.servers <= cores else 0.0
 
 
 def _g(x):

@@ -72,8 +72,8 @@ class Blob:
 
     def place(self, data, diff):
         """Keep data and diff in the given flat arrays from now on (a KV server's shared memory,
-        dist/kvshm.py), without copying: the caller makes sure they hold what they should. Blobs
-        that shared this one's storage must then `follow` it."""
+        dist/transport/onehost/kvshm.py), without copying: the caller makes sure they hold what
+        they should. Blobs that shared this one's storage must then `follow` it."""
         count = self._data.size
         if data.size != count or diff.size != count:
             raise ValueError(f"cannot place a blob of {count} elements in arrays of "

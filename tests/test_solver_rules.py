@@ -202,9 +202,10 @@ def test_large_update_with_a_padded_gradient_equals_the_contiguous_one(kind, thr
 @pytest.mark.parametrize("blocked", [False, True])
 def test_a_kept_gradient_is_left_alone_and_changes_nothing_else(kind, variant, blocked,
                                                                monkeypatch):
-    """keep_grad (a KV server updating from a worker's diff in shared memory, dist/kvshm.py):
-    the gradient is not written, and value and state are bitwise those of the usual update, with
-    and without weight decay or a gradient scale, whole or in blocks."""
+    """keep_grad (a KV server updating from a worker's diff in shared memory,
+    dist/transport/onehost/kvshm.py): the gradient is not written, and value and state are bitwise
+    those of the usual update, with and without weight decay or a gradient scale, whole or in
+    blocks."""
     from poseidon.engine.solvers import rules
     if blocked:
         monkeypatch.setattr(rules, "BLOCKED_MIN", 64)

@@ -19,9 +19,9 @@ class PSScheme(Scheme):
     The gradient frames are views of the diff (CPU) or of pinned buffers (GPU), sent zero-copy;
     the values arrive bundle by bundle and are copied straight into the parameter (or its pinned
     buffer, then one host-to-device copy per parameter). To a server of this host that shares its
-    memory (dist/kvshm.py) the gradient is copied into this worker's region and the message is
-    a header; the answer is a header too, and the values are copied from the server's memory.
-    A parameter the worker placed in that memory (dist/replicas.py) is
+    memory (dist/transport/onehost/kvshm.py) the gradient is copied into this worker's region and
+    the message is a header; the answer is a header too, and the values are copied from the
+    server's memory. A parameter the worker placed in that memory (dist/replicas.py) is
     copied neither way: its diff is the region, its data the server's values."""
 
     name = "ps"

@@ -57,8 +57,9 @@ class NaNOnRank(_PassThrough):
 
 class CachedScale(engine.Layer):
     """y = x * s per feature, s a learnable blob whose arrays the layer keeps from setup on (as
-    pycaffe code may): a worker must not move such a parameter's storage (dist/kvshm.py
-    placement), or the layer would go on reading arrays nobody updates."""
+    pycaffe code may): a worker must not move such a parameter's storage
+    (dist/transport/onehost/kvshm.py placement), or the layer would go on reading arrays nobody
+    updates."""
     exact_bottoms = 1
 
     def setup(self, bottom, top):

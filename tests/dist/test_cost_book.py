@@ -268,10 +268,11 @@ def test_bucket_bytes_auto_buckets_on_one_host_only():
 
 
 def test_shared_memory_merges_a_syncs_bundles_per_server_after_placement():
-    """On one host whose servers all offer shared KV memory (dist/kvshm.py), a sync's bundles
-    that placement put on the same server become one message of at most 64 pairs; placement
-    itself (which server holds which pair) is what it would be without. Not when a server
-    offers none, across hosts, with an explicit --fusion-bytes, or under relaxed consistency."""
+    """On one host whose servers all offer shared KV memory (dist/transport/onehost/kvshm.py), a
+    sync's bundles that placement put on the same server become one message of at most 64 pairs;
+    placement itself (which server holds which pair) is what it would be without. Not when a
+    server offers none, across hosts, with an explicit --fusion-bytes, or under relaxed
+    consistency."""
     from poseidon.dist.placement import MAX_BUNDLE_ARRAYS
     desc = _description([("InnerProduct", 1024, 1024, 8, False),    # 4 MiB: 256 pairs of 16 kB
                          ("InnerProduct", 10, 1024, 8, False)])

@@ -32,8 +32,9 @@ def read_jsonl(path):
 
 @pytest.mark.parametrize("sync,ipc", [("ps", "auto"), ("ps", "links"), ("sfb", "auto")])
 def test_payload_per_layer_per_iteration(data, tmp_path, sync, ipc):
-    """--ipc auto keeps a KV push's arrays in the server's shared memory (dist/kvshm.py): its
-    header then describes no arrays, and the payload counts the bytes moved through it."""
+    """--ipc auto keeps a KV push's arrays in the server's shared memory
+    (dist/transport/onehost/kvshm.py): its header then describes no arrays, and the payload counts
+    the bytes moved through it."""
     P1, P2, K, iters = 3, 2, 4, 4
     stats = str(tmp_path / "stats.jsonl")
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=iters), P1, P2, sync=sync,

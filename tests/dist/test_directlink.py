@@ -1,5 +1,5 @@
-"""Direct links (dist/directlink.py): a worker's KV push and its answer between processes of one
-host, on a Unix socket the waiting thread reads itself (`--ipc auto`).
+"""Direct links (dist/transport/onehost/directlink.py): a worker's KV push and its answer between
+processes of one host, on a Unix socket the waiting thread reads itself (`--ipc auto`).
 
 - A link carries whole messages: every dtype the transport sends, empty and large arrays; a
   stream cut anywhere reads back as the same messages (the staged reads).
@@ -25,10 +25,11 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist import directlink, localipc
 from poseidon.dist.errors import DeadlineError
 from poseidon.dist.roles import Roles
-from poseidon.dist.transport import Msg, ZmqTransport, _link_specs, encode_header
+from poseidon.dist.transport import Msg, ZmqTransport, encode_header
+from poseidon.dist.transport.onehost import directlink, localipc
+from poseidon.dist.transport.wire import header_specs
 
 pytestmark = pytest.mark.skipif(not localipc.supported(),
                                 reason="direct links live beside the Unix-socket inboxes (Linux)")
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.skipif(not localipc.supported(),
 
 def _pair():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    return directlink.Link(a, 1, _link_specs), directlink.Link(b, 0, _link_specs)
+    return directlink.Link(a, 1, header_specs), directlink.Link(b, 0, header_specs)
 
 
 def _send(link, arrays, mtype=Msg.KV_PUSH, key=7, iteration=3, on_messages=None):
@@ -95,7 +96,7 @@ def test_a_stream_cut_anywhere_is_read_back_as_the_same_messages():
     stream = b"".join(struct.pack("<I", len(h)) + h + b"".join(a.tobytes() for a in arrays)
                       for h, arrays in messages)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    reader = directlink._Reader(_link_specs)
+    reader = directlink._Reader(header_specs)
     b.setblocking(False)
     got, pos = [], 0
     while pos < len(stream):

@@ -1,4 +1,5 @@
-"""KV values and gradients in the server's shared memory (`--ipc auto`, dist/kvshm.py).
+"""KV values and gradients in the server's shared memory (`--ipc auto`,
+dist/transport/onehost/kvshm.py).
 
 What must hold: the parameters a job ends with do not depend on whether the arrays went through
 the shared memory, were placed there (a worker's parameters living in it), or went on the links
@@ -13,8 +14,8 @@ import os
 import numpy
 import pytest
 
-from poseidon.dist import kvshm
 from poseidon.dist.transport import ZmqTransport
+from poseidon.dist.transport.onehost import kvshm
 
 from .helpers import (conv_net, fc_net, make_lmdb, params_of, reference, run_threads,
                       solver_param)

@@ -1,4 +1,5 @@
-"""Unix-socket inboxes between processes of one host (dist/localipc.py, `--ipc auto`).
+"""Unix-socket inboxes between processes of one host (dist/transport/onehost/localipc.py,
+`--ipc auto`).
 
 - A peer's advertised inbox is taken only when it is this boot's, a socket of this user with the
   advertised inode, in a directory nobody else may enter; anything else falls back to TCP.
@@ -17,9 +18,10 @@ import numpy
 import pytest
 import zmq
 
-from poseidon.dist import localipc, security
+from poseidon.dist import security
 from poseidon.dist.roles import Roles
 from poseidon.dist.transport import Msg, ZmqTransport, encode_header
+from poseidon.dist.transport.onehost import localipc
 
 pytestmark = pytest.mark.skipif(not localipc.supported(),
                                 reason="Unix-socket inboxes need Linux (a boot id to compare)")

@@ -318,7 +318,8 @@ def _listening(pid):
 
 
 def _unix_inboxes(pid):
-    """Paths of the Unix-socket inboxes (dist/localipc.py) process pid listens on (/proc)."""
+    """Paths of the Unix-socket inboxes (dist/transport/onehost/localipc.py) process pid listens
+    on (/proc)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:

@@ -166,11 +166,12 @@ def overhead_variants(quick=False):
     variants = [OverheadVariant(
         "ipc_links", "--ipc links", {"ipc": "links"},
         "the KV arrays on the direct links instead of the server's shared memory: the worker's "
-        "parameters and gradients copied through a socket each way, dist/kvshm.py", None),
+        "parameters and gradients copied through a socket each way, "
+        "dist/transport/onehost/kvshm.py", None),
         OverheadVariant(
         "ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
         "every message through ZeroMQ: no direct links for the KV pushes and their answers, "
-        "dist/directlink.py", None)]
+        "dist/transport/onehost/directlink.py", None)]
     if comm_priority_supported():
         variants.append(OverheadVariant(
             "comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
@@ -280,9 +281,9 @@ def _echo(sock, rounds):
 
 def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
     """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback (or,
-    with `ipc`, a Unix socket in a private folder: dist/localipc.LocalInbox, as the job binds) to
-    an echo thread (pyzmq releases the GIL while it moves frames, and frames go zero-copy);
-    bytes/s counts both directions, as a push + pull does.
+    with `ipc`, a Unix socket in a private folder: dist/transport/onehost/localipc.LocalInbox, as
+    the job binds) to an echo thread (pyzmq releases the GIL while it moves frames, and frames go
+    zero-copy); bytes/s counts both directions, as a push + pull does.
 
     Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
     encryption and decryption run on two I/O threads as in the KV job's two processes. With
@@ -292,8 +293,9 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
     at the handshake, so it costs the round trips nothing; it is there so the set-up is the job's."""
     import threading
     import zmq
-    from poseidon.dist import localipc, security
+    from poseidon.dist import security
     from poseidon.dist.transport import free_port
+    from poseidon.dist.transport.onehost import localipc
     inbox = localipc.LocalInbox() if ipc else None
     address = inbox.endpoint if ipc else f"tcp://127.0.0.1:{free_port()}"
     n = max(1, total_bytes // frame_bytes)
@@ -346,8 +348,9 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: 
 
 # The sides of part d, rotated every round: (name, KV job flags or None for raw, security), the
 # security being "curve" or "plain" over TCP, or "ipc" (Unix sockets). kv_shared is the KV job
-# as one host runs it by default (the arrays in the server's shared memory, dist/kvshm.py): no
-# socket carries its bytes, so it is shown beside raw ZeroMQ on a Unix socket, not as a like.
+# as one host runs it by default (the arrays in the server's shared memory,
+# dist/transport/onehost/kvshm.py): no socket carries its bytes, so it is shown beside raw ZeroMQ
+# on a Unix socket, not as a like.
 TRANSPORT_SIDES = (("kv", ["--sync", "ps", "--ipc", "off"], "curve"),
                    ("raw_curve", None, "curve"),
                    ("kv_insecure", ["--sync", "ps", "--insecure", "--ipc", "off"], "plain"),

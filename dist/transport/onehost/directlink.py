@@ -13,11 +13,12 @@ one lock anyway) and answers on the link the push came on.
 
 What stays on ZeroMQ: everything else (the coordinator, SFB's factors, initialisation, shutdown),
 pushes over MAX_BYTES, every peer on another host, every process when the job runs with
-`--ipc zmq` or `--ipc off`, and a thread whose link has closed (dist/transport.py falls back).
+`--ipc zmq` or `--ipc off`, and a thread whose link has closed (dist/transport/zmq_onehost.py
+falls back).
 
 Who can connect: the listening socket sits in the process's private 0700 folder beside its
-ZeroMQ Unix-socket inbox (dist/localipc.py), and an accepted connection must also come from a
-process of this user (SO_PEERCRED). A reader allocates no more than MAX_HEADER_BYTES for a header
+ZeroMQ Unix-socket inbox (localipc.py), and an accepted connection must also come from a process
+of this user (SO_PEERCRED). A reader allocates no more than MAX_HEADER_BYTES for a header
 and MAX_MESSAGE_BYTES for a message; bytes beyond those bounds close the link (BadStream).
 
 No deadlock: every socket is non-blocking and every read is incremental, so nobody ever waits in

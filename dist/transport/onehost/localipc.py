@@ -27,7 +27,7 @@ import tempfile
 import threading
 
 SOCKET_NAME = "inbox"
-DIRECT_NAME = "direct"    # the listening socket of the direct links (dist/directlink.py)
+DIRECT_NAME = "direct"    # the listening socket of the direct links (directlink.py)
 MAX_PATH = 100            # sun_path holds 108 bytes on Linux; stay clear of it
 
 _live = set()             # the inboxes of this process not yet removed (remove_all)

@@ -1,0 +1,204 @@
+"""The wire format of the job's messages: types, the binary header, and what a received message is.
+
+Why it is shaped this way: every message is one small binary header (struct: type, flags, sender
+rank, iteration, key, aux, and for each array its dtype code and shape) followed by one frame per
+array, sent zero-copy. Parameters and factors are never pickled or turned into protobuf lists (the
+released Poseidon did that), and the header bytes are counted apart from the payload bytes, so the
+measured payload can be checked against what the cost model says a scheme must move.
+
+The codec is apart from any transport: ZeroMQ frames, a direct link's byte stream and a hand-over
+between two transports of one process all carry the same header, and a header that cannot be a
+member's is refused the same way (BadMessage) whichever way it came.
+"""
+import enum
+import json
+import struct
+import time
+
+import numpy
+
+
+class Msg(enum.IntEnum):
+    """Every message type of a job (a received type outside these is refused)."""
+
+    # coordinator service
+    REGISTER = 1
+    BOOK = 2
+    BARRIER = 3
+    BARRIER_DONE = 4
+    ALLREDUCE = 5
+    ALLREDUCE_DONE = 6
+    GATHER = 7
+    GATHER_DONE = 8
+    HEARTBEAT = 9
+    ABORT = 10
+    FAILED = 11
+    DONE = 12
+    QUERY = 13
+    QUERY_REPLY = 14
+    # KV store
+    KV_INIT = 20
+    KV_INIT_DONE = 21
+    KV_INIT_ACK = 22
+    KV_PUSH = 23
+    KV_VALUE = 24
+    KV_GET = 25
+    KV_GET_REPLY = 26
+    KV_SHUTDOWN = 27
+    # worker to worker
+    SF = 30            # sufficient factors of one layer (SFB)
+    WEIGHTS = 31       # worker 0's parameters (and SFB solver state) to the other workers
+    CURSOR = 32        # worker 0 -> worker r: r's data cursor from a snapshot being resumed
+
+
+FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)
+FLAG_SHARED = 2        # a KV push or answer whose arrays are in the server's shared memory
+                       # (dist/transport/onehost/kvshm.py): the message is its header alone
+
+_FIXED = struct.Struct("<BBhqiiH")     # type, flags, sender, iteration, key, aux, number of arrays
+_ARRAY = struct.Struct("<BB")          # dtype code, ndim (then ndim uint32 dims)
+_DTYPES = [numpy.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8")]
+_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
+_KNOWN_TYPES = frozenset(int(m) for m in Msg)
+_BY_VALUE = {int(m): m for m in Msg}   # a dict lookup, not Msg(value) (the enum call is slow)
+MAX_ARRAYS = 64                        # more arrays, or more dimensions, than any message has
+MAX_NDIM = 8
+FIXED_HEADER_BYTES = _FIXED.size
+
+
+_SPEC_BYTES = {}                       # (dtype, shape) -> its bytes in a header
+
+
+def _spec_bytes(dtype, shape):
+    k = (dtype, shape)
+    b = _SPEC_BYTES.get(k)
+    if b is None:
+        try:
+            code = _CODES[dtype]
+        except KeyError:
+            raise TypeError(f"cannot send arrays of dtype {dtype}") from None
+        b = _ARRAY.pack(code, len(shape))
+        if shape:
+            b += struct.pack(f"<{len(shape)}I", *shape)
+        if len(_SPEC_BYTES) < 4096:
+            _SPEC_BYTES[k] = b
+    return b
+
+
+def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
+    """The header of a message (the array descriptions of a (dtype, shape) are built once)."""
+    head = _FIXED.pack(int(mtype), flags, sender, iteration, key, aux, len(arrays))
+    if not arrays:
+        return head
+    return head + b"".join([_spec_bytes(a.dtype, a.shape) for a in arrays])
+
+
+class BadMessage(ValueError):
+    """A received message that cannot be what a member sends; it is dropped, logged and counted."""
+
+
+_SPEC_CACHE = {}                       # (arrays, header tail) -> specs, for headers seen before
+_SPEC_CACHE_SIZE = 4096                # a bound, so no sender can make it grow for ever
+
+
+def decode_header(buf):
+    """Header fields and the (dtype, shape) of each array; BadMessage for a header that is
+    truncated, too long, of an unknown type or flag, or with an impossible array description.
+
+    The array descriptions of a (type, key) are the same every iteration, so the parse of a header
+    tail already seen valid is looked up instead of redone (the fixed part is checked each time)."""
+    if len(buf) < _FIXED.size:
+        raise BadMessage(f"truncated header ({len(buf)} bytes, at least {_FIXED.size} needed)")
+    mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(buf, 0)
+    if mtype not in _KNOWN_TYPES:
+        raise BadMessage(f"unknown message type {mtype}")
+    if flags & ~(FLAG_JSON | FLAG_SHARED):
+        raise BadMessage(f"unknown flags 0x{flags:02x}")
+    tail = (n, buf[_FIXED.size:])
+    specs = _SPEC_CACHE.get(tail)
+    if specs is None:
+        specs = _decode_specs(buf, n)
+        if len(_SPEC_CACHE) < _SPEC_CACHE_SIZE:
+            _SPEC_CACHE[tail] = specs
+    return mtype, flags, sender, iteration, key, aux, specs
+
+
+def _decode_specs(buf, n):
+    if n > MAX_ARRAYS:
+        raise BadMessage(f"declares {n} arrays (at most {MAX_ARRAYS})")
+    off = _FIXED.size
+    specs = []
+    for i in range(n):
+        if off + _ARRAY.size > len(buf):
+            raise BadMessage(f"truncated header (array {i} of {n} is cut off)")
+        code, ndim = _ARRAY.unpack_from(buf, off)
+        off += _ARRAY.size
+        if code >= len(_DTYPES):
+            raise BadMessage(f"array {i} has unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise BadMessage(f"array {i} declares {ndim} dimensions (at most {MAX_NDIM})")
+        if off + 4 * ndim > len(buf):
+            raise BadMessage(f"truncated header (the shape of array {i} is cut off)")
+        shape = struct.unpack_from(f"<{ndim}I", buf, off) if ndim else ()
+        off += 4 * ndim
+        specs.append((_DTYPES[code], tuple(shape)))
+    if off != len(buf):
+        raise BadMessage(f"{len(buf) - off} bytes after the end of the header")
+    return tuple(specs)
+
+
+class Message:
+    """A received message: header fields, arrays (views over frames this process owns), sizes."""
+
+    __slots__ = ("type", "sender", "iteration", "key", "aux", "arrays", "obj", "header_bytes",
+                 "payload_bytes", "received_at", "shared")
+
+    def __init__(self, mtype, sender, iteration, key, aux, arrays, obj, header_bytes,
+                 payload_bytes, shared=False):
+        self.type = _BY_VALUE.get(mtype, mtype)
+        self.shared = shared             # its arrays are in the server's shared memory
+        self.sender, self.iteration, self.key, self.aux = sender, iteration, key, aux
+        self.arrays, self.obj = arrays, obj
+        self.header_bytes, self.payload_bytes = header_bytes, payload_bytes
+        self.received_at = time.time()
+
+    def __repr__(self):
+        return (f"Message({getattr(self.type, 'name', self.type)}, from {self.sender}, "
+                f"it {self.iteration}, key {self.key}, {len(self.arrays)} arrays)")
+
+
+def header_specs(head):
+    """The (dtype, shape) of each array a header declares (what a byte-stream reader, such as a
+    direct link's, must read after it)."""
+    return decode_header(head)[6]
+
+
+def make_message(head, mtype, flags, sender, iteration, key, aux, arrays, payload):
+    """The Message of decoded header fields and arrays (the JSON object taken out of them)."""
+    obj = None
+    if flags & FLAG_JSON:
+        if not arrays or arrays[0].dtype != numpy.uint8 or arrays[0].ndim != 1:
+            raise BadMessage(f"{Msg(mtype).name}: the JSON flag is set but the first array "
+                             f"is not bytes")
+        try:
+            obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
+    return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload,
+                   bool(flags & FLAG_SHARED))
+
+
+class Receipt:
+    """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames."""
+
+    __slots__ = ("payload_bytes", "header_bytes", "trackers")
+
+    def __init__(self, payload_bytes=0, header_bytes=0, trackers=()):
+        self.payload_bytes, self.header_bytes, self.trackers = payload_bytes, header_bytes, trackers
+
+    def wait(self, timeout=None):
+        """Block until ZeroMQ no longer needs the sent buffers (so they may be overwritten)."""
+        for t in self.trackers:
+            t.wait(-1 if timeout is None else timeout)
+        self.trackers = ()
+
