@@ -8,7 +8,7 @@ import pytest
 from poseidon.engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
 from poseidon.engine.layers import conv_winograd
 from poseidon.engine.layers.conv_fourier import pass_flops
-from poseidon.engine.layers.im2col import parallel
+from poseidon.engine.parallel import parallel
 from poseidon.tools.bench import layers, nets
 
 
@@ -34,7 +34,7 @@ def test_padded_row_length_gives_an_odd_number_of_cache_lines(dtype):
 
 
 def test_scratch_rows_are_padded_on_the_cpu():
-    from poseidon.engine.layers.im2col import BufferCache
+    from poseidon.engine.parallel import BufferCache
     rows = BufferCache().get_rows("g", 5, 4096, numpy.float32, numpy)
     assert rows.shape == (5, 4096) and rows.strides == ((4096 + 16) * 4, 4)
 

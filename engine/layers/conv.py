@@ -7,7 +7,7 @@ instead run in the frequency domain (`conv_fourier.FourierConvCore`) or, for wid
 Winograd's F(2x2, 3x3) (`conv_winograd.WinogradConvCore`), both with the same interface: reshape
 picks the route per layer and input size (`_pick_core`, POSEIDON_CONV).
 
-How the im2col work is laid out (the column layout is in im2col.py, the threads in im2col.parallel):
+How the im2col work is laid out (the column layout is in im2col.py, the threads in engine/parallel.py):
 - the input is copied once into a zero-padded channels-last buffer (N, Hp, Wp, C); a window's row
   of kw pixels is then kw*C contiguous numbers, so im2col is one copy from a strided view whose
   inner runs are kw*C long (640 bytes for a 5x5 kernel on 32 channels) instead of Wo-cell image
@@ -15,7 +15,7 @@ How the im2col work is laid out (the column layout is in im2col.py, the threads 
 - the columns are (cells, kh*kw*C), one row per output cell, and the GEMM is columns x W^T ->
   (cells, O), the layout OpenBLAS runs fastest for these narrow (32-64 output) weights; the result
   goes back to NCHW with the bias in one small transposing add;
-- the batch is cut into one range of samples per core (im2col.parallel, OpenBLAS held to one
+- the batch is cut into one range of samples per core (engine.parallel, OpenBLAS held to one
   thread) and each range into chunks whose columns stay in L2 (COLUMN_BLOCK_BYTES): several
   samples when they are small, a band of output rows of one sample when one sample is too large
   (the VGG block's 56x56 planes), but never fewer cells than the GEMM's output width, up to
@@ -53,9 +53,9 @@ from ..proto import caffe_pb2
 from .conv_fourier import (FourierConvCore, fourier_applies, fourier_pays,
                            fourier_pays_on_gpu)
 from .conv_winograd import WinogradConvCore, winograd_applies, winograd_pays
-from .im2col import (COLUMN_BLOCK_BYTES, BufferCache, Geometry, WorkerBuffers, bias_gradient_of,
-                     bias_gradient_part, bias_gradient_sum, nhwc_col2im, nhwc_window_view,
-                     offset_slices, parallel)
+from ..parallel import CACHE_BLOCK_BYTES, BufferCache, WorkerBuffers, parallel
+from .im2col import (Geometry, bias_gradient_of, bias_gradient_part, bias_gradient_sum, nhwc_col2im,
+                     nhwc_window_view, offset_slices)
 
 
 ALGORITHMS = ("auto", "im2col", "fourier", "winograd")
@@ -77,7 +77,7 @@ class _ConvCore:
     algorithm = "im2col"
 
     # a chunk's columns stay under this many bytes (L2-sized); tests make it tiny to get chunks
-    COLUMN_BLOCK_BYTES = COLUMN_BLOCK_BYTES
+    COLUMN_BLOCK_BYTES = CACHE_BLOCK_BYTES
     # and, past that size, at least as many cells (GEMM rows) as the GEMM has output columns, up
     # to this many: OpenBLAS packs the whole weight again for every call, which a few rows do not
     # pay for, while a wide product makes up for columns spilling out of L2 (see _chunks)

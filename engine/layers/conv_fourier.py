@@ -37,7 +37,8 @@ import numpy
 
 from ..backend import get_array_module as _xp
 from ..gemm import matmul
-from .im2col import WorkerBuffers, bias_gradient_of, bias_gradient_part, parallel, scratch
+from ..parallel import WorkerBuffers, parallel, scratch
+from .im2col import bias_gradient_of, bias_gradient_part
 
 # The cost rule (fourier_pays), fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
 # AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
@@ -223,7 +224,7 @@ class FourierConvCore:
 
     Memory: a layer keeps X^ of its batch (F x N x C complex, about 1.5-3x the input) from forward
     to backward and, per thread, a weight-sized partial gradient; every other buffer, the weight
-    spectra included, is transient scratch shared by all layers (im2col.scratch)."""
+    spectra included, is transient scratch shared by all layers (engine.parallel.scratch)."""
 
     algorithm = "fourier"
 

@@ -35,8 +35,8 @@ import numpy
 
 from ..backend import get_array_module as _xp
 from ..gemm import matmul
-from .im2col import (COLUMN_BLOCK_BYTES, WorkerBuffers, bias_gradient_of, bias_gradient_part,
-                     parallel, scratch)
+from ..parallel import CACHE_BLOCK_BYTES, WorkerBuffers, parallel, scratch
+from .im2col import bias_gradient_of, bias_gradient_part
 
 # The cost rule (winograd_pays), measured on the 2-core EPYC: forward and both gradients against
 # im2col, per layer, 2 threads (docs/benchmark-history.md, "Winograd for wide 3x3 layers").
@@ -144,7 +144,7 @@ class WinogradConvCore:
     """F(2x2, 3x3) convolution with the interface of im2col's _ConvCore (forward, backward)."""
 
     algorithm = "winograd"
-    CHUNK_BYTES = COLUMN_BLOCK_BYTES     # V of a chunk of samples stays about this size
+    CHUNK_BYTES = CACHE_BLOCK_BYTES     # V of a chunk of samples stays about this size
     GPU_CHUNK_BYTES = 1 << 28
     MIN_TILES = 512
 

@@ -5,7 +5,7 @@ when a backward asks for it."""
 import numpy
 import pytest
 
-from poseidon.engine.layers import im2col
+from poseidon.engine import parallel
 from poseidon.engine.layers.conv import _ConvCore
 from poseidon.engine.layers.im2col import Geometry
 
@@ -53,7 +53,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"k{s[4]}s{s[5]}n{s[0]}" for s in SHAPES])
 def test_planar_forward_matches_channels_last(shape, block, workers, monkeypatch):
     n, c, size, o, k, s, p, d = shape
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1 << 30 if block == "whole" else 1)
     monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
     monkeypatch.setattr(_ConvCore, "PLANAR_MAX_RUN_BYTES", 1 << 20)
@@ -81,7 +81,7 @@ def test_planar_forward_matches_channels_last(shape, block, workers, monkeypatch
 def test_channels_last_copy_is_made_in_backward_from_the_latest_input(monkeypatch):
     """Forward-only passes never make it; each backward makes it from the input of the forward
     before it, not from an earlier batch's copy."""
-    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    monkeypatch.setattr(parallel.parallel(), "workers", 2)
     geom = _geom(5, 1, 2)
     r = numpy.random.RandomState(4)
     x1, x2 = r.standard_normal((2, 4, 3, 8, 8)).astype(numpy.float32)
