@@ -1,13 +1,13 @@
 """engine.gemm: the meter counts every matmul the layers do. Checked against the textbook FLOP
 count of each Convolution / InnerProduct (tools/bench/layers.gemm_flops), or the frequency route's
-own count (conv_fourier.pass_flops, conv_winograd.pass_flops) for layers on those routes, layer
+own count (conv/fourier.pass_flops, conv/winograd.pass_flops) for layers on those routes, layer
 by layer, so a product that bypasses the meter or is done twice shows up here."""
 import numpy
 import pytest
 
 from poseidon.engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
-from poseidon.engine.layers import conv_winograd
-from poseidon.engine.layers.conv_fourier import pass_flops
+from poseidon.engine.layers.conv import winograd
+from poseidon.engine.layers.conv.fourier import pass_flops
 from poseidon.engine.parallel import parallel
 from poseidon.tools.bench import layers, nets
 
@@ -63,7 +63,7 @@ def expected_flops(net, li):
     algorithm = getattr(layer, "algorithm", None)
     if algorithm == "winograd":
         n, c = net.bottom_vecs[li][0].shape[:2]
-        return conv_winograd.pass_flops(n, c, layer.num_output, *net.top_vecs[li][0].shape[2:],
+        return winograd.pass_flops(n, c, layer.num_output, *net.top_vecs[li][0].shape[2:],
                                         weight_grad=layer.param_propagate_down[0],
                                         input_grad=net.bottom_need_backward[li][0])
     if algorithm != "fourier":

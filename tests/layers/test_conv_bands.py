@@ -1,10 +1,11 @@
-"""Convolution with fewer samples than threads (engine/layers/conv.py, `_bands`): the work is cut
-into bands of output rows, or for 1x1 layers into output channels and plane ranges. Apart from
-test_conv.py, whose fixture runs every test through all the routes: these force im2col."""
+"""Convolution with fewer samples than threads (engine/layers/conv/columns.py, `_bands`): the
+work is cut into bands of output rows, or for 1x1 layers into output channels and plane ranges.
+Apart from test_conv.py, whose fixture runs every test through all the routes: these force
+im2col."""
 import numpy
 import pytest
 
-from poseidon.engine.layers.conv import _ConvCore
+from poseidon.engine.layers.conv.columns import Im2colConvCore
 from tests.layers.test_conv import CONV_CONFIGS, conv, ref_conv
 from tests.harness import run_forward
 
@@ -31,8 +32,8 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
 
     def run(n_workers, block_bytes):
         nonlocal dy
-        monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
-        monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
+        monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 1)
         monkeypatch.setattr(parallel.parallel(), "workers", n_workers)
         layer = conv(extra, num_output)
         bottom, top = run_forward(layer, [x])
@@ -47,8 +48,8 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
             layer
 
     monkeypatch.setattr(parallel.parallel(), "workers", workers)
-    assert _ConvCore._bands(batch, 5, numpy) is not None      # the band path is the one tested
-    assert _ConvCore._bands(workers, 5, numpy) is None
+    assert Im2colConvCore._bands(batch, 5, numpy) is not None      # the band path is the one tested
+    assert Im2colConvCore._bands(workers, 5, numpy) is None
     y1, dx1, dp1, layer = run(workers, block)
     w = layer.blobs[0].data
     b = layer.blobs[1].data if "bias_term: false" not in extra else None
@@ -97,9 +98,9 @@ def test_chunks_hold_the_least_cells_and_cover_every_row_once(width, expect_leas
     monkeypatch.setattr(parallel.parallel(), "workers", 2)
     n, out_h, out_w = shape
     cell_bytes = 8
-    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", out_w * cell_bytes)
-    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 6)
-    core = _ConvCore(Geometry(3, 3, 1, 1, 1, 1, 1, 1), 1)
+    monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES", out_w * cell_bytes)
+    monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 6)
+    core = Im2colConvCore(Geometry(3, 3, 1, 1, 1, 1, 1, 1), 1)
     pieces = core._chunks(0, n, out_h, out_w, cell_bytes, width, numpy)
     covered = [(s, r) for s0, m, r0, r1 in pieces for s in range(s0, s0 + m)
                for r in range(r0, r1)]

@@ -1,4 +1,4 @@
-"""The frequency-domain convolution (engine/layers/conv_fourier.py): its transforms against
+"""The frequency-domain convolution (engine/layers/conv/fourier.py): its transforms against
 numpy's FFT, the layer against im2col, which layers the cost rule sends where, and its errors.
 (Forward against direct loops and float64 gradient checks run in test_conv.py, whose every test
 also runs with POSEIDON_CONV=fourier.)"""
@@ -8,9 +8,9 @@ import pytest
 from poseidon.engine import gemm
 from poseidon.engine.errors import LayerError
 from poseidon.engine import parallel
-from poseidon.engine.layers.conv_fourier import (FourierConvCore, _Plan,
-                                        fourier_applies, fourier_flops, fourier_pays,
-                                        fourier_pays_on_gpu)
+from poseidon.engine.layers.conv.fourier import (FourierConvCore, _Plan, fourier_applies,
+                                                 fourier_flops)
+from poseidon.engine.layers.conv.routes import fourier_pays, fourier_pays_on_gpu
 from poseidon.engine.layers.im2col import Geometry
 from poseidon.engine.parallel import ScratchArena
 from tests.harness import run_forward

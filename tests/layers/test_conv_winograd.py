@@ -1,4 +1,4 @@
-"""Winograd's F(2x2, 3x3) convolution (engine/layers/conv_winograd.py): its transforms against
+"""Winograd's F(2x2, 3x3) convolution (engine/layers/conv/winograd.py): its transforms against
 their definitions, the layer against im2col, which layers the cost rule sends there, and its
 errors. (Forward against direct loops and float64 gradient checks run in test_conv.py, whose every
 test also runs with POSEIDON_CONV=winograd.)"""
@@ -6,9 +6,9 @@ import numpy
 import pytest
 
 from poseidon.engine import parallel
-from poseidon.engine.layers.conv_fourier import fourier_pays
-from poseidon.engine.layers.conv_winograd import (WinogradConvCore, _Shape, pass_flops, winograd_applies,
-                                         winograd_pays)
+from poseidon.engine.layers.conv.routes import fourier_pays, winograd_pays
+from poseidon.engine.layers.conv.winograd import (WinogradConvCore, _Shape, pass_flops,
+                                                  winograd_applies)
 from poseidon.engine.layers.im2col import Geometry
 from poseidon.engine.parallel import ScratchArena
 from tests.harness import run_forward
