@@ -4,10 +4,11 @@ The layers read Caffe's parameters and hand the arithmetic to a core: im2col (co
 both layers share (Deconvolution is the transpose of Convolution, so its forward is the
 convolution's input gradient and its input gradient is the convolution's forward, exactly as
 Caffe's deconv_layer.cpp does it), or for a Convolution the frequency domain (fourier.py) or
-Winograd's F(2x2, 3x3) (winograd.py), all with the same interface. Reshape picks the route per
-layer and input size (routes.py).
+Winograd's F(2x2, 3x3) (winograd.py), all with the same interface. The route is picked per layer
+and input size (routes.py): at reshape, or at the first forward where it is measured.
 """
-from ...layer import Layer, register
+from ...backend import device_name
+from ...layer import TRAIN, Layer, register
 from ...parallel import parallel
 from ...proto import caffe_pb2
 from ..im2col import Geometry
@@ -100,8 +101,13 @@ class ConvolutionLayer(Layer):
             conv_out, conv_in = self.channels, self.num_output
         else:
             conv_out, conv_in = self.num_output, self.channels
-        self._cores = {}
-        self.core = self._core("im2col")
+        self._cores = {}            # route -> this layer's core for it, made on first use
+        self._current = self._core("im2col")
+        self._shape = None          # routes.LayerShape of the last reshape
+        self._pending = False       # the route for _shape waits for a measurement (first forward)
+        self._pinned = None         # a route set by pin_route, which then never measures
+        train = self.phase == TRAIN
+        self._gradients = (train, train)   # (weight, input) gradients; the net says (plan_backward)
         self.bias_term = bool(cp.bias_term)
         self.add_param((conv_out, conv_in // self.group, kh, kw), cp.weight_filler)
         if self.bias_term:
@@ -130,30 +136,67 @@ class ConvolutionLayer(Layer):
                              f"{g.dh}x{g.dw}): use a larger input or a smaller kernel/more pad")
         for t in top:
             t.reshape(n, self.num_output, out_h, out_w)
-        self.core = self._pick_core(n, h, w)
+        self._shape = routes.LayerShape(n, self.channels, h, w, self.num_output, self.geom,
+                                        self.group, self.dtype.name, self._device(),
+                                        *self._gradients)
+        self._settle(measure=False)
+
+    @property
+    def core(self):
+        """The core of this layer's route for the current input size: chosen at reshape, or at
+        the first forward where it must be measured (routes.choose)."""
+        if self._pending:
+            self._settle(measure=True)
+        return self._current
 
     @property
     def algorithm(self):
-        """'im2col', 'fourier' or 'winograd': the route this layer's last reshape picked."""
+        """'im2col', 'fourier' or 'winograd': the route this layer runs at its current input
+        size (measured now if it has not been yet)."""
         return self.core.algorithm
 
-    def _pick_core(self, n, h, w):
-        """The core of the route this input size takes (routes.py): Caffe's own engine (engine:
-        CAFFE) and Deconvolution keep im2col; otherwise POSEIDON_CONV decides, on 'auto' by the
-        fallback rules."""
+    def pin_route(self, route):
+        """Run `route` from now on ('im2col', 'fourier' or 'winograd'; where it does not apply to
+        the input, im2col), whatever POSEIDON_CONV says, and never measure: how a rank takes
+        another's choice, or a resumed run its snapshot's (Net.set_conv_routes)."""
+        if route not in routes.ROUTES:
+            raise self.error(f"route {route!r} is not a convolution route: use one of "
+                             f"{', '.join(routes.ROUTES)}")
+        self._pinned = route
+        if self._shape is not None:
+            self._settle(measure=False)
+
+    def plan_backward(self, weight_grad, input_grad):
+        """The net's word on which gradients backward will make: the routes are timed on what
+        will run (a net's first layer makes no input gradient; a TEST net no backward)."""
+        gradients = (bool(weight_grad), bool(input_grad))
+        if gradients != self._gradients:
+            self._gradients = gradients
+            if self._shape is not None:
+                self._shape = self._shape._replace(weight_grad=gradients[0],
+                                                   input_grad=gradients[1])
+                self._settle(measure=False)
+
+    def _device(self):
+        """The device part of a layer shape's key: the CPU threads, or the GPU's name."""
+        name = device_name(self.xp)
+        return f"cpu, {parallel().workers} threads" if name == "cpu" else f"gpu {name}"
+
+    def _settle(self, measure):
+        """Take the route routes.choose gives for the current shape; without `measure`, leave it
+        pending when it would have to be timed."""
         cp = self.param.convolution_param
         if self.reverse or cp.engine == caffe_pb2.ConvolutionParameter.CAFFE:
-            return self._core("im2col")
-        try:
-            setting = routes.conv_setting()
-        except ValueError as e:
-            raise self.error(str(e)) from None
-        g = self.geom
-        if setting != "auto":
-            return self._core(routes.forced_route(setting, g, self.group, h, w))
-        ranges = min(parallel().workers, n)
-        return self._core(routes.fallback_route(g, self.group, n, self.channels,
-                                                self.num_output, h, w, ranges, self.xp))
+            route = "im2col"
+        else:
+            make_core = (lambda r: CORES[r](self.geom, self.group)) if measure else None
+            try:
+                route = routes.choose(self._shape, self.xp, self._pinned, make_core, self.name)
+            except ValueError as e:
+                raise self.error(str(e)) from None
+        self._pending = route is None
+        if route is not None:
+            self._current = self._core(route)
 
     def _core(self, route):
         """This layer's core for `route`, made on first use and kept (with its buffers)."""

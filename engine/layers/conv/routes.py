@@ -2,17 +2,31 @@
 layouts), the frequency domain (fourier.py) or Winograd's F(2x2, 3x3) (winograd.py), and the sizes
 im2col cuts its work into.
 
-POSEIDON_CONV picks: 'auto' (the default), or one route by name, taken wherever it applies (im2col
-elsewhere). Caffe's own engine (`engine: CAFFE`) and Deconvolution always keep im2col. On 'auto'
-the fitted rules below decide (`fallback_route`).
+The choice, per layer and input size, first match wins (`choose`):
+1. Caffe's own engine (`engine: CAFFE`) and Deconvolution keep im2col (the layer says so);
+2. a route pinned on the layer (Net.set_conv_routes: another rank's or a snapshot's choice);
+3. POSEIDON_CONV naming a route: that route wherever it applies, im2col elsewhere;
+4. POSEIDON_CONV=auto (the default): the route measured fastest for this layer shape on this
+   machine (measure.py), once per process, kept across processes in a per-machine cache
+   (route_cache.py); POSEIDON_CONV_REFRESH=1 measures again instead of reading it;
+5. with measuring off (POSEIDON_CONV_MEASURE=0), the fallback order: rules fitted on one
+   machine's timings (the FALLBACK_ constants below), which need no time at start-up but can be
+   wrong elsewhere.
+A route that does not apply to a shape is never a candidate; where only im2col applies (strides,
+dilation) nothing is measured.
 """
+import logging
 import os
+from collections import namedtuple
 
 import numpy
 
-from ...parallel import CACHE_BLOCK_BYTES
+from ...parallel import CACHE_BLOCK_BYTES, parallel
+from . import measure, route_cache
 from .fourier import fourier_applies, fourier_flops
 from .winograd import winograd_applies
+
+log = logging.getLogger("poseidon")
 
 ROUTES = ("im2col", "fourier", "winograd")
 SETTINGS = ("auto",) + ROUTES
@@ -25,6 +39,28 @@ def conv_setting():
     if value not in SETTINGS:
         raise ValueError(f"POSEIDON_CONV={value!r}: use one of {', '.join(SETTINGS)}")
     return value
+
+
+def _switch(name, default):
+    """A yes/no environment variable (1/0, yes/no, on/off, true/false)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "yes", "on", "true"):
+        return True
+    if value in ("0", "no", "off", "false"):
+        return False
+    raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+def measuring_on():
+    """POSEIDON_CONV_MEASURE (default 1): whether 'auto' may time the routes."""
+    return _switch("POSEIDON_CONV_MEASURE", True)
+
+
+def refresh_asked():
+    """POSEIDON_CONV_REFRESH=1: measure again rather than read the route cache."""
+    return _switch("POSEIDON_CONV_REFRESH", False)
 
 
 def applies(route, geom, group, h, w):
@@ -41,6 +77,78 @@ def forced_route(route, geom, group, h, w):
     return route if applies(route, geom, group, h, w) else "im2col"
 
 
+class LayerShape(namedtuple("LayerShape", "n c h w o geom group dtype device weight_grad "
+                                          "input_grad")):
+    """Everything a route's speed depends on: the input (n, c, h, w), the outputs o, kernel,
+    stride, pad and dilation (geom), groups, dtype, the device (the CPU threads, or the GPU's
+    name) and which gradients the net asks for. Equal shapes share one measurement."""
+
+    def key(self):
+        g = self.geom
+        passes = "forward" + ("+weights" if self.weight_grad else "") + \
+            ("+input" if self.input_grad else "")
+        return (f"{self.n}x{self.c}x{self.h}x{self.w} -> {self.o} kernel {g.kh}x{g.kw} stride "
+                f"{g.sh}x{g.sw} pad {g.ph}x{g.pw} dilation {g.dh}x{g.dw} group {self.group} "
+                f"{self.dtype} {self.device} {passes}")
+
+    def candidates(self):
+        """The routes that compute this shape exactly, im2col first."""
+        return [r for r in ROUTES if applies(r, self.geom, self.group, self.h, self.w)]
+
+
+_DECIDED = {}   # shape key -> route: this process's measured (or cache-read) choices
+
+
+def forget_decisions():
+    """Forget this process's choices, so that the next layer of each shape consults the cache
+    (or, with POSEIDON_CONV_REFRESH=1, measures) again."""
+    _DECIDED.clear()
+
+
+def choose(shape, xp, pinned=None, make_core=None, layer_name="?"):
+    """The route for `shape` (see the module's docstring for the order), or None when it must be
+    measured and `make_core` (route -> a fresh core) is None: the layer then asks again with one
+    at its first forward, so that a route pinned in between is never measured. Raises ValueError
+    for a bad POSEIDON_CONV* value."""
+    g, group, h, w = shape.geom, shape.group, shape.h, shape.w
+    if pinned is not None:
+        return forced_route(pinned, g, group, h, w)
+    setting = conv_setting()
+    if setting != "auto":
+        return forced_route(setting, g, group, h, w)
+    candidates = shape.candidates()
+    if len(candidates) == 1:
+        return candidates[0]
+    if not measuring_on():
+        ranges = min(shape.n, parallel().workers)
+        return fallback_route(g, group, shape.n, shape.c, shape.o, h, w, ranges, xp)
+    key = shape.key()
+    route = _DECIDED.get(key)
+    if route is None:
+        route = _measured_route(shape, key, candidates, xp, make_core, layer_name)
+        if route is not None:
+            _DECIDED[key] = route
+    return route
+
+
+def _measured_route(shape, key, candidates, xp, make_core, layer_name):
+    """The cached route of this machine for `key`, else (with make_core) the fastest candidate
+    timed now and written to the cache; None when it must be timed and make_core is None."""
+    path, machine = route_cache.cache_path(), route_cache.machine_key()
+    if not refresh_asked():
+        cached = route_cache.read_routes(path, machine).get(key)
+        if cached in candidates:
+            return cached
+    if make_core is None:
+        return None
+    seconds = measure.time_routes(shape, make_core, candidates, xp)
+    route = min(candidates, key=lambda r: (seconds[r], candidates.index(r)))
+    times = ", ".join(f"{r} {seconds[r] * 1e3:.2f} ms" for r in candidates)
+    log.info(f"layer '{layer_name}': convolution route {route} for {key} ({times})")
+    route_cache.write_route(path, machine, key, route, seconds)
+    return route
+
+
 # ----- how im2col cuts its work ------------------------------------------------------------------
 # A chunk's columns stay under COLUMN_BLOCK_BYTES (L2-sized: engine/parallel.py says why), and,
 # past that size, hold at least as many cells (GEMM rows) as the GEMM has output columns, up to
@@ -55,7 +163,7 @@ GPU_BLOCK_BYTES = 1 << 28
 PLANAR_MAX_RUN_BYTES = 132
 
 
-# ----- the fallback order: rules fitted on one machine ----------------------------------------------
+# ----- the fallback order: rules fitted on one machine -------------------------------------------
 # The frequency route on a CPU, fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
 # AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
 # forward + both gradients, both routes; docs/benchmark-history.md has the table):
@@ -150,9 +258,10 @@ def winograd_pays(geom, group, n, c, o, h, w, ranges=1):
 
 
 def fallback_route(geom, group, n, c, o, h, w, ranges, xp):
-    """The fitted rules' choice: on a CPU the frequency route where fourier_pays (it was fitted
-    against im2col on all shapes), then Winograd where winograd_pays, im2col elsewhere; on CuPy
-    the frequency route where fourier_pays_on_gpu, im2col elsewhere."""
+    """The fallback order, for when measuring is off (the fitted rules' choice): on a CPU the
+    frequency route where fourier_pays (it was fitted against im2col on all shapes), then
+    Winograd where winograd_pays, im2col elsewhere; on CuPy the frequency route where
+    fourier_pays_on_gpu, im2col elsewhere."""
     if xp is not numpy:
         return "fourier" if fourier_pays_on_gpu(geom, group, n, c, o, h, w) else "im2col"
     if fourier_pays(geom, group, n, c, o, h, w, ranges):
