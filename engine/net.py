@@ -412,7 +412,8 @@ class Net:
     def set_conv_routes(self, routes):
         """Pin convolution layers to routes ({layer name: route}, as conv_routes gives): a pinned
         layer never measures, and POSEIDON_CONV no longer moves it. A route that does not apply
-        to a layer's input runs as im2col there."""
+        to a layer's input runs as im2col there. Call it before a forward, not between a forward
+        and its backward (which needs the core that ran the forward)."""
         convs = [name for name, layer in self.layer_dict.items() if hasattr(layer, "pin_route")]
         for name, route in (routes or {}).items():
             layer = self.layer_dict.get(name)
