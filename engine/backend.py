@@ -108,6 +108,28 @@ def to_xp(array, xp):
     return xp.asarray(array)
 
 
+def synchronize(xp):
+    """Wait until the device has finished the work queued so far (nothing to wait for on numpy),
+    so that a clock read afterwards includes it."""
+    if xp is not numpy:
+        xp.cuda.Device().synchronize()
+
+
+def device_name(xp):
+    """What runs xp's arrays, for keys of per-device measurements: 'cpu', or the name of the
+    current CUDA device (e.g. 'NVIDIA H100 80GB HBM3')."""
+    if xp is numpy:
+        return "cpu"
+    device = xp.cuda.Device().id
+    if device not in _device_names:
+        name = xp.cuda.runtime.getDeviceProperties(device).get("name", b"gpu")
+        _device_names[device] = name.decode() if isinstance(name, bytes) else str(name)
+    return _device_names[device]
+
+
+_device_names = {}
+
+
 def pinned_empty(shape, dtype):
     """Host buffer for device<->host moves: page-locked on a GPU machine, plain numpy otherwise."""
     if _state["xp"] is not numpy and cupy is not None:

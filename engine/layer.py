@@ -100,6 +100,11 @@ class Layer:
     def backward(self, top, propagate_down, bottom):
         """Gradients: bottom diffs overwritten where propagate_down[i]; parameter diffs accumulated."""
 
+    def plan_backward(self, weight_grad, input_grad):
+        """Told by the net once it is built: whether backward will be asked for parameter
+        gradients and for input gradients. Most layers need not know; one that picks its
+        algorithm by timing it (Convolution) times what will run."""
+
     def unfold(self, top):
         """After a forward that also wrote the next layer's output (a fold, as a BatchNorm does
         for its Scale), put this layer's own output back in the top: Net.ForwardLayer calls it

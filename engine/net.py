@@ -175,6 +175,10 @@ class Net:
         self._loss_tops = [(li, ti, w) for li, layer in enumerate(self.layers)
                            for ti, w in enumerate(layer.loss_weights) if w]
         self._plan_backward()
+        for li, layer in enumerate(self.layers):
+            needs = self.layer_need_backward[li]
+            layer.plan_backward(needs and any(layer.param_propagate_down),
+                                needs and any(self.bottom_need_backward[li]))
         self._pair_batchnorm_scale()
         users = collections.Counter(spec.name for specs in self.layer_param_specs for spec in specs)
         self._sole_params = {id(blob) for blob, spec in zip(self.learnable_params,
@@ -411,6 +415,31 @@ class Net:
             layer = self.layer_dict.get(name)
             if layer is not None and hasattr(layer, "set_cursor"):
                 layer.set_cursor(cursor)
+
+    # ----- convolution routes (the same routes on every rank, and after a resume) -----------------
+    def conv_routes(self):
+        """{layer name: route} of the convolution layers, as this process runs them at their
+        current input sizes ('im2col', 'fourier' or 'winograd'; a layer that has not chosen yet
+        measures now). Give it to set_conv_routes of another process to run the same routes
+        there: one rank measures and the others take its choice, and a snapshot that keeps it
+        resumes on the same routes."""
+        return {name: layer.algorithm for name, layer in self.layer_dict.items()
+                if hasattr(layer, "pin_route")}
+
+    def set_conv_routes(self, routes):
+        """Pin convolution layers to routes ({layer name: route}, as conv_routes gives): a pinned
+        layer never measures, and POSEIDON_CONV no longer moves it. A route that does not apply
+        to a layer's input runs as im2col there. Call it before a forward, not between a forward
+        and its backward (which needs the core that ran the forward)."""
+        convs = [name for name, layer in self.layer_dict.items() if hasattr(layer, "pin_route")]
+        for name, route in (routes or {}).items():
+            layer = self.layer_dict.get(name)
+            if layer is None or not hasattr(layer, "pin_route"):
+                known = ", ".join(convs) or "none"
+                raise ModelError(f"net '{self.name}': set_conv_routes names layer '{name}', "
+                                 f"which is not one of its convolution layers ({known}); give "
+                                 f"the routes of a net built from the same model")
+            layer.pin_route(route)
 
     def shutdown(self):
         for layer in self.layers:

@@ -12,7 +12,7 @@ import pytest
 from google.protobuf import text_format
 
 from poseidon.engine.errors import PoseidonError
-from poseidon.engine.layers import im2col
+from poseidon.engine import parallel
 from poseidon.engine.proto import caffe_pb2
 from poseidon.engine.solvers import Solver
 
@@ -89,12 +89,12 @@ def names(solver):
 def threads(request, monkeypatch):
     """Run on that many threads, with blocks of 2 rows (ip1's weight, 12 x 24 with transpose,
     is 6 blocks; ip2's 6 x 24 is 3), so the block and thread boundaries are all crossed."""
-    pool = im2col.parallel()
+    pool = parallel.parallel()
     monkeypatch.setattr(pool, "workers", min(request.param, max(pool.workers, 1)))
-    monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
-    monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 24 * 8)
-    monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
-    monkeypatch.setattr(im2col, "PADDED_ROWS_MIN", 0)           # padded rows even here
+    monkeypatch.setattr(parallel, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(parallel, "WEIGHT_BLOCK_BYTES", 2 * 24 * 8)
+    monkeypatch.setattr(parallel, "ROWS_PER_FACTOR_ROW", 0)
+    monkeypatch.setattr(parallel, "PADDED_ROWS_MIN", 0)           # padded rows even here
     return pool.workers
 
 

@@ -1,14 +1,14 @@
 """engine.gemm: the meter counts every matmul the layers do. Checked against the textbook FLOP
 count of each Convolution / InnerProduct (tools/bench/layers.gemm_flops), or the frequency route's
-own count (conv_fourier.pass_flops, conv_winograd.pass_flops) for layers on those routes, layer
+own count (conv/fourier.pass_flops, conv/winograd.pass_flops) for layers on those routes, layer
 by layer, so a product that bypasses the meter or is done twice shows up here."""
 import numpy
 import pytest
 
 from poseidon.engine.gemm import CACHE_LINE, METER, matmul, padded_row_length, product_flops
-from poseidon.engine.layers import conv_winograd
-from poseidon.engine.layers.conv_fourier import pass_flops
-from poseidon.engine.layers.im2col import parallel
+from poseidon.engine.layers.conv import winograd
+from poseidon.engine.layers.conv.fourier import pass_flops
+from poseidon.engine.parallel import parallel
 from poseidon.tools.bench import layers, nets
 
 
@@ -34,7 +34,7 @@ def test_padded_row_length_gives_an_odd_number_of_cache_lines(dtype):
 
 
 def test_scratch_rows_are_padded_on_the_cpu():
-    from poseidon.engine.layers.im2col import BufferCache
+    from poseidon.engine.parallel import BufferCache
     rows = BufferCache().get_rows("g", 5, 4096, numpy.float32, numpy)
     assert rows.shape == (5, 4096) and rows.strides == ((4096 + 16) * 4, 4)
 
@@ -63,7 +63,7 @@ def expected_flops(net, li):
     algorithm = getattr(layer, "algorithm", None)
     if algorithm == "winograd":
         n, c = net.bottom_vecs[li][0].shape[:2]
-        return conv_winograd.pass_flops(n, c, layer.num_output, *net.top_vecs[li][0].shape[2:],
+        return winograd.pass_flops(n, c, layer.num_output, *net.top_vecs[li][0].shape[2:],
                                         weight_grad=layer.param_propagate_down[0],
                                         input_grad=net.bottom_need_backward[li][0])
     if algorithm != "fourier":

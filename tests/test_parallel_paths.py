@@ -3,7 +3,7 @@ InnerProduct's column-split GEMMs and the solver rules' blocked updates."""
 import numpy
 import pytest
 
-from poseidon.engine.layers import im2col
+from poseidon.engine import parallel
 from poseidon.engine.layers import inner_product
 from poseidon.engine.proto import caffe_pb2
 from poseidon.engine.solvers import rules
@@ -23,7 +23,7 @@ def test_inner_product_split_matches_one_call(transpose, bias, monkeypatch):
     results = []
     for threshold, workers in ((1 << 40, 1), (1, 2), (1, 3)):
         monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", threshold)
-        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        monkeypatch.setattr(parallel.parallel(), "workers", workers)
         numpy.random.seed(0)
         from poseidon.engine import rng
         rng.seed(3)
@@ -56,7 +56,7 @@ def test_blocked_update_is_bitwise_the_whole_array_update(kind, monkeypatch):
     for blocked_min, block, workers in ((1 << 40, 1 << 17, 1), (1, 64, 1), (1, 100, 2)):
         monkeypatch.setattr(rules, "BLOCKED_MIN", blocked_min)
         monkeypatch.setattr(rules, "BLOCK", block)
-        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        monkeypatch.setattr(parallel.parallel(), "workers", workers)
         value = value0.copy()
         state = rule.init_state(shape, numpy, numpy.float32)
         for it, g in enumerate(grads):
@@ -69,7 +69,7 @@ def test_blocked_update_is_bitwise_the_whole_array_update(kind, monkeypatch):
 
 
 # (layer text, bottom shapes, in place): the layers that split elementwise work and per-channel
-# reductions over the cores (im2col.split_rows / split_range)
+# reductions over the cores (parallel.split_rows / split_range)
 SPLIT_LAYERS = [
     ('type: "BatchNorm"', [(5, 7, 3, 2)], False),
     ('type: "BatchNorm"', [(5, 7, 3, 2)], True),
@@ -122,8 +122,8 @@ def test_split_layers_give_the_one_call_numbers(text, shapes, in_place, monkeypa
     results = []
     for threshold, workers, run_bytes in ((1 << 40, 1, 1 << 40), (0, 2, 1 << 40), (0, 3, 1 << 40),
                                           (0, 2, 1)):
-        monkeypatch.setattr(im2col, "SPLIT_MIN_ELEMENTS", threshold)
-        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        monkeypatch.setattr(parallel, "SPLIT_MIN_ELEMENTS", threshold)
+        monkeypatch.setattr(parallel.parallel(), "workers", workers)
         monkeypatch.setattr(normalization, "RUN_BYTES", run_bytes)
         results.append(_run_split_layer(text, shapes, in_place))
     for other in results[1:]:
@@ -138,8 +138,8 @@ def test_split_backward_gives_the_one_call_numbers(monkeypatch):
     from tests.harness import blobs_from
     results = []
     for threshold, workers in ((1 << 40, 1), (0, 2), (0, 3)):
-        monkeypatch.setattr(im2col, "SPLIT_MIN_ELEMENTS", threshold)
-        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        monkeypatch.setattr(parallel, "SPLIT_MIN_ELEMENTS", threshold)
+        monkeypatch.setattr(parallel.parallel(), "workers", workers)
         rs = numpy.random.RandomState(5)
         layer = make_layer('type: "Split"')
         bottom = blobs_from([rs.standard_normal((5, 4, 3))])

@@ -172,11 +172,11 @@ def test_large_update_with_a_padded_gradient_equals_the_contiguous_one(kind, thr
     """A parameter of BLOCKED_MIN elements or more is updated in blocks; a gradient whose rows are
     padded apart (engine/solvers/factored.py's scratch) is cut into blocks of rows instead of flat
     ones. Both give the parameters and state of the whole-array update, bitwise."""
-    from poseidon.engine.layers import im2col
+    from poseidon.engine import parallel
     from poseidon.engine.solvers import rules
     monkeypatch.setattr(rules, "BLOCKED_MIN", 64)
     monkeypatch.setattr(rules, "BLOCK", 24)                 # 3 rows of 8 a block
-    monkeypatch.setattr(im2col.parallel(), "workers", threads)
+    monkeypatch.setattr(parallel.parallel(), "workers", threads)
     rule = make_rule(solver_param(to_text(dict(CASES[kind], weight_decay=0.01), kind)))
     rs = numpy.random.RandomState(2)
     w = rs.standard_normal((20, 8))

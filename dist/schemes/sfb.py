@@ -20,7 +20,7 @@ written to memory or allocated per iteration.
 """
 import numpy
 
-from poseidon.engine.layers.im2col import WorkerBuffers
+from poseidon.engine.parallel import WorkerBuffers
 from poseidon.engine.solvers.factored import update_from_factors
 from poseidon.engine.solvers.solver import all_finite
 

@@ -7,7 +7,7 @@ of its input as Caffe does.
 import numpy
 
 from ..layer import Layer, register
-from .im2col import split_rows
+from ..parallel import split_rows
 
 # numpy's maximum against a scalar runs without SIMD (numpy 2.4 here, an AVX-512 machine): 0.41 ms
 # for 3.2 MB in cache where maximum against an array of zeros takes 0.10, and 1.6 against 0.9 ms

@@ -9,10 +9,10 @@ import numpy
 
 from ..gemm import matmul
 from ..layer import Layer, register
-from .im2col import BufferCache, WorkerBuffers, block_rows, l2_cache_bytes, parallel
+from ..parallel import BufferCache, WorkerBuffers, block_rows, l2_cache_bytes, parallel
 
 # Weights at least this large are multiplied by the cores at once (columns of the weight split
-# into one range per core, see im2col.parallel); smaller ones in one call.
+# into one range per core, see engine/parallel.py); smaller ones in one call.
 PARALLEL_MIN_WEIGHTS = 1 << 20
 
 # Rows of a large weight per forward GEMM (Yᵀ = W·Xᵀ). With a batch of 32 each weight element

@@ -20,7 +20,7 @@ others; it is a learned blob (one bottom) or bottom[1] (two bottoms, whose shape
 import numpy
 
 from ..layer import Layer, register
-from .im2col import split_range, split_rows
+from ..parallel import split_range, split_rows
 
 
 def _buffer(holder, name, shape, dtype, xp, zero=False):

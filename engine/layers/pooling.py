@@ -31,7 +31,8 @@ import numpy
 
 from ..backend import get_array_module
 from ..layer import Layer, register
-from .im2col import NEG_FLT_MAX, BufferCache, Geometry, WorkerBuffers, offset_slices, parallel
+from ..parallel import BufferCache, WorkerBuffers, parallel
+from .im2col import NEG_FLT_MAX, Geometry, offset_slices
 
 MAX, AVE, STOCHASTIC = 0, 1, 2
 

@@ -19,7 +19,7 @@ reshape_layer.cpp, crop_layer.cpp, eltwise_layer.cpp):
 import numpy
 
 from ..layer import Layer, register
-from .im2col import split_rows
+from ..parallel import split_rows
 
 
 def _canonical(layer, blob, axis, what="axis"):

@@ -16,8 +16,8 @@ On a GPU the whole weight is one block.
 """
 import numpy
 
-from ..layers import im2col
-from ..layers.im2col import WorkerBuffers, block_rows, parallel
+from .. import parallel as threads
+from ..parallel import WorkerBuffers, block_rows, parallel
 
 
 def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult, grad_scale,
@@ -39,7 +39,7 @@ def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult
     def work(worker, lo, hi):
         # rows an odd number of cache lines apart: the GEMM writes it 1.5x as fast (engine/gemm.py)
         buf = buffers(worker).get_rows(f"grad{step}x{row_len}", step, row_len, value.dtype, xp,
-                                       pad=value.size >= im2col.PADDED_ROWS_MIN)
+                                       pad=value.size >= threads.PADDED_ROWS_MIN)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             grad = layer.weight_grad_from_factors(G, X, out=buf[:b - a], rows=(a, b), split=False)

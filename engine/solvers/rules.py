@@ -199,7 +199,7 @@ class UpdateRule:
 
         Large numpy parameters are updated in blocks of BLOCK elements (the handful of passes of
         the rule then run in cache instead of main memory), the blocks split over the cores
-        (engine.layers.im2col.parallel). The rule is elementwise, so every element gets the same
+        (engine.parallel.parallel). The rule is elementwise, so every element gets the same
         arithmetic in the same order as an update of the whole array. `split=False` keeps the
         blocks on this thread (for a caller that gives each thread its own part)."""
         if rate is None:
@@ -224,7 +224,7 @@ class UpdateRule:
         if not split:
             work(0, 0, len(parts[0]))
             return
-        from ..layers.im2col import parallel
+        from ..parallel import parallel
         parallel().run(work, len(parts[0]), numpy, min_per_worker=step)
 
     def _update(self, value, grad, state, it, lr_mult, decay_mult, grad_scale, rate,

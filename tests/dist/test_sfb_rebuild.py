@@ -9,7 +9,7 @@ Run: python -m pytest tests/dist/test_sfb_rebuild.py -q
 import numpy
 import pytest
 
-from poseidon.engine.layers import im2col
+from poseidon.engine import parallel
 
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
                       solver_param)
@@ -28,10 +28,10 @@ def test_rebuild_in_small_blocks_equals_one_process(data, tmp_path, monkeypatch,
     """Blocks of 5 rows (ip1: 48 rows = 9 blocks of 5 + one of 3; ip2: 20 + 4) give the
     parameters of one process on the combined batch, the replicas stay bitwise equal, and the
     SFB layers never made their local weight gradient (their weight diffs stay zero)."""
-    monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
-    monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 5 * 192 * 8)    # float64 rows of 192
-    monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
-    monkeypatch.setattr(im2col, "PADDED_ROWS_MIN", 0)           # padded rows even here
+    monkeypatch.setattr(parallel, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(parallel, "WEIGHT_BLOCK_BYTES", 5 * 192 * 8)    # float64 rows of 192
+    monkeypatch.setattr(parallel, "ROWS_PER_FACTOR_ROW", 0)
+    monkeypatch.setattr(parallel, "PADDED_ROWS_MIN", 0)           # padded rows even here
     weights = str(tmp_path / "init.caffemodel")
     want = reference(solver_param(fc_net(data, P1 * K), max_iter=ITERS), weights_out=weights)
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, P2,

@@ -6,33 +6,33 @@ import pytest
 from poseidon.engine import rng
 from poseidon.engine.blob import Blob
 from poseidon.engine.errors import LayerError
-from poseidon.engine.layers.conv import _ConvCore
+from poseidon.engine.layers.conv.columns import Im2colConvCore
 from tests.harness import check_gradient, make_layer, run_forward
 
 @pytest.fixture(autouse=True, params=["one_chunk", "sample_chunks", "row_bands", "channels_last",
                                       "fourier_1", "fourier_2", "winograd_1", "winograd_2"])
 def chunking(request, monkeypatch):
-    """Run every test through the three ways im2col cuts a batch (see _ConvCore._chunks): one
-    chunk on one thread, several whole samples per chunk on two threads, and bands of one output
-    row, each with forward in Caffe's column layout where the input is narrow enough
-    (_ConvCore._planar: most configurations here, 3 channels of float64); then the same two-thread
-    chunks with forward always channels-last ("channels_last"); then the frequency route
-    (conv_fourier) and Winograd's F(2x2, 3x3) (conv_winograd, one sample per chunk) on one and
-    two threads, wherever they apply (the other layers stay on im2col)."""
-    from poseidon.engine.layers import im2col
-    from poseidon.engine.layers.conv_winograd import WinogradConvCore
+    """Run every test through the three ways im2col cuts a batch (see Im2colConvCore._chunks):
+    one chunk on one thread, several whole samples per chunk on two threads, and bands of one
+    output row, each with forward in Caffe's column layout where the input is narrow enough
+    (Im2colConvCore._planar: most configurations here, 3 channels of float64); then the same
+    two-thread chunks with forward always channels-last ("channels_last"); then the frequency
+    route (conv/fourier.py) and Winograd's F(2x2, 3x3) (conv/winograd.py, one sample per chunk) on
+    one and two threads, wherever they apply (the other layers stay on im2col)."""
+    from poseidon.engine import parallel
+    from poseidon.engine.layers.conv.winograd import WinogradConvCore
     route = request.param.split("_")[0]
     monkeypatch.setenv("POSEIDON_CONV", route if route in ("fourier", "winograd") else "im2col")
     if route == "winograd":
         monkeypatch.setattr(WinogradConvCore, "CHUNK_BYTES", 1)
         monkeypatch.setattr(WinogradConvCore, "MIN_TILES", 1)
     one = request.param in ("one_chunk", "fourier_1", "winograd_1")
-    monkeypatch.setattr(im2col.parallel(), "workers", 1 if one else 2)
-    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES",
+    monkeypatch.setattr(parallel.parallel(), "workers", 1 if one else 2)
+    monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES",
                         1 if request.param == "row_bands" else 1 << 30)
-    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
+    monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 1)
     if request.param == "channels_last":
-        monkeypatch.setattr(_ConvCore, "PLANAR_MAX_RUN_BYTES", 0)
+        monkeypatch.setattr(Im2colConvCore, "PLANAR_MAX_RUN_BYTES", 0)
     return request.param
 
 
@@ -347,7 +347,7 @@ def test_deconv_errors():
                     [numpy.zeros((1, 3, 1, 1))])
 
 
-# ----- batch blocks and worker threads (im2col.parallel) -----------------------------------------
+# ----- batch blocks and worker threads (engine.parallel) ------------------------------------------
 BLOCK_CONFIGS = [c for c in CONV_CONFIGS if c[0] in (
     "basic", "pad_stride", "group2", "dilation2", "stride_dilation_group", "pointwise_group",
     "pointwise_small_plane", "pointwise_small_plane_group", "pointwise_stride2",
@@ -361,15 +361,15 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
                                                  monkeypatch):
     """A batch of 7 cut into one-sample blocks on 1-3 threads: forward matches the loops, and
     backward (weights, bias, input) matches the same layer run as one batch-wide block."""
-    from poseidon.engine.layers import im2col
+    from poseidon.engine import parallel
     batch = (7,) + shape[1:]
     x = numpy.random.RandomState(5).standard_normal(batch)
     dy_seed = numpy.random.RandomState(6)
 
     def run(block_bytes, n_workers):
-        monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
-        monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
-        monkeypatch.setattr(im2col.parallel(), "workers", n_workers)
+        monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 1)
+        monkeypatch.setattr(parallel.parallel(), "workers", n_workers)
         layer = conv(extra, num_output)
         bottom, top = run_forward(layer, [x])
         top[0].diff[...] = dy_seed.standard_normal(top[0].shape) if not hasattr(run, "dy") \
@@ -393,10 +393,10 @@ def test_conv_blocks_and_threads_match_reference(name, shape, num_output, extra,
 def test_conv_threads_are_deterministic(monkeypatch):
     """Same input twice on two threads with blocks: bitwise the same weight gradient (im2col, or
     the frequency route or Winograd under the fourier_* and winograd_* modes of the fixture)."""
-    from poseidon.engine.layers import im2col
-    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", 1)
-    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
-    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    from poseidon.engine import parallel
+    monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 1)
+    monkeypatch.setattr(parallel.parallel(), "workers", 2)
     x = numpy.random.RandomState(7).standard_normal((9, 3, 6, 6)).astype(numpy.float32)
     grads = []
     for _ in range(2):

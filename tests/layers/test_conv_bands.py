@@ -1,10 +1,11 @@
-"""Convolution with fewer samples than threads (engine/layers/conv.py, `_bands`): the work is cut
-into bands of output rows, or for 1x1 layers into output channels and plane ranges. Apart from
-test_conv.py, whose fixture runs every test through all the routes: these force im2col."""
+"""Convolution with fewer samples than threads (engine/layers/conv/columns.py, `_bands`): the
+work is cut into bands of output rows, or for 1x1 layers into output channels and plane ranges.
+Apart from test_conv.py, whose fixture runs every test through all the routes: these force
+im2col."""
 import numpy
 import pytest
 
-from poseidon.engine.layers.conv import _ConvCore
+from poseidon.engine.layers.conv.columns import Im2colConvCore
 from tests.layers.test_conv import CONV_CONFIGS, conv, ref_conv
 from tests.harness import run_forward
 
@@ -24,16 +25,16 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
     sample); a 1x1 layer of one group cuts its output channels (forward, weight gradient) and
     its plane (input gradient). Forward matches the loops; the gradients asked for match one thread on the whole
     batch, and one not asked for is left alone."""
-    from poseidon.engine.layers import im2col
+    from poseidon.engine import parallel
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
     x = numpy.random.RandomState(3).standard_normal((batch,) + shape[1:])
     dy = None
 
     def run(n_workers, block_bytes):
         nonlocal dy
-        monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
-        monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 1)
-        monkeypatch.setattr(im2col.parallel(), "workers", n_workers)
+        monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 1)
+        monkeypatch.setattr(parallel.parallel(), "workers", n_workers)
         layer = conv(extra, num_output)
         bottom, top = run_forward(layer, [x])
         if dy is None:
@@ -46,9 +47,9 @@ def test_conv_fewer_samples_than_threads_cut_rows(name, shape, num_output, extra
         return top[0].data.copy(), bottom[0].diff.copy(), [b.diff.copy() for b in layer.blobs], \
             layer
 
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
-    assert _ConvCore._bands(batch, 5, numpy) is not None      # the band path is the one tested
-    assert _ConvCore._bands(workers, 5, numpy) is None
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
+    assert Im2colConvCore._bands(batch, 5, numpy) is not None      # the band path is the one tested
+    assert Im2colConvCore._bands(workers, 5, numpy) is None
     y1, dx1, dp1, layer = run(workers, block)
     w = layer.blobs[0].data
     b = layer.blobs[1].data if "bias_term: false" not in extra else None
@@ -68,12 +69,12 @@ def test_deconv_fewer_samples_than_threads_match_one_thread(extra, monkeypatch):
     """Deconvolution runs the convolution's input gradient as its forward (and the convolution's
     forward as its input gradient): at batch 1 on 2 and 3 threads those go through the bands too,
     and every output and gradient equals one thread's."""
-    from poseidon.engine.layers import im2col
+    from poseidon.engine import parallel
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
     x = numpy.random.RandomState(0).standard_normal((1, 4, 5, 5))
     results = []
     for workers in (1, 2, 3):
-        monkeypatch.setattr(im2col.parallel(), "workers", workers)
+        monkeypatch.setattr(parallel.parallel(), "workers", workers)
         layer = conv(extra, 4, kind="Deconvolution")
         bottom, top = run_forward(layer, [x])
         top[0].diff[...] = numpy.random.RandomState(1).standard_normal(top[0].shape)
@@ -92,14 +93,14 @@ def test_chunks_hold_the_least_cells_and_cover_every_row_once(width, expect_leas
     """_chunks: with blocks of one row's columns, a chunk still holds min(width,
     MIN_CHUNK_CELLS) cells (but the last of a sample or range), and the chunks cover every
     output row of every sample once, whole samples together or one sample's rows in bands."""
-    from poseidon.engine.layers import im2col
+    from poseidon.engine import parallel
     from poseidon.engine.layers.im2col import Geometry
-    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    monkeypatch.setattr(parallel.parallel(), "workers", 2)
     n, out_h, out_w = shape
     cell_bytes = 8
-    monkeypatch.setattr(_ConvCore, "COLUMN_BLOCK_BYTES", out_w * cell_bytes)
-    monkeypatch.setattr(_ConvCore, "MIN_CHUNK_CELLS", 6)
-    core = _ConvCore(Geometry(3, 3, 1, 1, 1, 1, 1, 1), 1)
+    monkeypatch.setattr(Im2colConvCore, "COLUMN_BLOCK_BYTES", out_w * cell_bytes)
+    monkeypatch.setattr(Im2colConvCore, "MIN_CHUNK_CELLS", 6)
+    core = Im2colConvCore(Geometry(3, 3, 1, 1, 1, 1, 1, 1), 1)
     pieces = core._chunks(0, n, out_h, out_w, cell_bytes, width, numpy)
     covered = [(s, r) for s0, m, r0, r1 in pieces for s in range(s0, s0 + m)
                for r in range(r0, r1)]

@@ -1,4 +1,4 @@
-"""The frequency-domain convolution (engine/layers/conv_fourier.py): its transforms against
+"""The frequency-domain convolution (engine/layers/conv/fourier.py): its transforms against
 numpy's FFT, the layer against im2col, which layers the cost rule sends where, and its errors.
 (Forward against direct loops and float64 gradient checks run in test_conv.py, whose every test
 also runs with POSEIDON_CONV=fourier.)"""
@@ -7,11 +7,12 @@ import pytest
 
 from poseidon.engine import gemm
 from poseidon.engine.errors import LayerError
-from poseidon.engine.layers import im2col
-from poseidon.engine.layers.conv_fourier import (FourierConvCore, _Plan,
-                                        fourier_applies, fourier_flops, fourier_pays,
-                                        fourier_pays_on_gpu)
-from poseidon.engine.layers.im2col import Geometry, ScratchArena
+from poseidon.engine import parallel
+from poseidon.engine.layers.conv.fourier import (FourierConvCore, _Plan, fourier_applies,
+                                                 fourier_flops)
+from poseidon.engine.layers.conv.routes import fourier_pays, fourier_pays_on_gpu
+from poseidon.engine.layers.im2col import Geometry
+from poseidon.engine.parallel import ScratchArena
 from tests.harness import run_forward
 from tests.layers.conv_routes import assert_routes_agree, conv_layer
 
@@ -52,7 +53,7 @@ def test_inverse_undoes_the_transform_on_the_cells_asked_for():
 ])
 def test_fourier_matches_im2col_forward_and_backward(extra, shape, num_output, workers,
                                                      monkeypatch):
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     assert_routes_agree(extra, shape, num_output, ("im2col", "fourier"), monkeypatch, 1e-9)
 
 
@@ -155,9 +156,9 @@ def test_backward_without_forward_or_with_other_threads_is_refused(monkeypatch):
     dy = numpy.ones((4, 2, 5, 5))
     with pytest.raises(RuntimeError, match="backward without a forward"):
         core.backward(dy, w, weight_diff=numpy.zeros_like(w))
-    monkeypatch.setattr(im2col.parallel(), "workers", 1)
+    monkeypatch.setattr(parallel.parallel(), "workers", 1)
     core.forward(numpy.ones((4, 3, 5, 5)), w, numpy.empty((4, 2, 5, 5)))
-    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    monkeypatch.setattr(parallel.parallel(), "workers", 2)
     with pytest.raises(RuntimeError, match="cut the batch differently"):
         core.backward(dy, w, weight_diff=numpy.zeros_like(w))
 
@@ -184,7 +185,7 @@ def test_scratch_frames_reuse_space_nest_and_grow_safely():
 def test_layers_share_scratch_so_memory_does_not_grow_with_depth(monkeypatch):
     """Ten identical Fourier layers keep only their own X^ and weight-sized partials: the
     scratch arena of this thread is the one place the spectra live."""
-    from poseidon.engine.layers import im2col as module
+    from poseidon.engine import parallel as module
     monkeypatch.setenv("POSEIDON_CONV", "fourier")
     monkeypatch.setattr(module.parallel(), "workers", 1)
     x = numpy.random.RandomState(0).standard_normal((2, 16, 8, 8))

@@ -1,15 +1,16 @@
-"""Winograd's F(2x2, 3x3) convolution (engine/layers/conv_winograd.py): its transforms against
+"""Winograd's F(2x2, 3x3) convolution (engine/layers/conv/winograd.py): its transforms against
 their definitions, the layer against im2col, which layers the cost rule sends there, and its
 errors. (Forward against direct loops and float64 gradient checks run in test_conv.py, whose every
 test also runs with POSEIDON_CONV=winograd.)"""
 import numpy
 import pytest
 
-from poseidon.engine.layers import im2col
-from poseidon.engine.layers.conv_fourier import fourier_pays
-from poseidon.engine.layers.conv_winograd import (WinogradConvCore, _Shape, pass_flops, winograd_applies,
-                                         winograd_pays)
-from poseidon.engine.layers.im2col import Geometry, ScratchArena
+from poseidon.engine import parallel
+from poseidon.engine.layers.conv.routes import fourier_pays, winograd_pays
+from poseidon.engine.layers.conv.winograd import (WinogradConvCore, _Shape, pass_flops,
+                                                  winograd_applies)
+from poseidon.engine.layers.im2col import Geometry
+from poseidon.engine.parallel import ScratchArena
 from tests.harness import run_forward
 from tests.layers.conv_routes import assert_routes_agree, conv_layer
 
@@ -32,14 +33,14 @@ def test_kernel_transform_is_g_g_gt_and_its_transpose_is_the_adjoint():
 def test_kernel_transforms_split_over_threads_equal_one_call(workers, monkeypatch):
     """The transforms cut their channels over the threads (16 at least a range): with 40 input
     and 50 output channels, 2 and 3 threads give one thread's numbers."""
-    from poseidon.engine.layers import im2col
+    from poseidon.engine import parallel
     rs = numpy.random.RandomState(2)
     g = rs.standard_normal((50, 40, 3, 3))
     du = rs.standard_normal((16, 50, 40))
-    monkeypatch.setattr(im2col.parallel(), "workers", 1)
+    monkeypatch.setattr(parallel.parallel(), "workers", 1)
     u1 = WinogradConvCore.kernel_transform(g, numpy)
     dg1 = WinogradConvCore.kernel_untransform(du, g.shape, numpy)
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     numpy.testing.assert_allclose(WinogradConvCore.kernel_transform(g, numpy), u1,
                                   rtol=1e-13, atol=1e-13)
     numpy.testing.assert_allclose(WinogradConvCore.kernel_untransform(du, g.shape, numpy), dg1,
@@ -76,7 +77,7 @@ def test_input_transform_and_its_transpose_are_adjoint(h, w, pad):
 ])
 def test_winograd_matches_im2col_forward_and_backward(extra, shape, num_output, workers,
                                                       monkeypatch):
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     monkeypatch.setattr(WinogradConvCore, "MIN_TILES", 1)
     monkeypatch.setattr(WinogradConvCore, "CHUNK_BYTES", 1)      # one sample per chunk
     assert_routes_agree(extra, shape, num_output, ("im2col", "winograd"), monkeypatch, 1e-10)
@@ -138,7 +139,7 @@ def test_layer_choice_follows_setting_and_rules(monkeypatch):
     """auto: the frequency route where its rule pays, then Winograd where its rule pays, im2col
     elsewhere; POSEIDON_CONV=winograd forces it where it applies; Caffe's engine keeps im2col."""
     monkeypatch.delenv("POSEIDON_CONV", raising=False)
-    monkeypatch.setattr(im2col.parallel(), "workers", 2)
+    monkeypatch.setattr(parallel.parallel(), "workers", 2)
     x = numpy.zeros((8, 128, 16, 16), numpy.float32)
     assert winograd_pays(THREE, 1, 8, 128, 128, 16, 16, ranges=2)
     assert not fourier_pays(THREE, 1, 8, 128, 128, 16, 16, ranges=2)

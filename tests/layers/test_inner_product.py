@@ -193,9 +193,10 @@ def test_deferred_weight_gradient_leaves_the_weight_diff_alone(extra):
 def test_weight_gradient_rows_from_factors_into_a_given_buffer(extra, workers, monkeypatch):
     """rows=(lo, hi) gives those rows of the weight-layout gradient; out= is written and returned;
     blocks put together equal the whole gradient, also with the columns split over 3 threads."""
-    from poseidon.engine.layers import im2col, inner_product
+    from poseidon.engine import parallel
+    from poseidon.engine.layers import inner_product
     monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1 if workers > 1 else 1 << 40)
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     rs = numpy.random.RandomState(9)
     layer = ip(5, extra=extra)
     run_forward(layer, [rs.standard_normal((6, 7))])
@@ -221,12 +222,13 @@ def test_large_weight_gradient_in_blocks_of_padded_rows(workers, monkeypatch):
     """A large weight's gradient is made block by block of rows in scratch whose rows are an odd
     number of cache lines apart (engine/gemm.padded_row_length), then copied into the diff, or
     added to it when the diff already holds a gradient; blocks of 2 rows over 1 or 3 threads."""
-    from poseidon.engine.layers import im2col, inner_product
+    from poseidon.engine import parallel
+    from poseidon.engine.layers import inner_product
     monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1)
-    monkeypatch.setattr(im2col, "MIN_BLOCK_ROWS", 1)
-    monkeypatch.setattr(im2col, "WEIGHT_BLOCK_BYTES", 2 * 64 * 8)
-    monkeypatch.setattr(im2col, "ROWS_PER_FACTOR_ROW", 0)
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(parallel, "WEIGHT_BLOCK_BYTES", 2 * 64 * 8)
+    monkeypatch.setattr(parallel, "ROWS_PER_FACTOR_ROW", 0)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     rs = numpy.random.RandomState(10)
     x, g = rs.standard_normal((6, 64)), rs.standard_normal((6, 7))   # rows of 512 bytes: 8 lines
     layer = ip(7)
@@ -247,7 +249,7 @@ def test_large_weight_gradient_in_blocks_of_padded_rows(workers, monkeypatch):
 def test_weight_blocks_grow_with_the_rows_of_factors():
     """A block holds at least 2 weight rows per row of factors (OpenBLAS packs the factor again
     for every block), and never more rows than the weight has."""
-    from poseidon.engine.layers.im2col import WEIGHT_BLOCK_BYTES, block_rows
+    from poseidon.engine.parallel import WEIGHT_BLOCK_BYTES, block_rows
     row_len = 9216
     plain = block_rows(4096, row_len, 4)
     assert plain == max(16, WEIGHT_BLOCK_BYTES // (row_len * 4))
@@ -263,11 +265,12 @@ def test_large_weight_forward_in_blocks_of_rows(batch, workers, monkeypatch):
     rows, the last block short, for batches up to FORWARD_ROWS_MAX_BATCH (here 8: the batch of
     9 takes unblocked GEMMs over its whole range); either way Y = X·Wᵀ + b, and backward is
     unchanged."""
-    from poseidon.engine.layers import im2col, inner_product
+    from poseidon.engine import parallel
+    from poseidon.engine.layers import inner_product
     monkeypatch.setattr(inner_product, "PARALLEL_MIN_WEIGHTS", 1)
     monkeypatch.setattr(inner_product, "FORWARD_ROWS", 3)
     monkeypatch.setattr(inner_product, "FORWARD_ROWS_MAX_BATCH", 8)
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     calls = []
     real = inner_product.matmul
     monkeypatch.setattr(inner_product, "matmul",

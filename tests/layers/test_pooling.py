@@ -304,8 +304,8 @@ def test_errors(extra, n_tops, shape, message):
 def test_batch_split_over_threads_matches_caffe_loops(extra, workers, monkeypatch):
     """A batch of 9 (split into sample ranges on the worker threads) against Caffe's loops, with
     integer-valued inputs so MAX has ties."""
-    from poseidon.engine.layers import im2col
-    monkeypatch.setattr(im2col.parallel(), "workers", workers)
+    from poseidon.engine import parallel
+    monkeypatch.setattr(parallel.parallel(), "workers", workers)
     rs = numpy.random.RandomState(3)
     x = rs.randint(-3, 4, size=(9, 2, 7, 8)).astype(numpy.float64)
     dy_layer = pool(extra)

@@ -63,7 +63,7 @@ def run_job(solver_path, workers, servers, folder, extra=(), timeout=300, thread
                          "--no-progress", "--workers", workers, "--servers", servers,
                          "--stats", stats_path, "--timeline", timeline_path, *extra)
     env = dict(os.environ)
-    if threads:   # BLAS's threads and the engine's own (engine/layers/im2col.parallel)
+    if threads:   # BLAS's threads and the engine's own (engine/parallel.py)
         env["OPENBLAS_NUM_THREADS"] = str(threads)
         env["OMP_NUM_THREADS"] = str(threads)
         env["POSEIDON_THREADS"] = str(threads)

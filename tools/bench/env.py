@@ -155,7 +155,7 @@ def gemm_peak(size=2048, runs=7, dtype=numpy.float32):
 
 def gemm_peak_concurrent(calls, size=2048, runs=5, dtype=numpy.float32):
     """GFLOP/s of one call when `calls` single-thread matmuls run at once, one per thread, as
-    the engine runs its GEMMs while it splits a batch over cores (engine/layers/im2col.parallel):
+    the engine runs its GEMMs while it splits a batch over cores (engine/parallel.py):
     the cores then share the caches and the memory bus, so a call alone on an idle machine is
     faster than any of the engine's calls can be. Per run, the mean rate of the calls; BLAS must
     be held to one thread (blas_threads(1)) around this."""

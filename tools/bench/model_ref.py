@@ -24,7 +24,7 @@ import numpy
 
 from poseidon import prototxt as shipped_prototxt
 from poseidon.engine import prototxt
-from poseidon.engine.layers.im2col import parallel
+from poseidon.engine.parallel import parallel
 from poseidon.engine.net import Net
 from poseidon.engine.proto import caffe_pb2
 

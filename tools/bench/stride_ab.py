@@ -12,7 +12,7 @@ import time
 import numpy
 
 from poseidon.engine.gemm import padded_row_length
-from poseidon.engine.layers.im2col import block_rows
+from poseidon.engine.parallel import block_rows
 
 
 def best_seconds(fn, repeats=7):

@@ -80,7 +80,7 @@ def run(args):
     t_start = time.perf_counter()
     runs = args.runs or (2 if args.quick else 5)
     threads = args.threads or env.cpu_count()
-    # the engine's own threads (engine/layers/im2col.parallel: sample ranges on Python threads,
+    # the engine's own threads (engine/parallel.py: sample ranges on Python threads,
     # numpy's BLAS held to one thread meanwhile); PyTorch gets the same count
     os.environ["POSEIDON_THREADS"] = str(threads)
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
@@ -98,7 +98,7 @@ def run(args):
     bench_nets = nets.all_nets(quick=args.quick)
 
     # one GEMM call of the engine runs on one core while it splits the batch over cores
-    # (engine/layers/im2col.parallel), every core running one at once: its peak is that of a
+    # (engine/parallel.py), every core running one at once: its peak is that of a
     # call in those conditions. Both peaks are sampled again after each net of part b
     # (env.GemmPeaks: the machine's speed drifts)
     peaks = env.GemmPeaks(threads, quick=args.quick)

@@ -8,9 +8,9 @@ the transforms included. The transforms are written as matrix products rather th
 planes this small (10-34 points a side) are too short for an FFT to beat one large GEMM, the
 padding and cropping cost nothing (the DFT matrices only have rows and columns for the cells
 that exist), and everything, numpy or CuPy, stays in `xp.matmul`. On a CPU large planes with 3x3
-kernels (VGG) lose by this route; `fourier_pays` weighs both and the layer keeps im2col there. On
-a GPU the same layers win (im2col's columns, not the FLOPs, set the time there), so CuPy has its
-own rule, `fourier_pays_on_gpu`.
+kernels (VGG) lose by this route; on a GPU the same layers win (im2col's columns, not the FLOPs,
+set the time there). Which layers take it is decided in routes.py, by timing it against the
+others on the machine that runs.
 
 The arithmetic (one spatial axis shown; the 2-D case applies it per axis). Caffe's convolution
 is a cross-correlation, y[j] = sum_k w[k] x[j + k - p]. With transform size P >= H + p, x placed at
@@ -35,26 +35,10 @@ thread order, so results do not depend on timing).
 """
 import numpy
 
-from ..backend import get_array_module as _xp
-from ..gemm import matmul
-from .im2col import WorkerBuffers, bias_gradient_of, bias_gradient_part, parallel, scratch
-
-# The cost rule (fourier_pays), fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
-# AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
-# forward + both gradients, both routes; docs/benchmark-history.md has the table):
-# - the frequency route's products are smaller (K = C, or a plane side) and it adds transposing
-#   copies, so it must need at most FOURIER_WORK_SHARE of im2col's FLOPs;
-# - each channel product streams the whole weight spectrum (F x C x O complex, 10-30x the weight)
-#   once per thread range for only samples-per-thread rows, so with many channels and few samples
-#   that read, not the arithmetic, sets the time: it is charged SPECTRUM_FLOPS_PER_BYTE FLOPs per
-#   byte.
-# With these, every shape measured faster by 10% or more on one route is given that route, but two
-# kept on im2col: 64 -> 64 3x3 on 32x32 at batch 32 (0.67 of im2col's time), and cifar10_quick's
-# conv1 when its input gradient is asked for (0.58). As a net's first layer it never is, and then
-# im2col is 1.6x faster. The others were within 10% either way.
-FOURIER_WORK_SHARE = 0.65
-SPECTRUM_FLOPS_PER_BYTE = 18.0
-
+from ...backend import get_array_module as _xp
+from ...gemm import matmul
+from ...parallel import WorkerBuffers, parallel, scratch
+from .bias import bias_gradient_of, bias_gradient_part
 
 def fourier_applies(geom, group, h, w):
     """Whether the frequency route computes this convolution exactly (see the module's
@@ -109,51 +93,6 @@ def fourier_flops(geom, n, c, o, h, w, ranges=1, group=1):
     freqs = (h + g.ph) * ((w + g.pw) // 2 + 1)
     spectrum = 3.0 * ranges * freqs * c * o / group * 8
     return direct, sum(pass_flops(geom, n, c, o, h, w, ranges=ranges, group=group)), spectrum
-
-
-def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
-    """The cost rule (see FOURIER_WORK_SHARE): the frequency route applies, and its FLOPs plus
-    its weight-spectrum traffic come to at most FOURIER_WORK_SHARE of im2col's FLOPs."""
-    if not fourier_applies(geom, group, h, w):
-        return False
-    direct, fourier, spectrum = fourier_flops(geom, n, c, o, h, w, ranges, group)
-    return fourier + SPECTRUM_FLOPS_PER_BYTE * spectrum <= FOURIER_WORK_SHARE * direct
-
-
-# On CuPy the costs differ in kind: cuBLAS's GEMMs are cheap, while im2col's columns (kh*kw times
-# the input) go through the card's memory three times (written, read by the GEMMs, scattered back
-# by col2im), and each kernel launch costs ~10 us whatever its size. So the frequency route pays
-# on a GPU where the columns are large, the planes wide enough for its DFT products to fill the
-# card and the input wide enough that its transforms are not most of its work. Measured per layer
-# on an H100 (CuPy 14, forward + backward, im2col -> frequency route): VGG19 at batch 32, conv1_2
-# 34.6 -> 21.9 ms, conv2_2 20.4 -> 11.3, conv3_2 14.6 -> 8.0, conv4_2 10.9 -> 7.6 (columns of
-# 58-925 M numbers), but conv5 (14 px) 3.2 -> 4.5 and conv1_1 (3 channels) 3.7 -> 11.4; GoogLeNet
-# at batch 128, conv2/3x3 21.4 -> 8.4; ResNet-50 at batch 32, the 56 px 3x3s 2.4 -> 1.6-2.2
-# (58 M) and the 28 px ones even (29 M); on cifar10_quick (8-32 px, every layer ~0.3 ms of
-# launches) the route lost on every layer. Whole blocks of two such layers on an H200, alternated:
-# 64 channels on 56 px at batch 16 (29 M) 0.79x of im2col's speed, 128 on 28 px at 16 (14 M)
-# 0.78x, 64 on 56 px at batch 64 (116 M) 1.64x, 256 on 56 px at 16 (116 M) 1.09x.
-GPU_FOURIER_MIN_CELLS = 28 * 28
-GPU_FOURIER_MIN_CHANNELS = 32
-GPU_FOURIER_MIN_COLUMNS = 40_000_000
-GPU_FOURIER_MAX_FLOP_RATIO = 2.0
-
-
-def fourier_pays_on_gpu(geom, group, n, c, o, h, w):
-    """The rule `auto` uses on CuPy (see GPU_FOURIER_MIN_CELLS): the route applies, the kernel
-    is wider than one cell, the plane has at least GPU_FOURIER_MIN_CELLS cells, the input at
-    least GPU_FOURIER_MIN_CHANNELS channels a group, im2col's columns would hold at least
-    GPU_FOURIER_MIN_COLUMNS numbers, and the route needs at most GPU_FOURIER_MAX_FLOP_RATIO
-    times im2col's FLOPs."""
-    if not fourier_applies(geom, group, h, w) or geom.kh * geom.kw == 1:
-        return False
-    if h * w < GPU_FOURIER_MIN_CELLS or c // group < GPU_FOURIER_MIN_CHANNELS:
-        return False
-    out_h, out_w = geom.conv_out(h, w)
-    if n * c * geom.kh * geom.kw * out_h * out_w < GPU_FOURIER_MIN_COLUMNS:
-        return False
-    direct, fourier, _ = fourier_flops(geom, n, c, o, h, w, 1, group)
-    return fourier <= GPU_FOURIER_MAX_FLOP_RATIO * direct
 
 
 def _forward_matrices(size, positions):
@@ -219,11 +158,11 @@ class _Plan:
 
 
 class FourierConvCore:
-    """The frequency-domain convolution, with `_ConvCore`'s interface (forward, backward).
+    """The frequency-domain convolution, with `Im2colConvCore`'s interface (forward, backward).
 
     Memory: a layer keeps X^ of its batch (F x N x C complex, about 1.5-3x the input) from forward
     to backward and, per thread, a weight-sized partial gradient; every other buffer, the weight
-    spectra included, is transient scratch shared by all layers (im2col.scratch)."""
+    spectra included, is transient scratch shared by all layers (engine.parallel.scratch)."""
 
     algorithm = "fourier"
 

@@ -7,7 +7,7 @@ side of them, which here are additions and subtractions of whole arrays (numpy o
 elementwise work, no Python loop over cells). Wide 3x3 layers on planes of 14 px or more (VGG's
 128-512-channel stages) are what this is for: there forward and both gradients take 0.63-0.91 of
 im2col's time on the 2-core EPYC. With 64-96 channels, small planes or few samples a thread the
-transforms cost what the GEMMs save, and the layer keeps im2col (`winograd_pays`).
+transforms cost what the GEMMs save; routes.py times the routes and keeps the faster one.
 
 The arithmetic, with d a 4x4 input tile (rows 2ty..2ty+3 and columns 2tx..2tx+3 of the zero-padded
 input), g a 3x3 kernel and y the 2x2 output tile at (2ty, 2tx):
@@ -33,23 +33,10 @@ input).
 """
 import numpy
 
-from ..backend import get_array_module as _xp
-from ..gemm import matmul
-from .im2col import (COLUMN_BLOCK_BYTES, WorkerBuffers, bias_gradient_of, bias_gradient_part,
-                     parallel, scratch)
-
-# The cost rule (winograd_pays), measured on the 2-core EPYC: forward and both gradients against
-# im2col, per layer, 2 threads (docs/benchmark-history.md, "Winograd for wide 3x3 layers").
-# The transforms are element-wise passes over arrays 4x the input's and the output's size
-# whatever the channel counts, while the GEMMs they save grow with C x O; small planes pay the
-# per-sample cost of the transforms (and 7x7 planes compute 8x8), and a thread's GEMMs need rows.
-# Winograd / im2col time: 0.63-0.67 for 256 and 512 channels at 56 and 28 px, 0.73-0.91 for 128-512 channels at 14-112 px;
-# but 0.95-1.12 with 64-96 channels, 1.29 on 12x12 and 1.59 on 7x7 planes, 1.15 with 245 tiles a
-# thread (10 samples of 14x14).
-WINOGRAD_MIN_CHANNELS = 128
-WINOGRAD_MIN_PLANE = 14
-WINOGRAD_MIN_TILES_PER_RANGE = 256
-
+from ...backend import get_array_module as _xp
+from ...gemm import matmul
+from ...parallel import CACHE_BLOCK_BYTES, WorkerBuffers, parallel, scratch
+from .bias import bias_gradient_of, bias_gradient_part
 
 def winograd_applies(geom, group):
     """F(2x2, 3x3) computes this convolution exactly: a 3x3 kernel, stride 1, no dilation, one
@@ -57,19 +44,6 @@ def winograd_applies(geom, group):
     g = geom
     return (g.kh == 3 and g.kw == 3 and g.sh == 1 and g.sw == 1 and g.dh == 1 and g.dw == 1
             and group == 1)
-
-
-def winograd_pays(geom, group, n, c, o, h, w, ranges=1):
-    """The cost rule: the route applies, both sides have WINOGRAD_MIN_CHANNELS channels, the
-    output planes are at least WINOGRAD_MIN_PLANE a side, and each of the `ranges` thread
-    ranges has WINOGRAD_MIN_TILES_PER_RANGE tiles."""
-    if not winograd_applies(geom, group):
-        return False
-    out_h, out_w = geom.conv_out(h, w)
-    samples = -(-n // max(1, ranges))
-    tiles = samples * -(-out_h // 2) * -(-out_w // 2)
-    return (min(c, o) >= WINOGRAD_MIN_CHANNELS and min(out_h, out_w) >= WINOGRAD_MIN_PLANE
-            and tiles >= WINOGRAD_MIN_TILES_PER_RANGE)
 
 
 def pass_flops(n, c, o, out_h, out_w, weight_grad=True, input_grad=True):
@@ -141,10 +115,10 @@ class _Shape:
 
 
 class WinogradConvCore:
-    """F(2x2, 3x3) convolution with the interface of im2col's _ConvCore (forward, backward)."""
+    """F(2x2, 3x3) convolution with the interface of `Im2colConvCore` (forward, backward)."""
 
     algorithm = "winograd"
-    CHUNK_BYTES = COLUMN_BLOCK_BYTES     # V of a chunk of samples stays about this size
+    CHUNK_BYTES = CACHE_BLOCK_BYTES     # V of a chunk of samples stays about this size
     GPU_CHUNK_BYTES = 1 << 28
     MIN_TILES = 512
 
