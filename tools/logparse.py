@@ -1,4 +1,4 @@
-"""Read a training log, as `poseidon train` (or Caffe's `caffe train`) writes it on stderr, into curves.
+"""Read a training log, as `poseidon train` (or `caffe train`) writes it on stderr, into curves.
 
 The lines it understands are Caffe's glog lines (the `I1127 07:28:54.243 123 solver.py:511] ` header
 may be there or not):
@@ -86,7 +86,7 @@ class _Stream:
         self.iteration = None
         self.test_iteration = None
         self.test_net = 0
-        self.curves = {}                 # (kind, net, output index) -> Curve, in order of appearance
+        self.curves = {}                 # (kind, net, output index) -> Curve
 
     def add(self, kind, net, output, name, iteration, value):
         curve = self.curves.setdefault((kind, net, output), Curve(kind, name, net, output))
@@ -122,7 +122,8 @@ def _label(curve, curves):
     if curve.kind == "train":
         return TRAIN_LOSS
     prefix = "train_net" if curve.kind == "train_net" else f"test{curve.net or ''}"
-    shared = sum(1 for c in curves if (c.kind, c.net, c.name) == (curve.kind, curve.net, curve.name))
+    same = (curve.kind, curve.net, curve.name)
+    shared = sum(1 for c in curves if (c.kind, c.net, c.name) == same)
     return f"{prefix}_{curve.name}" + (f"#{curve.output}" if shared > 1 else "")
 
 

@@ -1,6 +1,6 @@
 """`poseidon plot LOG [--out curve.png] [--csv rows.csv]`: a training log drawn as learning curves.
 
-    poseidon train --solver S > train.log 2>&1   # one process logs on stderr, a distributed job on stdout
+    poseidon train --solver S > train.log 2>&1   # stderr: one process's log; stdout: a job's
     poseidon plot train.log                      # train.png: loss, and accuracy on a second y axis
     poseidon plot train.log --csv train.csv      # the parsed rows too (the CSV needs no matplotlib)
 
@@ -23,12 +23,16 @@ INSTALL = "pip install 'poseidon-caffe[plot]' (or pip install matplotlib)"
 
 def add(sub):
     p = sub.add_parser("plot", help="draw the loss and test outputs of a training log to a PNG")
-    p.add_argument("log", help="the log `poseidon train` wrote on stderr (Caffe's glog format)")
-    p.add_argument("--out", help="the PNG to write (default: LOG with .png)")
-    p.add_argument("--csv", help="also write the parsed rows (iteration, train loss, each test "
-                                 "output) to this CSV file; works without matplotlib")
-    p.add_argument("--rank", help="of a distributed run's log, the tagged lines to read, e.g. "
-                                  "'worker 0' (default: untagged lines, else worker 0's)")
+    p.add_argument("log", metavar="LOG",
+                   help="a training log in Caffe's glog format: what `poseidon train` prints on "
+                        "stderr (a distributed job: on stdout)")
+    p.add_argument("--out", metavar="FILE.png", help="the PNG to write (default: LOG with .png)")
+    p.add_argument("--csv", metavar="FILE",
+                   help="also write the parsed rows (iteration, train loss, each test output) "
+                        "as CSV; works without matplotlib")
+    p.add_argument("--rank", metavar="TAG",
+                   help="in a distributed job's log, whose tagged lines to read, e.g. 'worker 1' "
+                        "(default: the untagged lines, else worker 0's)")
     p.set_defaults(run=run)
 
 
@@ -52,7 +56,7 @@ def run(args):
 
 
 def write_csv(log, path):
-    """The rows of `log`, a header line first; an iteration without a value leaves its cell empty."""
+    """The rows of `log` under a header line; an iteration without a value leaves the cell empty."""
     try:
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
@@ -94,7 +98,7 @@ def shown_curves(log):
 
 
 def _finite(curve):
-    """(iterations, values) of a curve, inf as nan so one diverged value does not flatten the rest."""
+    """(iterations, values) of a curve, inf as nan: one diverged value must not flatten the rest."""
     its = sorted(curve.points)
     return its, [v if math.isfinite(v) else math.nan for v in (curve.points[i] for i in its)]
 
