@@ -93,7 +93,8 @@ def shown_curves(log):
     """The curves the PNG draws: the displayed training loss and every test output. The training
     net's outputs are drawn only when the log has no displayed loss (it is their loss, smoothed
     over average_loss iterations, so both would draw the same curve twice)."""
-    has_loss = log.curve("train_loss") is not None
+    from poseidon.tools.logparse import TRAIN_LOSS
+    has_loss = log.curve(TRAIN_LOSS) is not None
     return [c for c in log.curves if c.kind != "train_net" or not has_loss or c.is_accuracy]
 
 
