@@ -9,6 +9,7 @@
     poseidon mean SOURCE OUT.binaryproto
     poseidon keys FILE                    # the key file of a multi-host job (--keys FILE)
     poseidon simulate --model vgg19_22k --nodes 1,2,4,8,16,32 --bandwidth 40Gbit
+    poseidon plot LOG [--out curve.png] [--csv rows.csv]   # a training log's curves (plot extra)
 
 Errors a user can fix (bad files, missing data) print one line and exit with status 1; a
 bad command-line value prints the usage line and exits with status 2 (argparse).
