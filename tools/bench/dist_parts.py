@@ -365,7 +365,7 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     Rounds of the seven sides, the order rotated every round; per round the KV rate
     is the median over the job's iterations after the warm-up, a raw rate the median of its
     round trips, and the round's ratios KV / raw of the same security. The figures are medians
-    over rounds; the target is the CURVE ratio (the issue's loopback comparison)."""
+    over rounds; the target is the CURVE ratio (both sides over TCP loopback, encrypted)."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
