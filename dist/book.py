@@ -125,7 +125,7 @@ def fusion_bytes(options):
 
 # --bucket-bytes auto on a job whose processes all share one host: 1 MB (cifar10_quick's 0.58 MB
 # of parameters in one sync). Across hosts WFBP's per-layer overlap hides the network; on one
-# host there is no network, and each sync costs its wake-ups (docs/benchmark-history.md).
+# host there is no network, and each sync costs its wake-ups (docs/performance.md).
 AUTO_BUCKET_BYTES = 1 << 20
 
 
@@ -156,7 +156,7 @@ def sync_groups(layers, param_bytes, bucket):
     as DDP's buckets. A layer alone over `bucket`, an SFB layer, or bucket 0: its own sync.
 
     Why: each message costs a handful of thread and process hops on both sides whatever its size
-    (docs/benchmark-history.md, "Where the single-node overhead stands"), so nets of many
+    (docs/performance.md, "The distributed path on one host"), so nets of many
     small layers pay per layer; a bucket trades some of WFBP's overlap for fewer messages."""
     group_of = {}
     current, size = [], 0

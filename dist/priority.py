@@ -3,7 +3,7 @@
 Why: when the processes of a job share their cores with training (one machine, CPU training),
 every wake-up of a ZeroMQ I/O thread, a receive or sync thread or a KV server preempts a compute
 thread in the middle of its cache-sized blocks. Measured on the 2-core bench machine
-(docs/benchmark-history.md), the compute threads then use 7 ms more CPU per 50 ms iteration for
+(docs/performance.md), the compute threads then use 7 ms more CPU per 50 ms iteration for
 the same work, beside the sync path's own 9 ms. Threads at SCHED_IDLE run only on cores that nothing else
 wants: in the gaps of the step and at the barrier, where the worker waits anyway.
 

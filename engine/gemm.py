@@ -19,7 +19,7 @@ import numpy
 # such rows (fc_heavy's 9216 and 4096 floats: 36 and 16 KiB). Measured on the 2-core EPYC, one
 # thread, fc6's Gᵀ·X with K = 32 into blocks of its gradient: 54 GFLOP/s with rows 36,864 bytes
 # apart, 83 with them 36,928 (an odd number of cache lines) apart; fc6's update from factors on
-# two threads went from 46 to 40 ms (docs/benchmark-history.md, "output rows 4 KiB apart";
+# two threads went from 46 to 40 ms (docs/performance.md, "InnerProduct and the GEMM share";
 # python -m poseidon.tools.bench.stride_ab).
 CACHE_LINE = 64
 

@@ -1,4 +1,4 @@
-"""Bad input everywhere (issue 5, item 6): each case runs `python -m poseidon.tools.cli ...` as a user would,
+"""Bad input everywhere (docs/errors.md): each case runs `python -m poseidon.tools.cli ...` as a user would,
 and must end with a non-zero exit, no traceback, and one short error line on stderr that names what
 is wrong (file:line, layer, key or flag) and says what to do. A few cases are warnings (Caffe skips
 them) and must exit 0 with one warning line.

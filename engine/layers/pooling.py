@@ -388,7 +388,7 @@ class PoolingLayer(Layer):
         first cell equal to it; so with stride 1 a kh x kw MAX is a 1 x kw pass and a kh x 1 pass
         over an array of about the output's size, kh + kw offsets instead of kh * kw, with
         Caffe's ties and clipping kept (padding cells hold -FLT_MAX in both passes). GoogLeNet's
-        3x3 stride-1 pools: docs/benchmarks.md. With a stride the row pass would cover every
+        3x3 stride-1 pools: docs/performance.md. With a stride the row pass would cover every
         input row, and the 2-D grid does less. AVE is separable too, but its 2-D passes are plain
         additions, and the second pass's copies cost more than the offsets saved (Inception's
         288 channels at 35x35: 4.7 / 4.7 ms forward / backward against 5.4 / 6.0)."""

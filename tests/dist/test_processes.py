@@ -343,8 +343,8 @@ def test_four_workers_two_servers_converge_like_one_process_on_the_combined_batc
 
     Why not the file as it is: with it both runs sit on the loss-2.30 plateau for 100-250
     iterations and leave it through loss spikes (6.6 seen), so float32 rounding decides whether a
-    run has left it by iteration 500: a change that only reordered conv1's sums (2026-11-26: the
-    same gradients to 1e-7) left the 4-worker run on the plateau (accuracy 0.09) where it had
+    run has left it by iteration 500: a change that only reordered conv1's sums (the same
+    gradients to 1e-7) left the 4-worker run on the plateau (accuracy 0.09) where it had
     reached 0.95 before. With these two settings both runs leave it by iteration 150 along
     nearly the same losses (1.999 and 1.949 at 100; 0.95 and 0.95 at the end).
 

@@ -191,14 +191,14 @@ def overhead_variants(quick=False):
 
 
 # Rounds of part c, whatever --runs (its figure is a median over rounds, not over runs). One
-# round's ratio moves by +-12% on this shared machine, so the median of 24 rounds (8 per run
-# until 2026-11-25) came out anywhere from -0.1 to +3.5% for the same code within an hour, its 95%
+# round's ratio moves by +-12% on a shared 2-core machine, so the median of 24 rounds (8 per run
+# of --runs 3) came out anywhere from -0.1 to +3.5% for the same code within an hour, its 95%
 # interval about +-3%; 96 rounds gave +2.5, +1.6 and +2.2%, intervals about +-1.2%, for 24 s a
 # figure (cifar10_quick, 2 threads).
 ROUNDS = 96
 # The variants beside it (overhead_variants) are shown, not judged: a third of the rounds (95%
 # intervals about +-2%) keeps the bench under 15 minutes on a slower 2-core machine (1,216 s with
-# 96 rounds each on a Zen 3 EPYC, 2026-11-26).
+# 96 rounds each on a Zen 3 EPYC).
 VARIANT_ROUNDS = 32
 
 
@@ -368,7 +368,7 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     Rounds of the seven sides, the order rotated every round; per round the KV rate
     is the median over the job's iterations after the warm-up, a raw rate the median of its
     round trips, and the round's ratios KV / raw of the same security. The figures are medians
-    over rounds; the target is the CURVE ratio (the issue's loopback comparison)."""
+    over rounds; the target is the CURVE ratio (both sides over TCP loopback, encrypted)."""
     ok, reason = status()
     if not ok:
         return not_measured(reason)
