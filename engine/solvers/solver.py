@@ -650,11 +650,16 @@ class Solver:
         if state.learned_net:
             weights = self._learned_net(state.learned_net, path)
             try:
-                self.net.copy_from(weights)
+                missing = self.net.copy_from(weights, report_missing=False)
             except ModelError as e:
                 detail = str(e).split("; check that the file")[0]
                 raise ModelError(f"{path}: is a snapshot of another net ({detail}); resume with "
                                  f"the solver and model that wrote it") from None
+            if missing:     # a weights file cut at a layer boundary still parses
+                from ..net import name_list
+                raise ModelError(f"{weights}: has no weights for layer(s) {name_list(missing)} "
+                                 f"of the net, and a resume needs them all (the file is cut "
+                                 f"short, or of another net): resume from an earlier snapshot")
         params = self.net.learnable_params
         expected = len(params) * self.rule.num_state
         if len(state.history) != expected:
@@ -686,14 +691,23 @@ class Solver:
                 net.set_data_cursors(cursors)
 
     def _learned_net(self, name, state_path):
-        if os.path.exists(name):
-            return name
+        """The weights file of the snapshot `state_path`: the one its manifest lists (and restore
+        has just verified), beside it; without a manifest (a Caffe snapshot) the file called
+        `name` beside it, then `name` as written. The solverstate's `name` is the path the
+        snapshot was written to, relative to that run's folder: tried first, it would load another
+        run's weights when two experiments share a relative snapshot_prefix."""
+        listed = manifest.manifest_path(state_path)
+        if os.path.exists(listed):
+            found = manifest.listed_files(listed, (".caffemodel", ".caffemodel.h5"))
+            same = [f for f in found if os.path.basename(f) == os.path.basename(name)]
+            if same or found:
+                return (same or found)[0]
         folder = os.path.dirname(os.path.abspath(state_path))
-        for candidate in (os.path.join(folder, name), os.path.join(folder, os.path.basename(name))):
+        for candidate in (os.path.join(folder, os.path.basename(name)), name):
             if os.path.exists(candidate):
                 return candidate
-        raise ModelError(f"{state_path}: its weights file '{name}' does not exist (looked in the "
-                         f"current directory and {folder})")
+        raise ModelError(f"{state_path}: its weights file '{name}' does not exist (looked in "
+                         f"{folder} and the current directory)")
 
 
 def _sidecar_path(state_path):
