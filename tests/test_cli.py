@@ -403,3 +403,43 @@ def test_train_digits_reaches_90_percent(digits):
     final = re.search(r"Final test accuracy \(net #0\): ([\d.]+)", result.stdout)
     assert final, result.stdout
     assert float(final.group(1)) >= 0.90
+
+
+# ------------------------------------------------------------------------------------------------
+# poseidon keys --force
+# ------------------------------------------------------------------------------------------------
+def test_keys_force_replaces_the_file_atomically_with_mode_0600(tmp_path):
+    """--force writes a new 0600 file beside the old one and renames it over: a hard link to the
+    old file (a copy someone kept) still holds the old keys, and no temporary file is left."""
+    from poseidon.dist.security import read_key_file
+    path = tmp_path / "job.keys"
+    ok(poseidon("keys", path, cwd=tmp_path))
+    old = read_key_file(path)
+    os.link(path, tmp_path / "kept.keys")
+    os.chmod(path, 0o644)                            # loosened since; the new file is private
+    ok(poseidon("keys", "--force", path, cwd=tmp_path))
+    os.chmod(tmp_path / "kept.keys", 0o600)
+    assert read_key_file(tmp_path / "kept.keys").secret == old.secret
+    assert read_key_file(path).secret != old.secret
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(path).st_ino != os.stat(tmp_path / "kept.keys").st_ino
+    assert sorted(os.listdir(tmp_path)) == ["job.keys", "kept.keys"]
+
+
+def test_keys_refuses_a_symbolic_link_and_leaves_its_target(tmp_path):
+    """A link at FILE is refused with one line, with or without --force: writing through it
+    would put the job's secret wherever it points (docs/decisions.md)."""
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not yours to overwrite\n")
+    link = tmp_path / "job.keys"
+    link.symlink_to(target)
+    for flags in (["--force"], []):
+        line = fails(poseidon("keys", *flags, link, cwd=tmp_path), "job.keys", "symbolic link",
+                     "remove the link")
+        assert len(line) < 300
+    assert target.read_text() == "not yours to overwrite\n"
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    dangling = tmp_path / "dangling.keys"
+    dangling.symlink_to(tmp_path / "nowhere")
+    fails(poseidon("keys", "--force", dangling, cwd=tmp_path), "symbolic link")
+    assert not (tmp_path / "nowhere").exists()
