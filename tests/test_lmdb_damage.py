@@ -27,8 +27,9 @@ def records(n, negative_at=None):
     """n (3, 4, 4) uint8 Datum records; record `negative_at` is a -1 x -1 x 5 Datum of 5 bytes."""
     out = []
     for i in range(n):
+        image = numpy.full((3, 4, 4), i % 256, numpy.uint8)
         datum = (caffe_pb2.Datum(channels=-1, height=-1, width=5, data=bytes(5))
-                 if i == negative_at else array_to_datum(numpy.full((3, 4, 4), i % 256, numpy.uint8), i))
+                 if i == negative_at else array_to_datum(image, i))
         out.append(datum.SerializeToString())
     return out
 
