@@ -699,8 +699,8 @@ class Solver:
         listed = manifest.manifest_path(state_path)
         if os.path.exists(listed):
             found = manifest.listed_files(listed, (".caffemodel", ".caffemodel.h5"))
-            same = [f for f in found if os.path.basename(f) == os.path.basename(name)]
-            if same or found:
+            if found:
+                same = [f for f in found if os.path.basename(f) == os.path.basename(name)]
                 return (same or found)[0]
         folder = os.path.dirname(os.path.abspath(state_path))
         for candidate in (os.path.join(folder, os.path.basename(name)), name):
