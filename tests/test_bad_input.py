@@ -110,12 +110,8 @@ def caffe_pb2_net(name, layers):
 def evil_cifar(folder):
     """A CIFAR-10 python folder whose first batch names numpy.f2py.__main__ (importing it runs
     f2py's command line); the other batches are sound."""
-    import pickle
-    folder.mkdir()
-    (folder / "data_batch_1").write_bytes(b"cnumpy.f2py.__main__\nndarray\n.")
-    for name in [f"data_batch_{i}" for i in range(2, 6)] + ["test_batch"]:
-        (folder / name).write_bytes(pickle.dumps(
-            {b"labels": [1], b"data": numpy.zeros((1, 3072), numpy.uint8)}, protocol=2))
+    from .test_data import cifar_folder
+    cifar_folder(folder, b"cnumpy.f2py.__main__\nndarray\n.")
 
 
 DISK_FULL = """import errno, os
