@@ -27,14 +27,10 @@ def snapshot_settings(solver_path):
 
 
 def _state_file(manifest_file):
-    import json
-    with open(manifest_file, "r", encoding="utf-8") as f:
-        entries = json.load(f)["files"]
-    folder = os.path.dirname(os.path.abspath(manifest_file))
-    for entry in entries:
-        if entry["file"].endswith((".solverstate", ".solverstate.h5")):
-            return os.path.join(folder, entry["file"]), [e["file"] for e in entries]
-    raise ModelError(f"{manifest_file}: names no .solverstate file")
+    states = manifest.listed_files(manifest_file, (".solverstate", ".solverstate.h5"))
+    if not states:
+        raise ModelError(f"{manifest_file}: names no .solverstate file")
+    return states[0], [entry["file"] for entry in manifest.read_manifest(manifest_file)["files"]]
 
 
 def newest_complete(prefix, workers=None, say=print):

@@ -92,21 +92,34 @@ def parse_keys(text, source):
 
 
 def write_key_file(path, keys=None, overwrite=False):
-    """Write keys (fresh ones by default) to path, created with mode 0600; returns the JobKeys."""
+    """Write keys (fresh ones by default) to path with mode 0600; returns the JobKeys.
+
+    A new file is created exclusively. `overwrite` replaces an existing one atomically: the keys
+    go to a new 0600 file in the same folder, renamed over the old one, so the old file's mode
+    never applies and no reader sees half a key. A symbolic link at `path` is refused either
+    way: writing through it would put the secret wherever it points (docs/decisions.md)."""
+    from poseidon.engine.io.caffemodel import write_atomic
     keys = keys or make_keys()
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise DistError(f"{path} is a symbolic link (to {os.readlink(path)}): a key file is "
+                        f"written only as a regular file; remove the link or give another name")
+    data = keys.text().encode("ascii")
     try:
-        fd = os.open(path, flags, 0o600)
+        if overwrite:
+            write_atomic(path, data, mode=0o600)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.fchmod(fd, 0o600)         # whatever the umask
+                os.write(fd, data)
+            finally:
+                os.close(fd)
     except FileExistsError:
         raise DistError(f"{path} exists: give another name, or --force to replace it (every host "
                         f"of a running job would then need the new file)") from None
     except OSError as e:
-        raise DistError(f"cannot write the key file {path}: {e.strerror}") from None
-    try:
-        os.fchmod(fd, 0o600)                # also when an existing file is overwritten
-        os.write(fd, keys.text().encode("ascii"))
-    finally:
-        os.close(fd)
+        raise DistError(f"cannot write the key file {path}: {e.strerror or e}") from None
     keys.source = str(path)
     return keys
 

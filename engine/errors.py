@@ -24,3 +24,8 @@ class LayerError(ModelError):
 
 class DataError(PoseidonError):
     """A data source that is missing, empty or holds records the net cannot use."""
+
+
+class DiskFullError(PoseidonError, OSError):
+    """A file could not be written because its disk (or the user's quota) is full. An OSError
+    too, so code that cleans up after a failed write still sees one."""

@@ -472,8 +472,14 @@ class Net:
             (name, [backend.to_numpy(b.data) for b in layer.blobs])
             for name, layer in self.layer_dict.items() if layer.blobs))
 
-    def copy_from(self, path):
-        """Load weights by layer name from a .caffemodel (binary) or .h5 file, as Caffe does."""
+    def copy_from(self, path, report_missing=True):
+        """Load weights by layer name from a .caffemodel (binary) or .h5 file, as Caffe does.
+
+        Returns the names of this net's layers with parameters that the file gave nothing (they
+        keep their fillers' values). Layers new in a fine-tuned net are expected there, but a file
+        cut at a layer boundary (or empty) parses without error and simply lacks its last layers,
+        so a warning lists them unless `report_missing` is False: a resume, where every layer
+        must come from the file, asks for the list and refuses instead."""
         from .io import caffemodel
         if not os.path.exists(path):
             raise ModelError(f"{path}: weights file does not exist; check the path")
@@ -493,20 +499,21 @@ class Net:
             raise ModelError(f"{path}: not a readable weights file ({reason}); give a "
                              f"binary .caffemodel or .caffemodel.h5 (a torn copy or download "
                              f"also gives this: copy it again)") from None
-        self._copy_arrays(path, source)
+        return self._copy_arrays(path, source, report_missing)
 
-    def _copy_arrays(self, path, source):
+    def _copy_arrays(self, path, source, report_missing=True):
         """Caffe's CopyTrainedLayersFrom: layers matched by name; the file's other layers are
-        skipped (a warning names them when none matched); a shape mismatch is an error."""
+        skipped (a warning names them when none matched); a shape mismatch is an error. Returns
+        the net's layers with parameters the file did not fill (see copy_from)."""
         from .io.caffemodel import proto_to_array, shapes_match
-        skipped, matched = [], 0
+        skipped, loaded = [], set()
         for name, blobs in source:
             layer = self.layer_dict.get(name)
             if layer is None or not blobs:
                 if blobs:
                     skipped.append(name)
                 continue
-            matched += 1
+            loaded.add(name)
             if len(blobs) != len(layer.blobs):
                 raise ModelError(f"{path}: layer '{name}' has {len(blobs)} blobs in the weights file "
                                  f"but {len(layer.blobs)} in the net; check that the file matches "
@@ -531,12 +538,18 @@ class Net:
                                          f"the net; check that the file matches the model")
                     array = array.reshape(blob.shape)
                 blob.data[...] = backend.to_xp(array.astype(self.dtype, copy=False), self.xp)
-        if skipped and not matched and any(layer.blobs for layer in self.layers):
-            shown = ", ".join(f"'{n}'" for n in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
-            mine = ", ".join(f"'{n}'" for n in self.params)
-            log.warning(f"warning: {path}: none of its layers ({shown}) is named like a layer with "
-                        f"parameters of net '{self.name}' ({mine}); nothing was loaded: check that "
-                        f"the weights belong to this model (layers are matched by name)")
+        missing = [name for name in self.params if name not in loaded]
+        if skipped and not loaded and any(layer.blobs for layer in self.layers):
+            log.warning(f"warning: {path}: none of its layers ({name_list(skipped, 5)}) is named "
+                        f"like a layer with parameters of net '{self.name}' "
+                        f"({name_list(self.params, len(self.params))}); nothing was loaded: check "
+                        f"that the weights belong to this model (layers are matched by name)")
+        elif missing and report_missing:
+            log.warning(f"warning: {path}: has no weights for layer(s) {name_list(missing)} of "
+                        f"net '{self.name}', which keep their initial values: expected for "
+                        f"layers new in fine-tuning; otherwise the file is cut short or of "
+                        f"another model: copy it again or check the model")
+        return missing
 
     # ----- inspection ---------------------------------------------------------------------------
     def param_counts(self):
@@ -563,3 +576,10 @@ def _stored_shape(proto):
     if proto.HasField("shape"):
         return tuple(int(d) for d in proto.shape.dim)
     return (proto.num, proto.channels, proto.height, proto.width)
+
+
+def name_list(names, limit=8):
+    """`'a', 'b', 'c' and 4 more`: layer names for a one-line message, at most `limit` shown."""
+    names = list(names)
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

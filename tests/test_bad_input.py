@@ -27,6 +27,8 @@ IP_NET = ('name: "tiny"\n' + INPUT +
           '  inner_product_param { num_output: 4 } }\n')
 SOLVER = ('net: "{net}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 1\n'
           'snapshot_after_train: false\n')
+IP2_NET = IP_NET + ('layer { name: "ip2" type: "InnerProduct" bottom: "ip" top: "ip2"\n'
+                    '  inner_product_param { num_output: 2 } }\n')
 
 
 def data_net(source, num_output=3, transform="", test_source=None):
@@ -59,6 +61,66 @@ def write_lmdb(path, shapes, corrupt_at=None):
     env.close()
 
 
+def damaged_lmdbs(base):
+    """A database whose data.mdb is cut in half (a copy that did not finish), one whose page
+    holding the first record is overwritten with garbage, and one holding a Datum of two negative
+    sizes (-1 x -1 x 5 has the 5 bytes it holds)."""
+    import lmdb
+    from poseidon.engine.proto import caffe_pb2
+    write_lmdb(base / "whole_lmdb", [(3, 8, 8)] * 250)
+    whole = (base / "whole_lmdb" / "data.mdb").read_bytes()
+    env = lmdb.open(str(base / "whole_lmdb"), readonly=True, lock=False)
+    page = env.stat()["psize"]
+    env.close()
+    first = whole.index(b"00000000") // page          # the leaf page of the first key
+    (base / "cut_lmdb").mkdir()
+    (base / "cut_lmdb" / "data.mdb").write_bytes(whole[:len(whole) // 2])
+    garbage = bytearray(whole)
+    garbage[first * page:(first + 1) * page] = bytes((7 * i + 13) % 256 for i in range(page))
+    (base / "garbage_page_lmdb").mkdir()
+    (base / "garbage_page_lmdb" / "data.mdb").write_bytes(bytes(garbage))
+    env = lmdb.open(str(base / "negative_lmdb"), map_size=1 << 22)
+    with env.begin(write=True) as txn:
+        for i in range(3):
+            datum = caffe_pb2.Datum(channels=-1, height=-1, width=5, data=bytes(5), label=1)
+            txn.put(b"%08d" % i, datum.SerializeToString())
+    env.close()
+
+
+def cut_snapshot(base):
+    """snap/cut_iter_1: a snapshot whose caffemodel ends at a layer boundary before 'ip' (it
+    parses, and holds no weights for 'ip'), without a manifest, as a Caffe snapshot comes."""
+    from poseidon.engine.io.caffemodel import read_net_proto
+    model = base / "snap" / "cut_iter_1.caffemodel"
+    full = read_net_proto(str(model))
+    cut = caffe_pb2_net(full.name, [lp for lp in full.layer if lp.name != "ip"][:1])
+    assert model.read_bytes().startswith(cut.SerializeToString())    # a byte-level cut
+    model.write_bytes(cut.SerializeToString())
+    (base / "snap" / "cut_iter_1.manifest.json").unlink()
+
+
+def caffe_pb2_net(name, layers):
+    from poseidon.engine.proto import caffe_pb2
+    net = caffe_pb2.NetParameter(name=name)
+    for lp in layers:
+        net.layer.add().CopyFrom(lp)
+    return net
+
+
+def evil_cifar(folder):
+    """A CIFAR-10 python folder whose first batch names numpy.f2py.__main__ (importing it runs
+    f2py's command line); the other batches are sound."""
+    from .test_data import cifar_folder
+    cifar_folder(folder, b"cnumpy.f2py.__main__\nndarray\n.")
+
+
+DISK_FULL = """import errno, os
+def _full(fd):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+os.fsync = _full        # every write of the process fails as on a full disk
+"""
+
+
 def make_base(base):
     """Every file the cases share, made once in `base` (the working directory of every case)."""
     from poseidon.engine.io.caffemodel import write_binaryproto
@@ -82,12 +144,24 @@ def make_base(base):
     write_binaryproto(numpy.zeros((3, 4, 4), numpy.float32), str(base / "mean_3x4x4.binaryproto"))
     write_lmdb(base / "later_batch_lmdb", [(1, 4, 4)] * 2 + [(1, 5, 5)] * 2)
     write("good_data.prototxt", data_net(str(base / "good_lmdb")))
+    damaged_lmdbs(base)
+    evil_cifar(base / "evil_cifar")
+    (base / "disk_full").mkdir()
+    (base / "disk_full" / "sitecustomize.py").write_text(DISK_FULL)
     # weights: a good file, one of another net, one truncated, garbage, an HDF5 one
     Net(str(base / "ip.prototxt"), "TEST").save(str(base / "ip.caffemodel"))
     Net(str(base / "ip5.prototxt"), "TEST").save(str(base / "ip5.caffemodel"))
     whole = (base / "ip.caffemodel").read_bytes()
     (base / "truncated.caffemodel").write_bytes(whole[:len(whole) * 2 // 3])
     (base / "garbage.caffemodel").write_bytes(bytes(range(256)) * 4)
+    write("ip2.prototxt", IP2_NET)
+    Net(str(base / "ip2.prototxt"), "TEST").save(str(base / "ip2.caffemodel"))
+    from poseidon.engine.io.caffemodel import read_net_proto
+    full = read_net_proto(str(base / "ip2.caffemodel"))
+    cut = caffe_pb2_net(full.name, full.layer[:2]).SerializeToString()    # data and ip, no ip2
+    assert (base / "ip2.caffemodel").read_bytes().startswith(cut)
+    (base / "ip2_cut.caffemodel").write_bytes(cut)
+    (base / "empty.caffemodel").write_bytes(b"")
     write("renamed.prototxt", IP_NET.replace('name: "ip"', 'name: "fc_other"'))
     Net(str(base / "renamed.prototxt"), "TEST").save(str(base / "renamed.caffemodel"))
     Net(str(base / "ip.prototxt"), "TEST").save_hdf5(str(base / "ip.caffemodel.h5"))
@@ -98,7 +172,8 @@ def make_base(base):
     os.chdir(base)
     try:
         for name, net in (("a", "good_data.prototxt"), ("b", "other_data.prototxt"),
-                          ("torn", "good_data.prototxt")):
+                          ("torn", "good_data.prototxt"), ("cut", "good_data.prototxt"),
+                          ("shape", "good_data.prototxt")):
             if name == "b":
                 write(net, data_net(str(base / "good_lmdb"), num_output=5))
             write(f"train_{name}.prototxt", SOLVER.format(net=net) + f'snapshot_prefix: "snap/{name}"\n')
@@ -113,6 +188,8 @@ def make_base(base):
     raw[len(raw) // 2] ^= 0xFF
     torn.write_bytes(bytes(raw))
     (base / "garbage.solverstate").write_bytes(os.urandom(300))
+    cut_snapshot(base)
+    (base / "snap" / "shape_iter_1.manifest.json").write_text("[]")    # valid JSON, wrong shape
 
 
 # ----- the cases ---------------------------------------------------------------------------------
@@ -255,6 +332,19 @@ CASES = [
               [r"m\.prototxt:2:", "layer 'data'", "plain_file_lmdb", "is a file"]),
     lmdb_case("lmdb: a folder of junk", "junk_dir_lmdb",
               [r"m\.prototxt:2:", "layer 'data'", "junk_dir_lmdb", "not an LMDB"]),
+    # 200 iterations of batch 2 read every record: the pages past the cut too (SIGBUS before)
+    Case("lmdb: data file cut in half", ["train", "--solver", "s.prototxt"],
+         [r"m\.prototxt:2:", "layer 'data'", r"cut_lmdb/data\.mdb", "cut short",
+          r"needs \d+ bytes but holds \d+", "copy it again", "poseidon data"],
+         files={"m.prototxt": data_net("../cut_lmdb"),
+                "s.prototxt": SOLVER.format(net="m.prototxt").replace("max_iter: 1\n",
+                                                                      "max_iter: 200\n")}),
+    lmdb_case("lmdb: a page overwritten with garbage", "garbage_page_lmdb",
+              [r"m\.prototxt:2:", "layer 'data'", "garbage_page_lmdb", "MDB_CORRUPTED",
+               "copy it again", "poseidon data"], command="train"),
+    lmdb_case("lmdb: a Datum of two negative sizes", "negative_lmdb",
+              [r"m\.prototxt:2:", "layer 'data'", "record '00000000'", "negative_lmdb",
+               r"\(-1, -1, 5\)"], command="train"),
     lmdb_case("lmdb: mean file missing", "good_lmdb",
               [r"m\.prototxt:2:", "layer 'data'", "no_mean.binaryproto", "does not exist"],
               transform='transform_param { mean_file: "no_mean.binaryproto" }\n  '),
@@ -269,6 +359,8 @@ CASES = [
          ["cifar.tar.gz", "does not exist"]),
     Case("data: output folder not empty", ["data", "digits", "out"], [r"out/train", "not empty"],
          files={"out/train/notes.txt": "keep me\n"}),
+    Case("data: CIFAR-10 batch naming a foreign global", ["data", "cifar10", "../evil_cifar", "out"],
+         ["data_batch_1", "evil_cifar", r"numpy\.f2py\.__main__\.ndarray"]),
     # -- weights ----------------------------------------------------------------------------------
     Case("weights: --weights file missing", ["test", "--model", "../ip.prototxt", "--weights",
                                              "nope.caffemodel", "--iterations", "1"],
@@ -287,6 +379,12 @@ CASES = [
     Case("weights: no layer name matches (warning)",
          ["test", "--model", "../ip.prototxt", "--weights", "../renamed.caffemodel",
           "--iterations", "1"], [r"renamed\.caffemodel", "fc_other", "ip"], warn=True),
+    Case("weights: caffemodel cut at a layer boundary (warning)",
+         ["test", "--model", "../ip2.prototxt", "--weights", "../ip2_cut.caffemodel",
+          "--iterations", "1"], [r"ip2_cut\.caffemodel", "no weights", "'ip2'"], warn=True),
+    Case("weights: empty caffemodel (warning)",
+         ["test", "--model", "../ip2.prototxt", "--weights", "../empty.caffemodel",
+          "--iterations", "1"], [r"empty\.caffemodel", "no weights", "'ip', 'ip2'"], warn=True),
     Case("weights: HDF5 without h5py", ["test", "--model", "../ip.prototxt", "--weights",
                                         "../ip.caffemodel.h5", "--iterations", "1"],
          [r"ip\.caffemodel\.h5", "h5py"], env={"PYTHONPATH_FIRST": "no_h5py"}),
@@ -300,6 +398,17 @@ CASES = [
     Case("snapshot: manifest mismatch (torn)", train(
         "--snapshot", "../snap/torn_iter_1.solverstate", solver="../train_a.prototxt"),
         [r"torn_iter_1\.manifest\.json", r"torn_iter_1\.caffemodel", "checksum"]),
+    Case("snapshot: caffemodel cut at a layer boundary", train(
+        "--snapshot", "../snap/cut_iter_1.solverstate", solver="../train_a.prototxt"),
+        [r"cut_iter_1\.caffemodel", "no weights", "'ip'", "resume from an earlier"]),
+    Case("snapshot: manifest of the wrong shape", train(
+        "--snapshot", "../snap/shape_iter_1.solverstate", solver="../train_a.prototxt"),
+        [r"shape_iter_1\.manifest\.json", "does not list files", "resume from an earlier"]),
+    Case("snapshot: disk full", ["train", "--solver", "s.prototxt"],
+         [r"snap/full_iter_1\.caffemodel", "disk is full"],
+         files={"s.prototxt": SOLVER.format(net="../ip.prototxt").replace(
+             "snapshot_after_train: false", 'snapshot_prefix: "snap/full"')},
+         env={"PYTHONPATH_FIRST": "disk_full"}),
     Case("snapshot: not a solverstate (garbage)", train(
         "--snapshot", "../garbage.solverstate", solver="../train_a.prototxt"),
         [r"garbage\.solverstate", "not a"]),
@@ -377,7 +486,7 @@ def test_bad_input_gives_one_clear_line(case, results):
         found = [line for line in message_lines(err) if "warning" in line.lower()
                  or line.startswith("W")]
     else:
-        assert result.returncode not in (0, -11, -6), f"exit {result.returncode}\n{err}"
+        assert result.returncode > 0, f"exit {result.returncode} (< 0: killed by a signal)\n{err}"
         found = [line for line in message_lines(err) if "error:" in line]
     assert len(found) == 1, f"expected one message line, got:\n{err}"
     line = found[0]

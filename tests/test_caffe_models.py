@@ -1,4 +1,4 @@
-"""The real Caffe files in ../shared/caffe-models load unchanged.
+"""The real Caffe files (POSEIDON_CAFFE_MODELS, tests/conftest.py) load unchanged.
 
 The files are read where they are, never copied or edited. Their train_val files and solvers name
 paths relative to Caffe's root (examples/cifar10/cifar10_train_lmdb, data/ilsvrc12/..., a solver's
@@ -19,9 +19,10 @@ from poseidon.engine.io.lmdb_store import write_lmdb
 from poseidon.engine.net import Net
 from poseidon.engine.solvers import get_solver
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"
-pytestmark = pytest.mark.skipif(
-    not SHARED.exists(), reason=f"the real Caffe files are not present ({SHARED} does not exist)")
+from .conftest import CAFFE_MODELS, needs_caffe_models
+
+SHARED = CAFFE_MODELS
+pytestmark = needs_caffe_models
 
 DEPLOYS = {"cifar10/cifar10_quick.prototxt": (145578, (1, 10)),
            "bvlc_alexnet/deploy.prototxt": (60965224, (10, 1000)),

@@ -1,8 +1,9 @@
 """The `poseidon` command line, run as a user runs it: `python -m poseidon.tools.cli ...` in a subprocess,
 in a temporary working directory, with the repository on PYTHONPATH.
 
-* `summary` on every deploy file of prototxt/ and of ../shared/caffe-models (Caffe's totals).
-* `time --iterations 1` on every deploy file of ../shared/caffe-models (Caffe's lines).
+* `summary` on every deploy file of prototxt/ and of the real Caffe files (Caffe's totals).
+* `time --iterations 1` on every real Caffe deploy file (Caffe's lines); they are found through
+  POSEIDON_CAFFE_MODELS (tests/conftest.py).
 * bad input: a non-zero exit, one clear message on stderr naming file:line or the layer, no traceback.
 * `data digits`, `mean`, `train`, `test`, and train N vs N/2 + snapshot + resume N/2 (bitwise).
 """
@@ -15,9 +16,9 @@ from pathlib import Path
 import numpy
 import pytest
 
+from .conftest import CAFFE_MODELS, needs_caffe_models
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"
-NO_SHARED = f"the real Caffe files are not present ({SHARED} does not exist)"
 DIGITS_TRAIN_VAL = ROOT / "prototxt" / "digits_quick" / "train_val.prototxt"
 DIGITS_SOLVER = ROOT / "prototxt" / "digits_quick" / "solver.prototxt"
 
@@ -95,10 +96,10 @@ def test_summary_totals_of_own_deploy_files(tmp_path, model):
     check_summary(result, OWN_TOTALS[model], model in HAS_BATCHNORM)
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason=NO_SHARED)
+@needs_caffe_models
 @pytest.mark.parametrize("rel", sorted(SHARED_DEPLOYS))
 def test_summary_totals_of_real_caffe_deploy_files(tmp_path, rel):
-    result = poseidon("summary", "--model", SHARED / rel, cwd=tmp_path)
+    result = poseidon("summary", "--model", CAFFE_MODELS / rel, cwd=tmp_path)
     check_summary(result, SHARED_DEPLOYS[rel], rel in HAS_BATCHNORM)
 
 
@@ -110,13 +111,13 @@ MS = r"\d+(\.\d+)? ms\."
 
 # VGG19 at batch 10 x 224 x 224 is the heavy one: forward+backward twice (Caffe's warm-up pass and
 # the timed one), about 26 s and 6.3 GB on the 2-core machine with the vectorised convolution.
-@pytest.mark.skipif(not SHARED.exists(), reason=NO_SHARED)
+@needs_caffe_models
 @pytest.mark.parametrize("rel", [
     "cifar10/cifar10_quick.prototxt", "bvlc_alexnet/deploy.prototxt",
     "bvlc_googlenet/deploy.prototxt", "resnet/ResNet-152-deploy.prototxt",
     "inception/deploy_inception-v3.prototxt", "vgg/VGG_ILSVRC_19_layers_deploy.prototxt"])
 def test_time_runs_on_real_caffe_deploy_files(tmp_path, rel):
-    result = ok(poseidon("time", "--model", SHARED / rel, "--iterations", 1, cwd=tmp_path,
+    result = ok(poseidon("time", "--model", CAFFE_MODELS / rel, "--iterations", 1, cwd=tmp_path,
                          timeout=600))
     lines = result.stdout.splitlines()
     for head in ("Average Forward pass: ", "Average Backward pass: ", "Average Forward-Backward: ",
@@ -134,8 +135,8 @@ def test_time_runs_on_real_caffe_deploy_files(tmp_path, rel):
     forward_layers = [m.group(1) for m in forward if m]
     assert len(forward_layers) > 3
     assert forward_layers == [m.group(1) for m in backward if m]
-    summary = ok(poseidon("summary", "--model", SHARED / rel, "--phase", "TRAIN", cwd=tmp_path)) \
-        if rel.startswith("cifar10") else None
+    summary = ok(poseidon("summary", "--model", CAFFE_MODELS / rel, "--phase", "TRAIN",
+                          cwd=tmp_path)) if rel.startswith("cifar10") else None
     if summary is not None:   # every layer of the net is timed
         names = [ROW.match(line).group(1) for line in summary.stdout.splitlines()[2:-1]]
         assert forward_layers == names
@@ -403,3 +404,43 @@ def test_train_digits_reaches_90_percent(digits):
     final = re.search(r"Final test accuracy \(net #0\): ([\d.]+)", result.stdout)
     assert final, result.stdout
     assert float(final.group(1)) >= 0.90
+
+
+# ------------------------------------------------------------------------------------------------
+# poseidon keys --force
+# ------------------------------------------------------------------------------------------------
+def test_keys_force_replaces_the_file_atomically_with_mode_0600(tmp_path):
+    """--force writes a new 0600 file beside the old one and renames it over: a hard link to the
+    old file (a copy someone kept) still holds the old keys, and no temporary file is left."""
+    from poseidon.dist.security import read_key_file
+    path = tmp_path / "job.keys"
+    ok(poseidon("keys", path, cwd=tmp_path))
+    old = read_key_file(path)
+    os.link(path, tmp_path / "kept.keys")
+    os.chmod(path, 0o644)                            # loosened since; the new file is private
+    ok(poseidon("keys", "--force", path, cwd=tmp_path))
+    os.chmod(tmp_path / "kept.keys", 0o600)
+    assert read_key_file(tmp_path / "kept.keys").secret == old.secret
+    assert read_key_file(path).secret != old.secret
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(path).st_ino != os.stat(tmp_path / "kept.keys").st_ino
+    assert sorted(os.listdir(tmp_path)) == ["job.keys", "kept.keys"]
+
+
+def test_keys_refuses_a_symbolic_link_and_leaves_its_target(tmp_path):
+    """A link at FILE is refused with one line, with or without --force: writing through it
+    would put the job's secret wherever it points (docs/decisions.md)."""
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not yours to overwrite\n")
+    link = tmp_path / "job.keys"
+    link.symlink_to(target)
+    for flags in (["--force"], []):
+        line = fails(poseidon("keys", *flags, link, cwd=tmp_path), "job.keys", "symbolic link",
+                     "remove the link")
+        assert len(line) < 300
+    assert target.read_text() == "not yours to overwrite\n"
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    dangling = tmp_path / "dangling.keys"
+    dangling.symlink_to(tmp_path / "nowhere")
+    fails(poseidon("keys", "--force", dangling, cwd=tmp_path), "symbolic link")
+    assert not (tmp_path / "nowhere").exists()

@@ -442,6 +442,49 @@ def test_cifar10_python_archive(tmp_path):
         cifar10_to_lmdb(str(tmp_path / "out"), str(tmp_path / "out3"))
 
 
+def cifar_folder(folder, first_batch):
+    """A CIFAR-10 python folder: data_batch_1 holds `first_batch` (bytes), the others one image."""
+    folder.mkdir()
+    (folder / "data_batch_1").write_bytes(first_batch)
+    for name in [f"data_batch_{i}" for i in range(2, 6)] + ["test_batch"]:
+        (folder / name).write_bytes(pickle.dumps(
+            {b"labels": [1], b"data": numpy.zeros((1, 3072), numpy.uint8)}, protocol=2))
+    return folder
+
+
+@pytest.mark.parametrize("protocol, numpy1", [(2, True), (2, False), (4, False),
+                                              (pickle.HIGHEST_PROTOCOL, False)])
+def test_cifar10_batches_as_pickled_by_python_and_numpy_versions(tmp_path, protocol, numpy1):
+    """The globals a real batch names pass the allow-list: the archive's own (written by numpy 1,
+    numpy.core.multiarray._reconstruct) and what Python 3 and numpy 2 write when re-pickling."""
+    data = numpy.arange(2 * 3072, dtype=numpy.uint8).reshape(2, 3072)
+    blob = pickle.dumps({b"batch_label": b"x", b"labels": [3, 4], b"data": data,
+                         b"filenames": [b"a.png", b"b.png"]}, protocol=protocol)
+    if numpy1:          # GLOBAL opcodes name the module in text: as numpy 1 wrote it
+        assert b"numpy._core.multiarray" in blob
+        blob = blob.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    out = cifar10_to_lmdb(str(cifar_folder(tmp_path / "cifar", blob)), str(tmp_path / "out"))
+    x, y = read_all(out["train"])
+    assert numpy.array_equal(x[:2], data.reshape(2, 3, 32, 32)) and y[:2].tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("module, name", [("numpy.f2py.__main__", "ndarray"),
+                                          ("numpy.testing", "dtype"), ("os", "system"),
+                                          ("numpy", "load")])
+def test_cifar10_batch_naming_another_global_is_refused_unloaded(tmp_path, module, name, capfd):
+    """Only the full names a batch needs are allowed: numpy.f2py.__main__ runs f2py's command
+    line when merely imported, so it must be refused before anything is imported."""
+    import sys
+    crafted = f"c{module}\n{name}\n.".encode()
+    folder = cifar_folder(tmp_path / "cifar", crafted)
+    was_loaded = module in sys.modules
+    with pytest.raises(DataError, match=rf"data_batch_1 \(in {folder}\) names the Python global "
+                                        rf"{module}\.{name},"):
+        cifar10_to_lmdb(str(folder), str(tmp_path / "out"))
+    assert (module in sys.modules) == was_loaded
+    assert capfd.readouterr().out == ""
+
+
 def test_images_to_lmdb(tmp_path):
     from PIL import Image
     root = tmp_path / "imgs"

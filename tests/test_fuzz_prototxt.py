@@ -13,7 +13,7 @@ from poseidon.engine import TEST, TRAIN, PoseidonError
 from poseidon.engine.net import Net
 from poseidon.engine import prototxt
 
-from .conftest import SHARED_MODELS
+from .conftest import CAFFE_MODELS, needs_caffe_models
 
 SMALL = ["cifar10/cifar10_quick.prototxt", "cifar10/cifar10_quick_train_test.prototxt",
          "mnist/lenet_train_test.prototxt", "cifar10/cifar10_full_train_test.prototxt"]
@@ -71,11 +71,11 @@ def load_big(path):
         prototxt.insert_splits(prototxt.filter_net(param, prototxt.caffe_pb2.NetState(phase=phase)))
 
 
-@pytest.mark.skipif(not SHARED_MODELS.exists(), reason="../shared/caffe-models is not present")
+@needs_caffe_models
 def test_mutated_caffe_files_never_give_a_traceback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rs = random.Random(1234)
-    sources = {name: (SHARED_MODELS / name).read_text() for name in SMALL + BIG}
+    sources = {name: (CAFFE_MODELS / name).read_text() for name in SMALL + BIG}
     counts = {"clean": 0, "error": 0}
     crashes = []
     n_cases = 1000

@@ -175,6 +175,75 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model.caffemodel", "other.caffemodel"]
 
 
+def test_a_full_disk_is_one_error_naming_the_file_and_leaves_the_old_one(tmp_path, monkeypatch):
+    """ENOSPC (here from fsync, where delayed allocation reports it) ends the write with a
+    DiskFullError naming the file; the temporary file is gone and the old file is untouched."""
+    import errno
+    from poseidon.engine.errors import DiskFullError, PoseidonError
+    path = tmp_path / "run_iter_4.caffemodel"
+    cm.write_atomic(path, b"old")
+
+    def failing(code):
+        def fsync(fd):
+            raise OSError(code, os.strerror(code))
+        return fsync
+    monkeypatch.setattr(os, "fsync", failing(errno.ENOSPC))
+    for target in (path, tmp_path / "run_iter_4.solverstate"):
+        with pytest.raises(DiskFullError) as err:
+            cm.write_atomic(target, b"new" * 1000)
+        assert str(err.value).startswith(f"{target}: cannot be written: the disk is full")
+        assert isinstance(err.value, PoseidonError) and isinstance(err.value, OSError)
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["run_iter_4.caffemodel"]
+    monkeypatch.setattr(os, "fsync", failing(errno.EIO))
+    with pytest.raises(OSError) as err:       # other errors stay what they are
+        cm.write_atomic(path, b"new")
+    assert not isinstance(err.value, DiskFullError)
+
+
+def test_write_atomic_mode_is_set_before_the_file_appears(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o644)
+    cm.write_atomic(path, b"new", mode=0o600)
+    assert os.stat(path).st_mode & 0o777 == 0o600 and path.read_bytes() == b"new"
+
+
+IP2_NET = """name: "two"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip" top: "ip2"
+        inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 1 } } }
+"""
+
+
+def test_copy_from_a_file_cut_at_a_layer_boundary_names_the_layers_left_out(tmp_path, caplog):
+    """The cut parses (it is a shorter NetParameter); Caffe would copy 'ip' and say nothing about
+    'ip2'. copy_from returns the layers left out and, unless told not to, logs one line."""
+    from poseidon.engine.net import Net
+    model = tmp_path / "two.prototxt"
+    model.write_text(IP2_NET)
+    Net(str(model), "TEST").save(str(tmp_path / "full.caffemodel"))
+    full = cm.read_net_proto(tmp_path / "full.caffemodel")
+    cut = caffe_pb2.NetParameter(name=full.name)
+    cut.layer.extend(full.layer[:2])
+    raw = (tmp_path / "full.caffemodel").read_bytes()
+    assert raw.startswith(cut.SerializeToString())         # a cut of the bytes, at 'ip2'
+    (tmp_path / "cut.caffemodel").write_bytes(cut.SerializeToString())
+    (tmp_path / "empty.caffemodel").write_bytes(b"")
+    net = Net(str(model), "TEST")
+    with caplog.at_level("WARNING", logger="poseidon"):
+        assert net.copy_from(str(tmp_path / "cut.caffemodel")) == ["ip2"]
+        assert net.copy_from(str(tmp_path / "empty.caffemodel")) == ["ip", "ip2"]
+        assert net.copy_from(str(tmp_path / "full.caffemodel")) == []
+        assert net.copy_from(str(tmp_path / "cut.caffemodel"), report_missing=False) == ["ip2"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "cut.caffemodel: has no weights for layer(s) 'ip2' of net 'two'" in lines[0]
+    assert "empty.caffemodel: has no weights for layer(s) 'ip', 'ip2'" in lines[1]
+
+
 # --------------------------------------------------------------------------- HDF5
 
 def test_hdf5_net_and_solverstate_roundtrip(tmp_path):

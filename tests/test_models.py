@@ -5,8 +5,8 @@
   it follows blob shapes through the graph (conv floor / pooling ceil output sizes, Concat channels,
   flattened InnerProduct inputs) and counts the weights and biases of Convolution, InnerProduct,
   Scale, Bias and PReLU; BatchNorm's stored statistics are not learnable and are not counted.
-* The same walker counts the real Caffe files in ../shared/caffe-models (legacy V1 VGG file
-  included) and they must agree with the generated nets, layer by layer.
+* The same walker counts the real Caffe files (POSEIDON_CAFFE_MODELS, see tests/conftest.py; the
+  legacy V1 VGG file included) and they must agree with the generated nets, layer by layer.
 """
 
 import math
@@ -20,9 +20,11 @@ from poseidon.engine.proto import caffe_pb2
 from poseidon.models import MODELS
 from poseidon.models.write_all import write_all
 
+from .conftest import CAFFE_MODELS, require_caffe_models
+
 ROOT = Path(__file__).resolve().parents[1]
 PROTOTXT = ROOT / "prototxt"
-REAL = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"
+REAL = CAFFE_MODELS
 NET_FILES = ("train_val.prototxt", "deploy.prototxt")
 
 DEPLOY_TOTALS = {
@@ -422,11 +424,8 @@ def test_resnet_structure(depth, blocks):
 # Cross-check against the real Caffe files
 # ---------------------------------------------------------------------------------------------
 def _real(rel):
-    path = REAL / rel
-    if not path.is_file():
-        pytest.skip(f"real Caffe file {path} is absent (the shared reference models are not "
-                    "checked out beside this repository), so there is nothing to cross-check")
-    return parse_net(path)
+    require_caffe_models()                    # the folder first: its absence is the usual case
+    return parse_net(require_caffe_models(REAL / rel))
 
 
 @pytest.mark.parametrize("model,rel", REAL_FILES)

@@ -7,7 +7,7 @@ from poseidon.engine.net import Net
 from poseidon.engine.prototxt import parse_net_text
 from poseidon.engine.proto import caffe_pb2
 
-from .conftest import SHARED_MODELS
+from .conftest import CAFFE_MODELS, needs_caffe_models
 
 SMALL = """
 name: "small"
@@ -223,10 +223,10 @@ TOTALS = {"cifar10/cifar10_quick.prototxt": 145578, "bvlc_alexnet/deploy.prototx
           "inception/deploy_inception-v3.prototxt": 23834568}
 
 
-@pytest.mark.skipif(not SHARED_MODELS.exists(), reason="../shared/caffe-models is not present")
+@needs_caffe_models
 @pytest.mark.parametrize("name", DEPLOYS)
 def test_real_deploy_files_build_with_caffe_parameter_counts(name):
-    net = Net(str(SHARED_MODELS / name), TEST)
+    net = Net(str(CAFFE_MODELS / name), TEST)
     learnable, _ = net.param_counts()
     assert learnable == TOTALS[name]
     net.shutdown()

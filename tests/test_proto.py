@@ -10,9 +10,10 @@ from google.protobuf import text_format
 
 from poseidon.engine.proto import caffe_pb2
 
+from .conftest import CAFFE_MODELS, caffe_model_files, needs_caffe_models
+
 PROTO_DIR = Path(__file__).resolve().parents[1] / "engine" / "proto"
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "caffe-models"
-MODEL_FILES = sorted(MODELS.rglob("*.prototxt")) if MODELS.is_dir() else []
+MODEL_FILES = caffe_model_files("*.prototxt")
 
 
 def _embedded_descriptor(source):
@@ -37,8 +38,7 @@ def test_generated_module_matches_proto(tmp_path):
         "engine/proto/caffe_pb2.py is stale: run python tools/gen_proto.py"
 
 
-@pytest.mark.skipif(not MODEL_FILES, reason=f"no reference models at {MODELS}")
-@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: str(p.relative_to(MODELS)))
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: str(p.relative_to(CAFFE_MODELS)))
 def test_real_prototxt_parses(path):
     msg = caffe_pb2.SolverParameter() if "solver" in path.name else caffe_pb2.NetParameter()
     text_format.Parse(path.read_text(), msg)
@@ -46,10 +46,10 @@ def test_real_prototxt_parses(path):
         assert len(msg.layer) + len(msg.layers) > 0
 
 
-@pytest.mark.skipif(not MODEL_FILES, reason=f"no reference models at {MODELS}")
+@needs_caffe_models
 def test_legacy_v1_file_uses_layers_field():
-    net = text_format.Parse((MODELS / "vgg" / "VGG_ILSVRC_19_layers_deploy.prototxt").read_text(),
-                            caffe_pb2.NetParameter())
+    text = (CAFFE_MODELS / "vgg" / "VGG_ILSVRC_19_layers_deploy.prototxt").read_text()
+    net = text_format.Parse(text, caffe_pb2.NetParameter())
     assert not net.layer and net.layers
     assert net.layers[0].type == caffe_pb2.V1LayerParameter.CONVOLUTION
     assert list(net.input_dim) == [10, 3, 224, 224]

@@ -10,6 +10,7 @@ leaves a torn file behind):
 
 Everything here is numpy-only; callers convert CuPy arrays first (``cupy.asnumpy``).
 """
+import errno
 import io
 import os
 import tempfile
@@ -17,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from poseidon.engine.errors import DiskFullError
 from poseidon.engine.proto import caffe_pb2
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -32,26 +34,47 @@ class SolverStateData(NamedTuple):
 
 # --------------------------------------------------------------------------- atomic writes
 
-def write_atomic(path, data_bytes):
+def _refuse_if_full(path, error):
+    """Raise DiskFullError naming `path` when `error` is a full disk or quota (one line for the
+    user instead of an OSError's traceback); return otherwise."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise DiskFullError(f"{path}: cannot be written: the disk is full ({error.strerror}); it "
+                            f"was left as it was, with no half-written copy: free space on that "
+                            f"disk, or write elsewhere (a snapshot: set snapshot_prefix), and run "
+                            f"again") from None
+
+
+def write_atomic(path, data_bytes, mode=None):
     """Write ``data_bytes`` to ``path`` so readers see the old file or the new one, never half.
 
     The bytes go to a temporary file in the same folder (same filesystem, so the
     rename is atomic), are flushed and fsync'ed, then ``os.replace`` swaps it in.
+    The file gets ``mode`` when given, else the old file's mode, else a usual 0644.
+    A full disk (or quota) raises DiskFullError naming ``path``, after the temporary
+    file is removed: the old file, if any, is left as it was.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".",
+                                   suffix=".tmp")
+    except OSError as e:
+        _refuse_if_full(path, e)
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data_bytes)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp makes the file 0600; keep the old file's mode, else a usual 0644.
-        os.chmod(tmp, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644)
+        # mkstemp makes the file 0600, so it is never readable by others before the chmod
+        if mode is None:
+            mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        _refuse_if_full(path, e)
         raise
     try:  # make the rename itself durable; not every platform can open a folder
         dfd = os.open(folder, os.O_RDONLY)

@@ -13,8 +13,9 @@ import warnings
 import numpy
 
 from ..errors import DataError
+from .batch import decode_batch
 from .datum import array_to_datum
-from .lmdb_store import ShardedReader, decode_batch, write_lmdb
+from .lmdb_store import ShardedReader, write_lmdb
 
 
 def _records(images, labels, key_format):
@@ -67,17 +68,31 @@ def make_digits_lmdb(out_dir, shards=1, test_fraction=0.2, seed=0):
 # ------------------------------------------------------------------------------------------------
 # CIFAR-10
 # ------------------------------------------------------------------------------------------------
-class _ArrayUnpickler(pickle.Unpickler):
-    """Unpickles only plain data and numpy arrays (CIFAR-10's batches), nothing executable."""
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A batch names a global outside the allow-list (a crafted file, not CIFAR-10's)."""
 
-    _ALLOWED = {"_reconstruct", "ndarray", "dtype", "scalar", "_frombuffer"}
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles only plain data and numpy arrays (CIFAR-10's batches), nothing executable.
+
+    A pickle can name any importable callable; the few a CIFAR-10 batch needs are allowed by
+    full name. Matching on the package alone would let a file name any function of any numpy
+    submodule (f2py's command line among them)."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),    # arrays, as the archive (numpy 1) wrote them
+        ("numpy._core.multiarray", "_reconstruct"),   # the same, re-pickled under numpy 2
+        ("numpy.core.numeric", "_frombuffer"),        # arrays in pickle protocol 5
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),                        # bytes in Python 3's protocol 2
+    }
 
     def find_class(self, module, name):
-        if ((module.split(".")[0] == "numpy" and name in self._ALLOWED)
-                or (module, name) == ("_codecs", "encode")):   # protocol-2 bytes
+        if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"CIFAR-10 batch refers to {module}.{name}; only numpy "
-                                     f"arrays are allowed")
+        raise _RefusedGlobal(f"{module}.{name}")
 
 
 _CIFAR_PY = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
@@ -131,6 +146,11 @@ def _cifar_batch(name, blob, kind):
         d = _ArrayUnpickler(io.BytesIO(blob), encoding="bytes").load()
         data = numpy.asarray(d[b"data"] if b"data" in d else d["data"], numpy.uint8)
         labels = d[b"labels"] if b"labels" in d else d["labels"]
+    except _RefusedGlobal as e:
+        raise DataError(f"CIFAR-10 file {name} names the Python global {e}, which a CIFAR-10 "
+                        f"batch never holds (only numpy arrays, lists and bytes), and was not "
+                        f"loaded: use the archive from https://www.cs.toronto.edu/~kriz/cifar.html"
+                        ) from None
     except Exception as e:
         raise DataError(f"CIFAR-10 file {name} is not a readable python batch ({e}): the archive "
                         f"is damaged") from None
@@ -151,8 +171,8 @@ def cifar10_to_lmdb(archive_path, out_dir, shards=1):
     """
     files, kind = _cifar_files(os.fspath(archive_path))
     names = _CIFAR_PY if kind == "python" else _CIFAR_BIN
-    train = [_cifar_batch(n, files[n], kind) for n in names[:5]]
-    test = _cifar_batch(names[5], files[names[5]], kind)
+    batches = [_cifar_batch(f"{n} (in {archive_path})", files[n], kind) for n in names]
+    train, test = batches[:5], batches[5]
     os.makedirs(out_dir, exist_ok=True)
     out = {}
     for part, x, y in (("train", numpy.concatenate([b[0] for b in train]),
@@ -273,7 +293,8 @@ def compute_mean(source, chunk=1000):
     with ShardedReader(source) as reader:
         total, done, acc = len(reader), 0, None
         while done < total:
-            batch, _ = decode_batch(reader.read(min(chunk, total - done)), reader.source)
+            batch, _ = decode_batch(reader.read(min(chunk, total - done)), reader.source,
+                                    where=reader.shard_of)
             part = batch.sum(axis=0, dtype=numpy.float64)
             if acc is not None and acc.shape != part.shape:
                 raise DataError(f"data source '{source}' holds records of shapes {acc.shape} and "

@@ -1,4 +1,5 @@
-"""Caffe-compatible LMDB databases of Datum records: writing, sharded reading, batch decoding.
+"""Caffe-compatible LMDB databases of Datum records: writing and sharded reading (batch decoding
+is in batch.py).
 
 Layout (Caffe's, see caffe-facts (h)): one LMDB environment directory holding ``data.mdb`` (and
 ``lock.mdb``), the unnamed main database, key = any byte string (records are read in LMDB's sorted
@@ -31,6 +32,7 @@ through its own shards at its own pace (epochs of different lengths), and the ba
 no longer holds; every record is still read by exactly one reader. A warning says so. Fewer shards
 than readers is an error.
 """
+import functools
 import json
 import os
 import shutil
@@ -38,9 +40,9 @@ import threading
 import warnings
 
 import lmdb
-import numpy
 
 from ..errors import DataError
+from .batch import decode_batch  # noqa: F401  (its home was here)
 
 DEFAULT_MAP_SIZE = 1 << 26          # 64 MiB to start; doubled whenever the map fills
 COMMIT_EVERY = 1000                 # as Caffe's converters
@@ -194,10 +196,6 @@ def _leveldb_error(source, where=None):
                      f"`backend: LMDB`")
 
 
-def _key_text(key):
-    return key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else str(key)
-
-
 # LMDB allows one open environment per database file and process: readers of the same files
 # (a train and a test net, or several ranks in one process) share it, each with its own
 # transaction. Keyed by the data file's identity, so a database re-created at the same path is
@@ -211,6 +209,21 @@ def _file_id(path):
     return (st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(path)
 
 
+def _check_complete(env, path):
+    """Refuse a data file shorter than the pages its meta page says were written.
+
+    LMDB maps the file and trusts it: a half-copied data.mdb opens fine, and the first read of a
+    page past its end kills the process with SIGBUS (no message, no traceback). The meta pages at
+    the start survive such a cut and name the last page in use, so the size needed is known."""
+    data_file = os.path.join(path, "data.mdb")
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    present = os.path.getsize(data_file)
+    if present < needed:
+        raise DataError(f"LMDB file '{data_file}' is cut short: it needs {needed} bytes but holds "
+                        f"{present} (a copy or download that did not finish?): copy it again, or "
+                        f"re-create the database with `poseidon data …`")
+
+
 def _acquire_env(path):
     with _ENVS_LOCK:
         key = _file_id(path)
@@ -218,6 +231,11 @@ def _acquire_env(path):
         if entry is None:
             env = lmdb.open(path, readonly=True, lock=False, readahead=False, subdir=True,
                             max_readers=1024, max_dbs=0)
+            try:
+                _check_complete(env, path)
+            except BaseException:
+                env.close()
+                raise
             entry = _ENVS[key] = [env, 0]
         entry[1] += 1
         return key, entry[0]
@@ -234,11 +252,27 @@ def _release_env(key):
             entry[0].close()
 
 
+def _reading(method):
+    """Turn lmdb's errors while reading a shard (a page overwritten with garbage gives
+    MDB_CORRUPTED) into one DataError naming the shard, instead of a traceback."""
+    @functools.wraps(method)
+    def guarded(shard, *args):
+        try:
+            return method(shard, *args)
+        except lmdb.Error as e:
+            raise shard.damaged(e) from None
+    return guarded
+
+
 class _Shard:
-    """One open LMDB: a (shared) read-only environment, one long read transaction and a cursor."""
+    """One open LMDB: a (shared) read-only environment, one long read transaction and a cursor.
+
+    The reader moves the cursor through the methods below only, so that a damaged file read at
+    any point gives the same one line."""
 
     def __init__(self, path, source):
         self.path = path
+        self.source = source
         self.env = None
         try:
             self._key, env = _acquire_env(path)
@@ -246,11 +280,46 @@ class _Shard:
             raise DataError(f"data source '{source}': '{path}' is not a readable LMDB "
                             f"database ({e}); re-create it with `poseidon data …`") from None
         self.env = env
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    @_reading
+    def _open(self):
         self.txn = self.env.begin(buffers=False)
         self.length = int(self.txn.stat()["entries"])
         self.cur = self.txn.cursor()
         self.cur.first()
 
+    def damaged(self, error):
+        where = "" if self.path == self.source else f" (a shard of data source '{self.source}')"
+        return DataError(f"LMDB database '{self.path}'{where} cannot be read ({error}): its file "
+                         f"is damaged; copy it again, or re-create it with `poseidon data …`")
+
+    @_reading
+    def first(self):
+        self.cur.first()
+
+    @_reading
+    def step(self, count=1):
+        for _ in range(count):
+            self.cur.next()
+
+    @_reading
+    def item(self):
+        return self.cur.item()
+
+    @_reading
+    def key(self):
+        return self.cur.key()
+
+    @_reading
+    def holds(self, key):
+        return self.txn.get(key) is not None
+
+    @_reading
     def seek_index(self, index, key_hex=None):
         """Put the cursor on the index-th record (by key when given, else by stepping)."""
         if key_hex is not None and self.cur.set_key(bytes.fromhex(key_hex)):
@@ -261,7 +330,9 @@ class _Shard:
 
     def close(self):
         if self.env is not None:
-            self.txn.abort()
+            txn = getattr(self, "txn", None)
+            if txn is not None:
+                txn.abort()
             self.env = None
             _release_env(self._key)
 
@@ -352,15 +423,14 @@ class ShardedReader:
         self._pos = position
 
     def _advance_db(self, steps):
-        cur, n = self._shards[0].cur, self.total
+        n = self.total
         steps %= n
         if steps == 0:
             return
         if self._pos + steps >= n:                # wrap around: restart from the first record
             self._goto((self._pos + steps) % n)
             return
-        for _ in range(steps):
-            cur.next()
+        self._shards[0].step(steps)
         self._pos += steps
 
     # ----- folder of shards ---------------------------------------------------------------------
@@ -371,7 +441,7 @@ class ShardedReader:
             if self._row >= self._max_len:
                 self._row, self._slot = 0, 0
                 for s in self._shards:
-                    s.cur.first()
+                    s.first()
             if self._slot >= m:
                 self._row, self._slot = self._row + 1, 0
                 continue
@@ -383,22 +453,32 @@ class ShardedReader:
     def peek_record(self):
         """The (key, value) next_record would return, without moving."""
         shard = self._shards[0] if self.kind == "db" else self._locate()
-        return shard.cur.item()
+        return shard.item()
 
     def next_record(self):
         """(key bytes, serialized Datum bytes) of this reader's next record; wraps at the end."""
         if self.kind == "db":
-            item = self._shards[0].cur.item()
+            item = self._shards[0].item()
             self._advance_db(self.size)
             return item
         shard = self._locate()
-        item = shard.cur.item()
-        shard.cur.next()
+        item = shard.item()
+        shard.step()
         self._slot += 1
         return item
 
     def read(self, count):
         return [self.next_record() for _ in range(count)]
+
+    def shard_of(self, key):
+        """The database of this reader holding `key` (the source itself when it is one database),
+        for messages about one record."""
+        if self.kind == "db":
+            return self.source
+        for shard in self._shards:
+            if shard.holds(key):
+                return shard.path
+        return self.source
 
     def skip(self, count):
         """Skip records (Caffe's rand_skip): `count` positions of the global stream for one
@@ -422,14 +502,14 @@ class ShardedReader:
         state = {"source": self.source, "kind": self.kind, "rank": self.rank, "size": self.size}
         if self.kind == "db":
             state["position"] = self._pos
-            state["key"] = self._shards[0].cur.key().hex()
+            state["key"] = self._shards[0].key().hex()
         else:
             self._locate()
             state["row"], state["slot"] = self._row, self._slot
             keys = []
             for i, s in enumerate(self._shards):
                 done = self._row + (1 if i < self._slot else 0)
-                keys.append(s.cur.key().hex() if done < s.length else None)
+                keys.append(s.key().hex() if done < s.length else None)
             state["keys"] = keys
         return state
 
@@ -470,72 +550,3 @@ def iter_records(source):
     with ShardedReader(source) as reader:
         for _ in range(len(reader)):
             yield reader.next_record()
-
-
-# ------------------------------------------------------------------------------------------------
-# decoding
-# ------------------------------------------------------------------------------------------------
-def decode_batch(records, source="?", color=None):
-    """Decode (key, serialized Datum) records into one array (N, C, H, W) and labels (N,) int64.
-
-    The array is uint8 when every record holds uint8 `data` (raw or encoded), float32 otherwise.
-    Encoded images are decoded by engine.io.datum (BGR like OpenCV); `color` True/False forces 3
-    channels / gray for them (force_color / force_gray), None keeps the file's channels.
-    Raises DataError naming the key for a corrupt record or a shape differing from the first one.
-    """
-    from ..proto import caffe_pb2
-    from google.protobuf.message import DecodeError
-
-    n = len(records)
-    labels = numpy.empty(n, numpy.int64)
-    raw, arrays, shape0, key0 = [], [], None, None
-    all_raw = True
-    for i, (key, value) in enumerate(records):
-        try:
-            datum = caffe_pb2.Datum.FromString(value)
-        except DecodeError as e:
-            raise DataError(f"record '{_key_text(key)}' of '{source}' is not a valid Datum "
-                            f"({e}): the database is corrupt or was not written by Caffe or "
-                            f"`poseidon data`; re-create it") from None
-        labels[i] = datum.label
-        if datum.encoded:
-            from .datum import datum_to_array
-            try:
-                arr = numpy.asarray(datum_to_array(datum, color=color))
-            except ValueError as e:
-                raise DataError(f"record '{_key_text(key)}' of '{source}': cannot decode its "
-                                f"encoded image ({e})") from None
-            if arr.ndim == 2:
-                arr = arr[None]
-            shape = tuple(arr.shape)
-        else:
-            shape = (datum.channels, datum.height, datum.width)
-            size = shape[0] * shape[1] * shape[2]
-            nbytes, nfloats = len(datum.data), len(datum.float_data)
-            if size <= 0 or (nbytes != size and nfloats != size):
-                raise DataError(f"record '{_key_text(key)}' of '{source}' is a corrupt Datum: "
-                                f"shape {shape} but {nbytes} data bytes and {nfloats} float_data "
-                                f"values; re-create the database")
-            arr = (datum.data if nbytes == size
-                   else numpy.asarray(datum.float_data, numpy.float32).reshape(shape))
-        if shape0 is None:
-            shape0, key0 = shape, key
-        elif shape != shape0:
-            raise DataError(f"record '{_key_text(key)}' of '{source}' has shape {shape} but "
-                            f"record '{_key_text(key0)}' of the same batch has shape {shape0}: "
-                            f"records batched together must have one shape (resize the images "
-                            f"when converting)")
-        if isinstance(arr, bytes):
-            raw.append(arr)
-        else:
-            all_raw = all_raw and arr.dtype == numpy.uint8
-            raw.append(arr)
-    if all_raw and all(isinstance(r, bytes) for r in raw):
-        batch = numpy.frombuffer(b"".join(raw), numpy.uint8).reshape((n,) + shape0)
-    else:
-        dtype = numpy.uint8 if all_raw else numpy.float32
-        batch = numpy.empty((n,) + shape0, dtype)
-        for i, r in enumerate(raw):
-            batch[i] = (numpy.frombuffer(r, numpy.uint8).reshape(shape0)
-                        if isinstance(r, bytes) else r)
-    return batch, labels

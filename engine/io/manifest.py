@@ -44,18 +44,37 @@ def write_manifest(path, files, info=None):
     write_atomic(path, json.dumps(body, indent=1).encode("utf-8"))
 
 
-def verify_manifest(path):
-    """Check every file the manifest names; raise ModelError naming the first that is missing,
-    short or altered. Returns the manifest's info dict."""
+def read_manifest(path):
+    """The manifest's body, {"files": [{"file", "bytes", "sha256"}, ...], "info": {...}}; a
+    ModelError naming it when it cannot be read or is JSON of another shape (`[]`,
+    `{"files": null}`: a file damaged, or not written here), which counts as a torn snapshot."""
     try:
         with open(path, "r", encoding="utf-8") as f:
             body = json.load(f)
-        entries = body["files"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         raise ModelError(f"{path}: snapshot manifest is unreadable ({e}); the snapshot may be torn: "
                          f"resume from an earlier one") from None
+    entries = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(entries, list) or not all(_is_entry(entry) for entry in entries):
+        raise ModelError(f"{path}: snapshot manifest does not list files with their sizes and "
+                         f"checksums (damaged, or not written by a snapshot); the snapshot may be "
+                         f"torn: resume from an earlier one")
+    if not isinstance(body.get("info", {}), dict):
+        body["info"] = {}
+    return body
+
+
+def _is_entry(entry):
+    return (isinstance(entry, dict) and isinstance(entry.get("file"), str)
+            and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str))
+
+
+def verify_manifest(path):
+    """Check every file the manifest names; raise ModelError naming the first that is missing,
+    short or altered. Returns the manifest's info dict."""
+    body = read_manifest(path)
     folder = os.path.dirname(os.path.abspath(path))
-    for entry in entries:
+    for entry in body["files"]:
         target = os.path.join(folder, entry["file"])
         if not os.path.exists(target):
             raise ModelError(f"{path}: snapshot file {target} is missing; the snapshot is "
@@ -64,3 +83,11 @@ def verify_manifest(path):
             raise ModelError(f"{path}: snapshot file {target} does not match its checksum (torn or "
                              f"altered after the snapshot); resume from an earlier snapshot")
     return body.get("info", {})
+
+
+def listed_files(path, suffixes):
+    """The files of the manifest at `path` whose names end with one of `suffixes`, as paths
+    beside the manifest (where verify_manifest checked them), in the manifest's order."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return [os.path.join(folder, entry["file"]) for entry in read_manifest(path)["files"]
+            if entry["file"].endswith(tuple(suffixes))]

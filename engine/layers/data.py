@@ -12,7 +12,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .. import rng
 from ..errors import DataError
 from ..io.caffemodel import read_binaryproto
-from ..io.lmdb_store import ShardedReader, decode_batch
+from ..io.batch import decode_batch
+from ..io.lmdb_store import ShardedReader
 from ..layer import TRAIN, Layer, register
 
 
@@ -246,13 +247,16 @@ class DataLayer(Layer):
     def _decode(self, records):
         """decode_batch, its errors (corrupt records, mixed shapes) naming this layer."""
         try:
-            return decode_batch(records, self.source, self.color)
+            return decode_batch(records, self.source, self.color, where=self._reader.shard_of)
         except DataError as e:
             raise self._fail(str(e)) from None
 
     def _produce(self):
         """Read, decode and transform the next batch; returns (data, labels, state after it)."""
-        records = self._reader.read(self.batch_size)
+        try:
+            records = self._reader.read(self.batch_size)
+        except DataError as e:           # a damaged database file, found while reading
+            raise self._fail(str(e)) from None
         raw, labels = self._decode(records)
         self._out_shape(raw.shape[1:], records[0][0])
         data = self._transform(raw)

@@ -93,15 +93,23 @@ def _read_state(path):
 
 
 def learned_net_path(name, state_path):
-    """The weights file a solverstate names: as written, else beside the solverstate."""
-    if os.path.exists(name):
-        return name
+    """The weights file of the snapshot `state_path`: the one its manifest lists (and read() has
+    just verified), beside it; without a manifest (a Caffe snapshot) the file called `name` beside
+    it, then `name` as written. The solverstate's `name` is the path the snapshot was written to,
+    relative to that run's folder: tried first, it would load another run's weights when two
+    experiments share a relative snapshot_prefix."""
+    listed = manifest.manifest_path(state_path)
+    if os.path.exists(listed):
+        found = manifest.listed_files(listed, (".caffemodel", ".caffemodel.h5"))
+        if found:
+            same = [f for f in found if os.path.basename(f) == os.path.basename(name)]
+            return (same or found)[0]
     folder = os.path.dirname(os.path.abspath(state_path))
-    for candidate in (os.path.join(folder, name), os.path.join(folder, os.path.basename(name))):
+    for candidate in (os.path.join(folder, os.path.basename(name)), name):
         if os.path.exists(candidate):
             return candidate
-    raise ModelError(f"{state_path}: its weights file '{name}' does not exist (looked in the "
-                     f"current directory and {folder})")
+    raise ModelError(f"{state_path}: its weights file '{name}' does not exist (looked in "
+                     f"{folder} and the current directory)")
 
 
 def _restore_history(solver, state, path):
@@ -143,11 +151,16 @@ def read(solver, path):
     if state.learned_net:
         weights = learned_net_path(state.learned_net, path)
         try:
-            solver.net.copy_from(weights)
+            missing = solver.net.copy_from(weights, report_missing=False)
         except ModelError as e:
             detail = str(e).split("; check that the file")[0]
             raise ModelError(f"{path}: is a snapshot of another net ({detail}); resume with "
                              f"the solver and model that wrote it") from None
+        if missing:     # a weights file cut at a layer boundary still parses
+            from ..net import name_list
+            raise ModelError(f"{weights}: has no weights for layer(s) {name_list(missing)} of the "
+                             f"net, and a resume needs them all (the file is cut short, or of "
+                             f"another net): resume from an earlier snapshot")
     _restore_history(solver, state, path)
     solver.iter = int(state.iter)
     sidecar = cursor_path(path)
