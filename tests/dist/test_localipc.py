@@ -201,7 +201,7 @@ def test_a_process_that_exits_without_closing_leaves_no_folder(how):
     assert "poseidon-" in folder and not os.path.exists(folder)
 
 
-# ----- the host identity: boot id and network namespace ---------------------------------------------
+# ----- the host identity: boot id and network namespace -------------------------------------------
 def test_the_host_identity_is_the_boot_and_the_network_namespace():
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
         boot = f.read().strip()

@@ -22,13 +22,13 @@ def _needs_namespaces():
 
 
 @pytest.fixture
-def networks(request, tmp_path):
+def networks(request):
     """make(count, impaired=None) -> a Network; every one made is closed when the test ends,
     passed or failed (and at interpreter exit, should the finaliser itself be skipped)."""
     made = []
 
     def make(count, impaired=None):
-        network = net.Network(count, impaired=impaired, logdir=tmp_path)
+        network = net.Network(count, impaired=impaired)
         made.append(network)
         line = _qdisc_line(network)
         if line not in net.REPORT:
@@ -61,7 +61,7 @@ def reference(data, tmp_path_factory):
     snapshots every 4 iterations) on 4 hosts: its final parameters."""
     _skip_without_namespaces()         # session fixtures come before the autouse one
     job = Job(tmp_path_factory.mktemp("reference"), data, snapshot=4)
-    with net.Network(job.size, logdir=job.folder) as network:
+    with net.Network(job.size) as network:
         job.wait(job.start(network))
     return job.final_params()
 

@@ -10,7 +10,8 @@ counters see the job's IPv4 traffic and nothing else.
 Counters: every link has a root qdisc on both ends, `pfifo` (counting only) or `tbf` (a rate cap),
 so `tc -s` gives what a host sent (its eth0) and what it received (the bridge port's egress) in
 bytes and packets. tc counts a segmentation-offloaded skb as its segments, with each segment's
-headers, so bytes minus packets times the per-packet headers is the TCP payload that crossed.
+headers, so bytes minus packets times the per-packet headers is the TCP payload that crossed
+(`ip -s link` counts such an skb as one packet, which is why its counts are not used).
 
 Clean-up (close(), a fixture finaliser, and atexit as a last resort): every process started here
 is killed by process group, then anything still inside a namespace of this network (mpirun's
@@ -162,12 +163,11 @@ class Host:
 class Network:
     """N hosts on one bridge. Use as a context manager (or call close())."""
 
-    def __init__(self, count, impaired=None, logdir=None, seconds=300):
+    def __init__(self, count, impaired=None, seconds=300):
         self.tag = f"{PREFIX}{os.getpid()}n{next(_counter)}"
         self.bridge_ns = f"{self.tag}-br"
         self.hosts = []
         self.processes = []                  # (host, Popen) of everything spawned
-        self.logdir = Path(logdir) if logdir else None
         self.seconds = seconds               # the forwarders' own deadline
         self.qdiscs = None
         self.closed = False
@@ -283,12 +283,6 @@ class Network:
                                              "/proc/net/snmp"]).splitlines()
                 if line.startswith("Tcp:")]
         return int(rows[1][rows[0].index("RetransSegs")])
-
-    def link_stats(self, host):
-        """`ip -s link` of the host's eth0: {'rx': {...}, 'tx': {...}} (an offloaded skb counts
-        as one packet there, so tc's segment counts are the ones to subtract headers with)."""
-        out = sh(["ip", "-n", host.name, "-s", "-j", "link", "show", "dev", DEV])
-        return json.loads(out)[0]["stats64"]
 
     def cut(self, host):
         sh(["ip", "-n", host.name, "link", "set", DEV, "down"])

@@ -20,7 +20,6 @@ Run: python -m pytest tests/hosts -q     (root; skipped otherwise)
 """
 import shutil
 
-import numpy
 import pytest
 
 from ..dist.helpers import assert_params_close, fc_net, reference, solver_param
@@ -58,7 +57,7 @@ def ps_run(data, tmp_path_factory):
                      weights_out=weights)
     job = Job(folder / "job", data, workers=P1, servers=2, iters=PS_ITERS, dtype="float64",
               flags=["--sync", "ps", "--stats", "stats.jsonl", "--weights", weights])
-    with net.Network(job.size, logdir=folder) as network:
+    with net.Network(job.size) as network:
         for host in network.hosts:
             network.cap(host, CAP)
         procs = job.start(network)
@@ -78,6 +77,7 @@ def ps_run(data, tmp_path_factory):
 
 def test_a_four_hosts_train_like_one_process_each_over_its_own_link(ps_run):
     job, links, header = ps_run["job"], ps_run["links"], ps_run["header"]
+    assert [ps_run["where"][r].index for r in range(job.size)] == list(range(job.size))
     assert_params_close([g.reshape(w.shape) for g, w in zip(job.final_params(), ps_run["want"])],
                         ps_run["want"], rtol=1e-5, label="4 emulated hosts")
     for rank in range(job.size):
