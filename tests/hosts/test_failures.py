@@ -154,6 +154,10 @@ def test_f_a_sigkill_leaves_no_process_on_any_host(data, networks, tmp_path, vic
                                cwd=job.folder)
         procs = {"launcher": target}
     _wait_for_progress(job, procs)
+    running = {h.index: len(net.pids_in(h.name)) for h in network.hosts}
+    expected = ({h.index: 1 for h in network.hosts} if victim == "rank 0" else
+                {0: 4, 1: 0, 2: 0, 3: 0})           # the launcher and its 3 children
+    assert running == expected, running
     os.kill(target.pid, signal.SIGKILL)
     killed = time.monotonic()
     gone = {}
@@ -170,4 +174,5 @@ def test_f_a_sigkill_leaves_no_process_on_any_host(data, networks, tmp_path, vic
             out = job.output(rank)
             assert "the coordinator (beside worker 0)" in out, f"rank {rank}:\n{out[-2000:]}"
         assert last <= HEARTBEAT_TIMEOUT_S + EXIT_ALLOWANCE_S, gone
-    net.REPORT.append(f"(f) SIGKILL of the {victim}: every host empty after {last:.1f} s")
+    who = victim if victim == "rank 0" else f"the {victim}"
+    net.REPORT.append(f"(f) SIGKILL of {who}: every host empty after {last:.1f} s")
