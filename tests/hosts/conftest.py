@@ -6,19 +6,14 @@ from ..dist.helpers import make_lmdb
 from . import network as net
 from .jobs import Job
 
-_unavailable = []          # [reason or None], computed once per session
 
-
-def _skip_without_namespaces():
-    if not _unavailable:
-        _unavailable.append(net.why_unavailable())
-    if _unavailable[0]:
-        pytest.skip(_unavailable[0])
-
-
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _needs_namespaces():
-    _skip_without_namespaces()
+    """Skip every test here, saying why, where namespaces cannot be made (session scope: before
+    the module and session fixtures that make them)."""
+    reason = net.why_unavailable()
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture
@@ -59,7 +54,6 @@ def data(tmp_path_factory):
 def reference(data, tmp_path_factory):
     """The undisturbed run of the fault scenarios' job (2 workers, 2 servers, float32, hybrid,
     snapshots every 4 iterations) on 4 hosts: its final parameters."""
-    _skip_without_namespaces()         # session fixtures come before the autouse one
     job = Job(tmp_path_factory.mktemp("reference"), data, snapshot=4)
     with net.Network(job.size) as network:
         job.wait(job.start(network))

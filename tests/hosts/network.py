@@ -121,6 +121,13 @@ def _kill_inside(namespace, rounds=5):
         time.sleep(0.1)
 
 
+def tcp_payload(counter, header):
+    """The TCP payload in a tc counter (bytes, segments) whose segments carry `header` bytes of
+    headers each (Network.tcp_header_bytes); pure ACKs count as headers alone."""
+    total, segments = counter
+    return total - segments * header
+
+
 def available_qdiscs(namespace, dev):
     """{kind: bool} for tbf, htb and netem: whether this kernel lets us add it (tried on dev)."""
     tries = {"tbf": ["tbf", "rate", "1gbit", "burst", "64kb", "latency", "50ms"],

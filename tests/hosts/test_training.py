@@ -31,14 +31,12 @@ CAP = "100mbit"
 SLACK = 0.05
 
 
-def crossed(counter, header):
-    """TCP payload bytes from a tc counter (bytes, segments) and the headers of one segment."""
-    sent_bytes, segments = counter
-    return sent_bytes - segments * header
-
-
 def role_of(job, rank):
     return ("worker", rank) if rank < job.workers else ("server", rank - job.workers)
+
+
+def label(job, rank):
+    return "%s %d" % role_of(job, rank)
 
 
 def counted(job, rank, way):
@@ -91,9 +89,9 @@ def test_a_four_hosts_train_like_one_process_each_over_its_own_link(ps_run):
     lines = []
     for rank in range(job.size):
         must = PS_ITERS * (params if rank < job.workers else job.workers * held[rank])
-        sent, received = (crossed(links[rank][w], header) for w in ("sent", "received"))
+        sent, received = (net.tcp_payload(links[rank][w], header) for w in ("sent", "received"))
         assert sent >= must and received >= must, (rank, sent, received, must)
-        lines.append(f"{' '.join(map(str, role_of(job, rank)))}: {sent / 1e6:.2f} MB out, "
+        lines.append(f"{label(job, rank)}: {sent / 1e6:.2f} MB out, "
                      f"{received / 1e6:.2f} MB in (at least {must / 1e6:.2f} MB each way)")
     net.REPORT.append(f"(a) {PS_ITERS} iterations, --sync ps, float64, each rank in its own "
                       f"namespace; TCP payload per link: " + "; ".join(lines))
@@ -105,12 +103,12 @@ def test_b_tc_bytes_match_the_jobs_own_counters_within_5_percent(ps_run):
     lines = []
     for rank in range(job.size):
         for way, key in (("sent", "sent"), ("received", "recv")):
-            wire = crossed(links[rank][way], header)
+            wire = net.tcp_payload(links[rank][way], header)
             mine = counted(job, rank, key)
             assert mine <= wire <= (1 + SLACK) * mine, \
-                (f"{role_of(job, rank)} {way}: tc {wire} bytes of TCP payload, the job counted "
+                (f"{label(job, rank)} {way}: tc {wire} bytes of TCP payload, the job counted "
                  f"{mine}: {wire / mine - 1:+.2%}")
-            lines.append(f"{' '.join(map(str, role_of(job, rank)))} {way} {wire / mine - 1:+.1%}")
+            lines.append(f"{label(job, rank)} {way} {wire / mine - 1:+.1%}")
     resent = sum(ps_run["resent"].values())
     net.REPORT.append(f"(b) at {CAP}: tc's TCP payload over the job's --stats bytes: "
                       + ", ".join(lines) + f"; tbf drops 0, TCP segments sent again: {resent}")
