@@ -201,3 +201,70 @@ def test_a_process_that_exits_without_closing_leaves_no_folder(how):
     folder = r.stdout.decode().strip().splitlines()[0]
     assert r.returncode == 3, r.stdout.decode()
     assert "poseidon-" in folder and not os.path.exists(folder)
+
+
+# ----- the host identity: boot id and network namespace -------------------------------------------
+def test_the_host_identity_is_the_boot_and_the_network_namespace():
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        boot = f.read().strip()
+    net = os.stat("/proc/self/ns/net")
+    assert localipc.boot_id() == f"{boot}/net:{net.st_dev}:{net.st_ino}"
+
+
+def test_another_network_namespace_gives_another_identity(monkeypatch):
+    """The same kernel, another namespace inode: another host to the job (no Unix socket)."""
+    mine = localipc.boot_id()
+    real_stat = os.stat
+
+    def stat_in_another_namespace(path, *args, **kw):
+        st = real_stat(path, *args, **kw)
+        if path == "/proc/self/ns/net":
+            return os.stat_result((st.st_mode, st.st_ino + 1) + tuple(st)[2:])
+        return st
+    monkeypatch.setattr(os, "stat", stat_in_another_namespace)
+    other = localipc.boot_id()
+    assert other != mine and other.split("/")[0] == mine.split("/")[0]
+
+
+def _unshare_net():
+    """A command prefix that runs a child in a new network namespace, or None (needs root)."""
+    import shutil
+    import subprocess
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    probe = subprocess.run(["unshare", "--net", "true"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=30)
+    return ["unshare", "--net"] if probe.returncode == 0 else None
+
+
+def test_an_inbox_in_another_network_namespace_is_not_taken():
+    """A real process in a new network namespace binds its inbox on the shared file system: the
+    socket passes every other check (this user, 0700 folder, advertised inode), but it is
+    another host's, so a peer here talks to it over TCP."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    prefix = _unshare_net()
+    if prefix is None:
+        pytest.skip("creating a network namespace needs root and unshare(1)")
+    code = ("import json, sys, zmq\n"
+            "from poseidon.dist import localipc\n"
+            "ctx = zmq.Context(); sock = ctx.socket(zmq.PULL)\n"
+            "inbox = localipc.LocalInbox(); sock.bind(inbox.endpoint)\n"
+            "print(json.dumps(inbox.describe()), flush=True)\n"
+            "sys.stdin.read()\n"
+            "sock.close(0); inbox.close()\n")
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(prefix + [sys.executable, "-c", code], cwd=root,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        info = json.loads(child.stdout.readline())
+        assert info["boot"] != localipc.boot_id()
+        assert info["boot"].split("/")[0] == localipc.boot_id().split("/")[0]   # one kernel
+        assert stat.S_ISSOCK(os.stat(info["path"]).st_mode)      # reachable on the file system
+        assert localipc.reachable(info) is None
+        assert localipc.reachable(dict(info, boot=localipc.boot_id())) is not None
+    finally:
+        child.stdin.close()
+        child.wait(30)

@@ -35,12 +35,27 @@ _live_lock = threading.Lock()
 
 
 def boot_id():
-    """This kernel's boot id (the same for every process of this host and boot), or None."""
+    """This host's identity as the one-host paths see it: the kernel's boot id and this process's
+    network namespace ('BOOT/net:DEV:INODE'), or None without a boot id.
+
+    Why the namespace: containers, or hosts emulated in network namespaces, share the kernel and
+    so its boot id, and often a file system; without the namespace their processes took each
+    other for one host and moved their data over Unix sockets and shared memory, so a job meant
+    to cross links did not. Processes in different network namespaces are different hosts to
+    the job and talk over TCP. (Namespace inodes are unique while the namespace lives; the
+    device of /proc/self/ns/net is compared too, as namespaces are identified by both.)"""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip() or None
+            boot = f.read().strip()
     except OSError:
         return None
+    if not boot:
+        return None
+    try:
+        net = os.stat("/proc/self/ns/net")
+    except OSError:          # no namespace to read (an old kernel, a locked-down /proc): the boot
+        return boot          # alone, as every process of such a host sees it
+    return f"{boot}/net:{net.st_dev}:{net.st_ino}"
 
 
 def supported():
