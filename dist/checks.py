@@ -51,6 +51,7 @@ RULES = {
     Msg.SF: ("worker", "worker", (1, 16), ()),   # the layer's scheme checks the arrays
     Msg.WEIGHTS: ("worker0", "other worker", ANY, ()),
     Msg.CURSOR: ("worker0", "other worker", (0, 0), ("iter",)),
+    Msg.ROUTES: ("worker0", "other worker", (0, 0), ("routes",)),
 }
 JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a float64 vector
 SHARED_TYPES = {Msg.KV_PUSH, Msg.KV_VALUE}            # may keep their arrays in shared memory

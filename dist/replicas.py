@@ -2,7 +2,9 @@
 
 Worker 0 gives the servers the values and solver history of the parameters they keep (PS), and
 every other worker its values, with the history of those the workers update themselves (SFB and any
-scheme without servers). Then, on one host, a PS parameter whose KV pairs sit back to back in one
+scheme without servers), and the convolution routes it runs: with POSEIDON_CONV=auto worker 0
+alone times the candidate routes (or takes them from its snapshot), so every replica computes
+with the same algorithms and a resumed job with the ones it had. Then, on one host, a PS parameter whose KV pairs sit back to back in one
 server's shared memory is placed there, so that its syncs move headers only.
 """
 import logging
@@ -35,9 +37,12 @@ def init_servers(kv, net, history, it):
 
 
 def send_state(transport, roles, book, net, history, it):
-    """Worker 0: every other worker's parameters (and the history the workers keep)."""
+    """Worker 0: every other worker's parameters (and the history the workers keep), and the
+    convolution routes."""
     receipts = []
+    routes = net.conv_routes()                  # measured here if not yet chosen
     for peer in roles.worker_ranks()[1:]:
+        transport.send(peer, Msg.ROUTES, iteration=it, obj={"routes": routes})
         for pid, blob in enumerate(net.learnable_params):
             arrays = [host_flat(blob.data)]
             if _kept_by_workers(book, pid):
@@ -49,7 +54,11 @@ def send_state(transport, roles, book, net, history, it):
 
 
 def receive_state(transport, name, net, history, it, timeout):
-    """Another worker: worker 0's parameters into this replica (refused if it starts elsewhere)."""
+    """Another worker: worker 0's parameters and routes into this replica (refused if it starts
+    elsewhere)."""
+    routes = transport.receive(Msg.ROUTES, 0, it, timeout=timeout, senders=[0],
+                               what="worker 0's convolution routes")[0].obj["routes"]
+    net.set_conv_routes(routes)
     for pid, blob in enumerate(net.learnable_params):
         msg = transport.receive(Msg.WEIGHTS, pid, 0, timeout=timeout, senders=[0],
                                 what=f"worker 0's initial value of parameter "

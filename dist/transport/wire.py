@@ -49,6 +49,7 @@ class Msg(enum.IntEnum):
     SF = 30            # sufficient factors of one layer (SFB)
     WEIGHTS = 31       # worker 0's parameters (and SFB solver state) to the other workers
     CURSOR = 32        # worker 0 -> worker r: r's data cursor from a snapshot being resumed
+    ROUTES = 33        # worker 0 -> the other workers: the convolution routes every replica runs
 
 
 FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)

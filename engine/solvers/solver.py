@@ -638,9 +638,11 @@ class Solver:
         self.hooks.restore(self, path, lambda p: snapshots.read(self, p))
 
     def cursor_state(self):
-        """Where this process's data and random streams stand (saved beside each snapshot)."""
+        """Where this process's data and random streams stand, and the convolution routes its
+        train net runs (saved beside each snapshot, so a resume computes the same numbers)."""
         return {"iter": self.iter, "rng": rng.get_state(), "train": self.net.data_cursors(),
-                "test": [t.data_cursors() for t in self.test_nets]}
+                "test": [t.data_cursors() for t in self.test_nets],
+                "conv_routes": self.net.conv_routes()}
 
     def load_cursor_state(self, state):
         """Put the data and random streams (and, when given, the iteration) where `state` says."""
@@ -651,6 +653,8 @@ class Solver:
         self.net.set_data_cursors(state.get("train"))
         for net, cursors in zip(self.test_nets, state.get("test") or []):
             net.set_data_cursors(cursors)
+        if state.get("conv_routes"):
+            self.net.set_conv_routes(state["conv_routes"])
 
 
 def _loss_suffix(weight, value):
