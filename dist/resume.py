@@ -20,9 +20,9 @@ _ITER = re.compile(r"_iter_(\d+)\.(manifest\.json|caffemodel(\.h5)?|solverstate(
 
 def snapshot_settings(solver_path):
     """(snapshot_prefix as the engine will use it, Caffe's defaults applied; snapshot interval)."""
-    from poseidon.engine.solvers.solver import _read_solver, _upgrade_snapshot_prefix
-    param = _read_solver(solver_path)
-    _upgrade_snapshot_prefix(param, solver_path)
+    from poseidon.engine.solvers.solverfile import read_solver, upgrade_snapshot_prefix
+    param = read_solver(solver_path)
+    upgrade_snapshot_prefix(param, solver_path)
     return param.snapshot_prefix, param.snapshot
 
 

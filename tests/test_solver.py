@@ -12,7 +12,7 @@ from poseidon.engine import rng
 from poseidon.engine.errors import ModelError, PoseidonError
 from poseidon.engine.proto import caffe_pb2
 from poseidon.engine.solvers import Solver, get_solver
-from poseidon.engine.solvers.solver import GlogFormatter
+from poseidon.engine.solvers import GlogFormatter
 
 
 # ----- data layers (referenced from the prototxt as module "tests.test_solver") ----------------------

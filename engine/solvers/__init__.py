@@ -9,4 +9,7 @@ apply); `Solver` is Caffe's loop around it.
 from .lr_policy import learning_rate, POLICIES  # noqa: F401
 from .rules import (make_rule, rule_types, clip_scale, clip_factor, global_norm_sq,  # noqa: F401
                     UpdateRule)
-from .solver import Solver, get_solver, GlogFormatter, final_accuracy_lines, log_to_stderr  # noqa: F401
+from .hooks import SolverHooks  # noqa: F401
+from .logs import GlogFormatter, final_accuracy_lines, log_to_stderr  # noqa: F401
+from .solver import Solver, get_solver  # noqa: F401
+from .solverfile import check_solver_file  # noqa: F401

@@ -4,22 +4,21 @@
     solver.solve()                      # or solver.step(n), as pycaffe
 
 One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
-  ClearParamDiffs -> test all nets when iter % test_interval == 0 (at iter 0 only if
-  test_initialization) -> forward_backward() (iter_size passes, mean loss) -> check_finite(loss)
-  -> smoothed loss and the display lines -> apply_update() (clip -> 1/iter_size -> regularize ->
-  rule, for every learnable parameter; InnerProduct weights from their factors, block by block:
-  engine/solvers/factored.py) -> iter += 1 -> snapshot when iter % snapshot == 0.
-`clear_param_diffs`, `forward_backward`, `check_finite`, `apply_update`, `grad_norm_sq`, `test` and
-`snapshot` are the seams a distributed trainer overrides; the loop itself stays here.
+  the iteration's plan (which InnerProduct weights are made from their sufficient factors, block by
+  block inside the update: engine/solvers/factored.py) and the gradients cleared -> test all nets
+  when iter % test_interval == 0 (at iter 0 only if test_initialization) -> forward_backward()
+  (iter_size passes, mean loss) -> check_finite(loss) -> smoothed loss and the display lines ->
+  apply_update() (clip -> 1/iter_size -> regularize -> rule, for every learnable parameter) ->
+  iter += 1 -> snapshot when iter % snapshot == 0.
 
-Logging goes to the "poseidon" logger in glog's line format (GlogFormatter), so Caffe's log parsers
-(tools/extra/parse_log.py) read it; `log_to_stderr()` installs the handler.
+It is the one loop for everyone: a SolverHooks object (engine/solvers/hooks.py) sees each iteration
+at fixed points, and with hooks that synchronise each layer after its backward the same loop is a
+distributed worker. The solver file is read and checked in solverfile.py, snapshots are written in
+snapshots.py, and the log is in glog's line format (logs.py), so Caffe's log parsers read it.
 """
-import datetime
 import logging
 import math
 import os
-import re
 import sys
 import time
 from collections import OrderedDict
@@ -33,56 +32,11 @@ from ..io import manifest
 from ..proto import caffe_pb2
 from . import rules
 from .factored import FactoredWeights, update_from_factors
-from . import snapshots
+from . import snapshots, solverfile
+from .logs import g as _g, log_to_stderr, logging_configured
 from .hooks import SolverHooks
 
 log = logging.getLogger("poseidon")
-
-
-# ----- logging in glog's format -------------------------------------------------------------------
-class GlogFormatter(logging.Formatter):
-    """`I1123 10:00:00.123456 <pid> solver.py:123] message`, as glog writes Caffe's lines."""
-
-    LETTERS = {logging.DEBUG: "I", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
-               logging.CRITICAL: "F"}
-
-    def format(self, record):
-        t = datetime.datetime.fromtimestamp(record.created)
-        letter = self.LETTERS.get(record.levelno, "I")
-        message = record.getMessage()
-        if record.exc_info:
-            message += "\n" + self.formatException(record.exc_info)
-        return (f"{letter}{t:%m%d %H:%M:%S}.{t.microsecond:06d} {record.process} "
-                f"{record.filename}:{record.lineno}] {message}")
-
-
-def final_accuracy_lines(solver):
-    """'Final test accuracy (net #i): x' for each accuracy output of the solver's last test."""
-    return [f"Final test {name} (net #{i}): {float(value):.4f}"
-            for i, results in enumerate(getattr(solver, "last_test_results", None) or [])
-            for name, value in results.items() if "accuracy" in name]
-
-
-def log_to_stderr(level=logging.INFO, stream=None):
-    """Send the "poseidon" logger to stderr (or `stream`) in glog format; idempotent."""
-    for handler in log.handlers:
-        if isinstance(handler.formatter, GlogFormatter):
-            break
-    else:
-        handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(GlogFormatter())
-        log.addHandler(handler)
-    log.setLevel(level)
-    return handler
-
-
-def _logging_configured():
-    return bool(log.handlers or logging.getLogger().handlers)
-
-
-def _g(x):
-    """A number as C++'s ostream prints a float (6 significant digits, %g)."""
-    return f"{float(x):.6g}"
 
 
 # ----- the solver ------------------------------------------------------------------------------------
@@ -120,8 +74,8 @@ class Solver:
                  solver_type=None, hooks=None):
         if isinstance(solver_param_or_path, (str, os.PathLike)):
             self.source = os.fspath(solver_param_or_path)
-            param = _read_solver(self.source)
-            _upgrade_snapshot_prefix(param, self.source)
+            param = solverfile.read_solver(self.source)
+            solverfile.upgrade_snapshot_prefix(param, self.source)
         else:
             self.source = None
             param = caffe_pb2.SolverParameter()
@@ -141,7 +95,7 @@ class Solver:
         self.shard, self.test_shard = tuple(shard), tuple(test_shard)
         self.progress = progress
         self.hooks = hooks if hooks is not None else SolverHooks()
-        if not _logging_configured():
+        if not logging_configured():
             log_to_stderr()
         try:
             self._check_param()
@@ -171,58 +125,13 @@ class Solver:
         return self.source or "solver"
 
     def _at_key(self, error):
-        """A solver error with the file:line of the solver field it names (the first one named
-        that the file sets), in place of its "solver:" prefix."""
-        message = str(error)
-        for prefix in ("solver: ", f"{self.source}: "):
-            if message.startswith(prefix):
-                message = message[len(prefix):]
-        where = self._where()
-        if self.source:
-            fields = [f.name for f in caffe_pb2.SolverParameter.DESCRIPTOR.fields]
-            named = sorted((m.start(), name) for name in fields
-                           for m in [re.search(rf"(?<![\w-]){name}(?![\w-])", message)] if m)
-            from ..prototxt import field_line
-            for _, name in named:
-                line = field_line(self.source, name)
-                if line:
-                    where = f"{self.source}:{line}"
-                    break
-        return type(error)(f"{where}: {message}")
+        return solverfile.at_key(error, self.source)
 
     def _check_param(self):
-        p = self.param
-        for name in ("base_lr", "max_iter", "snapshot", "display", "test_interval"):
-            if getattr(p, name) < 0:
-                raise ModelError(f"{self._where()}: {name} must be >= 0, got "
-                                 f"{getattr(p, name):g}; give a non-negative value")
-        if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
-            try:
-                import h5py  # noqa: F401
-            except ImportError:
-                raise ModelError(f"{self._where()}: snapshot_format: HDF5 needs h5py: pip install "
-                                 f"h5py, or remove snapshot_format (binary protobuf)") from None
-        if p.iter_size < 1:
-            raise ModelError(f"{self._where()}: iter_size must be at least 1, got {p.iter_size}")
-        if p.average_loss < 1:
-            raise ModelError(f"{self._where()}: average_loss should be non-negative and at least "
-                             f"1, got {p.average_loss}")
-        if p.snapshot > 0 and not p.HasField("snapshot_prefix"):
-            raise ModelError(f"{self._where()}: snapshot is specified but snapshot_prefix is not; "
-                             f"add snapshot_prefix: \"<folder>/<name>\"")
+        solverfile.check_param(self.param, self._where())
 
     def _resolve(self, path, what):
-        """A file named in the solver: relative to the cwd first, then to the solver file's folder."""
-        if os.path.exists(path):
-            return path
-        if self.source and not os.path.isabs(path):
-            beside = os.path.join(os.path.dirname(os.path.abspath(self.source)), path)
-            if os.path.exists(beside):
-                return beside
-        looked = "the current directory" + (
-            f" and {os.path.dirname(os.path.abspath(self.source))}" if self.source else "")
-        raise ModelError(f"{self._where()}: {what} '{path}' does not exist (looked in {looked}); "
-                         f"check the path")
+        return solverfile.resolve(path, what, self.source)
 
     def _build_net(self, model, phase, state, shard):
         """A Net in `phase` whose NetState is Caffe's merge: phase < the net's own state < `state`."""
@@ -659,65 +568,6 @@ class Solver:
 
 def _loss_suffix(weight, value):
     return f" (* {_g(weight)} = {_g(weight * value)} loss)" if weight else ""
-
-
-def _read_solver(path):
-    from ..prototxt import read_solver
-    return read_solver(path)
-
-
-def _upgrade_snapshot_prefix(param, path):
-    """Caffe's UpgradeSnapshotPrefixProperty: default to the solver path without its extension; a
-    folder becomes <folder>/<solver file stem>."""
-    if not param.HasField("snapshot_prefix"):
-        param.snapshot_prefix = os.path.splitext(path)[0]
-        log.info(f"snapshot_prefix was not specified and is set to {param.snapshot_prefix}")
-    elif os.path.isdir(param.snapshot_prefix):
-        stem = os.path.splitext(os.path.basename(path))[0]
-        param.snapshot_prefix = os.path.join(param.snapshot_prefix, stem)
-        log.info(f"snapshot_prefix is a directory and is set to {param.snapshot_prefix}")
-
-
-def check_solver_file(path):
-    """Read a solver file and the net files it names, check the solver's values and each net's
-    graph (tops, bottoms, phases), building no layer and reading no data. A distributed launch calls
-    it first, so a bad file stops the job with one line before any process starts."""
-    from .. import prototxt
-    probe = Solver.__new__(Solver)
-    probe.source = os.fspath(path)
-    probe.param = param = _read_solver(probe.source)
-    try:
-        probe._check_param()
-        rules.make_rule(param)
-    except ModelError as e:
-        raise probe._at_key(e) from None
-
-    def check_graph(net_path, phase, state):
-        net_param = prototxt.read_net(net_path)
-        merged = caffe_pb2.NetState(phase=phase)
-        merged.MergeFrom(net_param.state)
-        if state is not None:
-            merged.MergeFrom(state)
-        merged.phase = phase
-        try:
-            prototxt.insert_splits(prototxt.filter_net(net_param, merged))
-        except ModelError as e:
-            lines = prototxt.layer_lines(net_path)
-            named = sorted((str(e).find(f"layer '{n}'"), line) for n, line in lines.items()
-                           if f"layer '{n}'" in str(e))
-            raise ModelError(f"{net_path}:{named[0][1]}: {e}" if named else
-                             f"{net_path}: {e}") from None
-
-    for field in ("net", "train_net"):
-        if param.HasField(field):
-            check_graph(probe._resolve(getattr(param, field), "net file"), TRAIN,
-                        param.train_state if param.HasField("train_state") else None)
-    tests = list(param.test_net) or ([param.net] * len(param.test_iter)
-                                     if param.HasField("net") else [])
-    for i, name in enumerate(tests):
-        check_graph(probe._resolve(name, "test net file"), TEST,
-                    param.test_state[i] if i < len(param.test_state) else None)
-    return param
 
 
 def get_solver(path_or_param, **kwargs):

@@ -56,7 +56,7 @@ import json, os, subprocess, sys, tempfile, pathlib, threading, logging
 from poseidon import dist
 from poseidon.dist.transport import free_port
 from poseidon.engine.solvers import get_solver
-from poseidon.engine.solvers.solver import log_to_stderr
+from poseidon.engine.solvers import log_to_stderr
 from poseidon.tools.bench import nets
 log_to_stderr(logging.WARNING)
 sp = nets.write_solver_files(nets.cifar10_quick(4), pathlib.Path(tempfile.mkdtemp()), 10 ** 6)

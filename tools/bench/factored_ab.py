@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy
 
 from poseidon.engine.solvers import get_solver
-from poseidon.engine.solvers.solver import log_to_stderr
+from poseidon.engine.solvers import log_to_stderr
 
 from . import nets
 from .overhead_ab import timed_steps

@@ -140,7 +140,7 @@ def make_solver(bench_net, xp=None):
     """An engine solver (engine.solvers.get_solver) on the bench net, inputs filled."""
     import logging
     from poseidon.engine.solvers import get_solver
-    from poseidon.engine.solvers.solver import log_to_stderr
+    from poseidon.engine.solvers import log_to_stderr
     log = logging.getLogger("poseidon")
     level = log.level
     log_to_stderr(logging.WARNING)  # no "Creating training net" lines inside the bench output

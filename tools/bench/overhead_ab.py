@@ -112,7 +112,7 @@ def main(argv=None):
     from poseidon import dist
     from poseidon.dist.transport import free_port
     from poseidon.engine.solvers import get_solver
-    from poseidon.engine.solvers.solver import log_to_stderr
+    from poseidon.engine.solvers import log_to_stderr
     log_to_stderr(logging.WARNING)
     address = f"tcp://127.0.0.1:{free_port()}"
     # no --stats: its line an iteration would be part of what is measured (0.1 ms); the exposed

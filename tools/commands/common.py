@@ -15,7 +15,7 @@ def apply_gpu(args, local_rank=0):
 
 
 def setup_logging():
-    from poseidon.engine.solvers.solver import log_to_stderr
+    from poseidon.engine.solvers import log_to_stderr
     log_to_stderr()
 
 

@@ -76,7 +76,7 @@ def run(args):
     if args.resume and args.snapshot:
         raise PoseidonError("give either --snapshot or --resume auto, not both")
     if is_distributed(args):
-        from poseidon.engine.solvers.solver import check_solver_file
+        from poseidon.engine.solvers import check_solver_file
         check_solver_file(args.solver)   # a bad file: one line, before any process starts
         from poseidon.dist.launch import launch
         return launch(args)
