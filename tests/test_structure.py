@@ -1,0 +1,115 @@
+"""The structure's rules, checked on the source (docs/architecture.md, "Rules the structure keeps"):
+
+- dependencies point one way: the engine imports nothing of dist or tools, dist nothing of tools;
+- dist plugs into the engine through the Solver's hooks only: no code under dist/ runs the net's
+  forward or backward itself, assigns another object's private fields or methods, or forwards
+  attribute access with __getattr__;
+- every package folder is installed (setup.cfg lists it), and no module but the generated schema
+  grows past the size a reader can hold.
+"""
+import ast
+import configparser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("engine", "dist", "models", "tools", "prototxt")
+GENERATED = {"engine/proto/caffe_pb2.py"}
+MAX_LINES = 620
+
+
+def sources(folder):
+    return sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def imported_modules(tree, package):
+    """Absolute names of what a module imports (relative imports resolved against `package`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                yield ".".join(base + ([node.module] if node.module else []))
+            else:
+                yield node.module or ""
+
+
+def module_package(path):
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = ["poseidon"] + list(rel.parts)
+    return ".".join(parts if path.name == "__init__.py" else parts[:-1])
+
+
+@pytest.mark.parametrize("folder,forbidden", [("engine", ("poseidon.dist", "poseidon.tools")),
+                                              ("dist", ("poseidon.tools",))])
+def test_dependencies_point_one_way(folder, forbidden):
+    bad = []
+    for path in sources(folder):
+        tree = ast.parse(path.read_text())
+        for name in imported_modules(tree, module_package(path)):
+            if name.startswith(forbidden):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
+
+
+def test_dist_plugs_in_through_the_hooks_only():
+    bad = []
+    for path in sources("dist"):
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("Forward", "Backward", "BackwardThrough",
+                                           "ForwardLayer", "ForwardBackward")):
+                bad.append(f"{where}:{node.lineno} calls .{node.func.attr}()")
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if (isinstance(t, ast.Attribute) and t.attr.startswith("_")
+                            and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
+                        bad.append(f"{where}:{node.lineno} assigns another object's {t.attr}")
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "__getattr__":
+                        bad.append(f"{where}:{item.lineno} {node.name} forwards __getattr__")
+    assert not bad, bad
+
+
+def test_the_mutations_are_caught():
+    """The check above is a real check: each kind of violation is found in a sample."""
+    sample = ("def f(net, solver):\n    net.BackwardThrough(3)\n    solver._plan = 1\n"
+              "class W:\n    def __getattr__(self, n):\n        return n\n")
+    kinds = set()
+    for node in ast.walk(ast.parse(sample)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "BackwardThrough":
+            kinds.add("call")
+        if isinstance(node, ast.Assign) and node.targets[0].attr.startswith("_"):
+            kinds.add("private")
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            kinds.add("getattr")
+    assert kinds == {"call", "private", "getattr"}
+
+
+def test_every_package_folder_is_installed():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = set()
+    for folder in FOLDERS:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT)
+            found.add(".".join(["poseidon"] + list(rel.parts)))
+    assert found - listed == set(), "add these to setup.cfg's packages"
+    assert listed - found - {"poseidon"} == set(), "setup.cfg lists packages that do not exist"
+
+
+def test_modules_stay_small():
+    big = []
+    for folder in FOLDERS:
+        for path in sources(folder):
+            rel = path.relative_to(ROOT).as_posix()
+            lines = len(path.read_text().splitlines())
+            if rel not in GENERATED and lines > MAX_LINES:
+                big.append(f"{rel}: {lines} lines")
+    assert not big, big
