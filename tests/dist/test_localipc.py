@@ -249,7 +249,7 @@ def test_an_inbox_in_another_network_namespace_is_not_taken():
     if prefix is None:
         pytest.skip("creating a network namespace needs root and unshare(1)")
     code = ("import json, sys, zmq\n"
-            "from poseidon.dist import localipc\n"
+            "from poseidon.dist.transport.onehost import localipc\n"
             "ctx = zmq.Context(); sock = ctx.socket(zmq.PULL)\n"
             "inbox = localipc.LocalInbox(); sock.bind(inbox.endpoint)\n"
             "print(json.dumps(inbox.describe()), flush=True)\n"
