@@ -157,7 +157,7 @@ def _shares(bn, t, peak_gflops, call_peak_gflops):
         ff, bf = t.flops[li]
         row = {"name": name, "type": t.types[li], "forward_ms": stats(t.fwd[li]),
                "backward_ms": stats(t.bwd[li])}
-        if t.algorithms[li]:      # im2col, fourier or winograd (conv.py)
+        if t.algorithms[li]:      # im2col, fourier or winograd (engine/layers/conv/routes.py)
             row["algorithm"] = t.algorithms[li]
         if ff:
             tf = row["forward_ms"]["median"] / 1e3
