@@ -1,6 +1,6 @@
 """The training loop: Caffe's Solver (solver.cpp) around the update rules of rules.py.
 
-    solver = get_solver("prototxt/cifar10/cifar10_quick_solver.prototxt")
+    solver = get_solver("prototxt/cifar10_quick/solver.prototxt")
     solver.solve()                      # or solver.step(n), as pycaffe
 
 One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
@@ -9,8 +9,8 @@ One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
   -> smoothed loss and the display lines -> apply_update() (clip -> 1/iter_size -> regularize ->
   rule, for every learnable parameter; InnerProduct weights from their factors, block by block:
   engine/solvers/factored.py) -> iter += 1 -> snapshot when iter % snapshot == 0.
-`clear_param_diffs`, `forward_backward`, `check_finite`, `apply_update`, `grad_norm_sq`, `test` and
-`snapshot` are the seams a distributed trainer overrides; the loop itself stays here.
+A distributed trainer overrides none of these: it plugs a hooks object in (`set_hooks`,
+engine/solvers/hooks.py), which the loop calls at fixed points; the loop itself stays here.
 
 Logging goes to the "poseidon" logger in glog's line format (GlogFormatter), so Caffe's log parsers
 (tools/extra/parse_log.py) read it; `log_to_stderr()` installs the handler.
