@@ -211,8 +211,8 @@ def merge_on_servers(bundles):
     """The placed bundles of one sync that went to the same server, merged into one message (in
     order, up to MAX_BUNDLE_ARRAYS pairs). Why: a message in shared memory carries no bytes, so
     the fusion size that lets a big layer's answers stream back while its later pairs go out buys
-    nothing there, and every message costs its Python on both sides (fc_heavy on 1 worker + 1
-    server, its 115 pairs in 4 messages instead of 114: 162-164 -> 138-151 ms an iteration).
+    nothing there, and every message costs its Python on both sides (a large layer's hundred-odd
+    pairs go as a few messages instead; docs/performance.md, "The distributed path on one host").
     Placement is unchanged: the pairs stay spread over the servers as the fusion size placed
     them."""
     merged, last = [], {}

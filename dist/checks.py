@@ -151,7 +151,8 @@ class WireRules:
 
     def _roles_say(self, mtype, sender, name):
         """The sender/receiver check, which depends only on (type, sender) once the roles are
-        known: reached once per pair and then looked up (it ran for every message)."""
+        known: worked out once per pair and then looked up, since a job's messages repeat the
+        same few pairs."""
         roles = self.roles
         if self._verdicts_for is not roles:
             self._verdicts, self._verdicts_for = {}, roles

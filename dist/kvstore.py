@@ -146,7 +146,7 @@ class KVServer:
     def gradient_sum(self, pair):
         """The pair's pushed gradients summed in rank order, and whether the result is a
         worker's live buffer. A gradient in shared memory may be the worker's diff itself
-        (dist/worker.py places parameters there), so it is never written: with one worker it is
+        (dist/replicas.py places parameters there), so it is never written: with one worker it is
         the sum as it is, which the rule must keep; with several the sum goes into scratch."""
         if not any(pair.shared):
             return rank_order_sum(pair, range(self.workers)), False

@@ -2,10 +2,10 @@
 
 Why: when the processes of a job share their cores with training (one machine, CPU training),
 every wake-up of a ZeroMQ I/O thread, a receive or sync thread or a KV server preempts a compute
-thread in the middle of its cache-sized blocks. Measured on the 2-core bench machine
-(docs/performance.md), the compute threads then use 7 ms more CPU per 50 ms iteration for
-the same work, beside the sync path's own 9 ms. Threads at SCHED_IDLE run only on cores that nothing else
-wants: in the gaps of the step and at the barrier, where the worker waits anyway.
+thread in the middle of its cache-sized blocks, which then finds its block evicted and does the
+same work in more CPU time (docs/performance.md, "The distributed path on one host"). Threads at
+SCHED_IDLE run only on cores that nothing else wants: in the gaps of the step and at the barrier,
+where the worker waits anyway.
 
 What is lowered: in a worker, every thread but the main thread, the engine's compute pool
 ("poseidon...") and the data layers' prefetch threads ("prefetch-..."): ZeroMQ's own threads,

@@ -101,9 +101,10 @@ def _kv_spot(book, transport, kv, net, rank, pid):
 
 def place_in_kv_memory(book, transport, kv, rank, net, test_nets, placed):
     """Put each PS parameter whose KV pairs all sit, back to back, in the shared memory of one
-    server of this host (dist/kvshm.py) there: its values in the server's values, its gradient in
-    this worker's region. The backward then writes the gradient where the server reads it and the
-    server updates the values the forward reads; a sync moves headers only. Adds them to `placed`.
+    server of this host (dist/transport/onehost/kvshm.py) there: its values in the server's
+    values, its gradient in this worker's region. The backward then writes the gradient where
+    the server reads it and the server updates the values the forward reads; a sync moves
+    headers only. Adds them to `placed`.
 
     After the start barrier the server's values are this worker's (worker 0 initialised them, the
     others took worker 0's), so nothing is copied but the gradient. CPU nets only (a GPU's

@@ -22,7 +22,8 @@ from poseidon.engine.errors import PoseidonError
 
 PROFILE_DIR = str(resources.files(__package__) / "profiles")   # package data; wheels install unzipped
 
-# The paper's single-GPU Caffe figures (Titan X, mission.md): model -> (batch per node, img/s).
+# The paper's single-GPU Caffe figures (Titan X, as the Poseidon paper reports them):
+# model -> (batch per node, img/s).
 PAPER_SINGLE_GPU = {"vgg19": (32, 35.5), "vgg19_22k": (32, 34.2), "googlenet": (128, 257.0)}
 
 _SAME_SHAPE = {"ReLU", "Dropout", "LRN", "Softmax", "Sigmoid", "TanH", "BatchNorm", "Scale",

@@ -169,7 +169,8 @@ class WorkerHooks(SolverHooks):
         self._stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
                        if opts.stats else None)
         # the last iteration's barrier wait and exposed sync (seconds), kept without --stats for
-        # callers in this process (the bench's part c: a --stats line costs 0.1 ms an iteration)
+        # callers in this process (the bench's part c, which must not pay for writing a --stats
+        # line every iteration while it measures the sync path's cost)
         self.last_sync = None
         self._pending = []
         self._started = False

@@ -71,9 +71,9 @@ class Blob:
         self._diff = other._diff
 
     def place(self, data, diff):
-        """Keep data and diff in the given flat arrays from now on (a KV server's shared memory,
-        dist/transport/onehost/kvshm.py), without copying: the caller makes sure they hold what
-        they should. Blobs that shared this one's storage must then `follow` it."""
+        """Keep data and diff in the given flat arrays from now on (e.g. memory shared with
+        another process that reads or writes them), without copying: the caller makes sure they
+        hold what they should. Blobs that shared this one's storage must then `follow` it."""
         count = self._data.size
         if data.size != count or diff.size != count:
             raise ValueError(f"cannot place a blob of {count} elements in arrays of "

@@ -15,12 +15,11 @@ import time
 import numpy
 
 # A GEMM that writes its output rows a multiple of 4 KiB apart puts the rows of each of its
-# micro-tiles into the same few cache sets, and they evict each other. InnerProduct weights have
-# such rows (fc_heavy's 9216 and 4096 floats: 36 and 16 KiB). Measured on the 2-core EPYC, one
-# thread, fc6's Gᵀ·X with K = 32 into blocks of its gradient: 54 GFLOP/s with rows 36,864 bytes
-# apart, 83 with them 36,928 (an odd number of cache lines) apart; fc6's update from factors on
-# two threads went from 46 to 40 ms (docs/performance.md, "InnerProduct and the GEMM share";
-# python -m poseidon.tools.bench.stride_ab).
+# micro-tiles into the same few cache sets, and they evict each other. InnerProduct weights often
+# have such rows (4096 or 9216 floats: 16 and 36 KiB). Scratch whose rows lie an odd number of
+# cache lines apart spreads them over all the sets, which matters most for the weight gradient
+# Gᵀ·X made block by block inside the update (docs/performance.md, "InnerProduct and the GEMM
+# share"; python -m poseidon.tools.bench.stride_ab compares the two strides on any machine).
 CACHE_LINE = 64
 
 

@@ -65,7 +65,9 @@ class Layer:
     max_tops = None
     equal_bottoms_tops = False
     is_loss = False        # LossLayer: top[0] gets loss_weight 1 unless told otherwise
-    # InnerProduct-like layers set this and implement sufficient_factors() (see dist/sfb.py).
+    # InnerProduct-like layers set this and implement sufficient_factors() and
+    # weight_grad_from_factors(), for a caller that makes the weight gradient from the factors
+    # (the solver's factored update, or a sufficient-factor scheme); see inner_product.py.
     has_sufficient_factors = False
 
     def __init__(self, param, phase=TRAIN, dtype=numpy.float32, xp=numpy):

@@ -31,8 +31,8 @@ from .gemm import padded_row_length
 # order, so results do not depend on timing.
 #
 # While this runs, numpy's OpenBLAS is held to one thread for the whole process (threadpoolctl,
-# from the first layer that uses it on): OpenBLAS's own helper threads busy-wait for about 0.1 s
-# after each multi-threaded call, and one left spinning beside our threads halves their speed.
+# from the first layer that uses it on): OpenBLAS's own helper threads busy-wait for a while
+# after each multi-threaded call, and one left spinning takes a core from our threads.
 # POSEIDON_THREADS=1 turns this off (one Python thread, BLAS threads untouched, batch-wide GEMMs);
 # so does a missing threadpoolctl. On CuPy everything runs as one range on the calling thread.
 def l2_cache_bytes():
@@ -50,30 +50,29 @@ def _cache_block_bytes():
     """Work block for one core: twice the per-core L2 cache (a convolution's chunk of columns,
     an InnerProduct weight's block of rows).
 
-    Measured on the 2-core EPYC (1 MiB L2 per core): the conv GEMMs run at 85-97 GFLOP/s per core
-    on 512-1024-row chunks and at 55-70 on 2,500-8,000-row ones, and the cifar10_quick step was
-    fastest at 2 MiB (1-3 MiB within noise; 8 MiB, the old fixed value, 15-20% slower)."""
+    A block is written by one pass (im2col, a GEMM into scratch) and read by the next (the GEMM,
+    the update rule); sized near the L2, the second pass finds most of it still in the core's own
+    cache, where a block of several MiB goes to L3 or memory between the two. Twice the L2 rather
+    than once: the GEMM reads its block in panels, so the block need not fit whole, and larger
+    blocks mean fewer, longer GEMMs; the bounds keep it sane where sysfs reports an odd size."""
     return max(1 << 19, min(2 * l2_cache_bytes(), 1 << 23))
 
 
 CACHE_BLOCK_BYTES = _cache_block_bytes()
 
 # A block of an InnerProduct weight's gradient (made and then updated, or copied into the diff,
-# while in cache) is as large as a convolution's chunk of columns. Measured on the 2-core EPYC
-# (1 MiB L2), fc6's update from factors, K = 32: 1 MiB blocks 59 ms on one thread and 44 on two,
-# 2 MiB 54 and 41, 4 MiB 52 and 40; fc_heavy's training step against the diff path: 110-119 ms
-# against 124-143.
+# while in cache) is as large as a convolution's chunk of columns, for the same reason: the
+# update reads the block right after the GEMM wrote it.
 # At least MIN_BLOCK_ROWS rows, since OpenBLAS is slow on GEMMs with very few rows.
 # And at least ROWS_PER_FACTOR_ROW rows for each of the K rows of factors it is made from: OpenBLAS
-# packs the K x N factor again for every block, so with many factor rows (SFB stacks every
-# worker's) small blocks pay mostly for packing. fc6's update from K = 128 rows of factors on one
-# thread: 159 ms in 56-row blocks, 144 in 224-row ones (with K = 32: 62-63 ms for 56 to 224 rows).
+# packs the K x N factor again for every block, so with many factor rows (a caller that stacks the
+# factors of several processes) small blocks would pay mostly for packing.
 WEIGHT_BLOCK_BYTES = CACHE_BLOCK_BYTES
 MIN_BLOCK_ROWS = 16
 ROWS_PER_FACTOR_ROW = 2
 # Weights of at least this many elements get their gradient blocks in padded rows
-# (BufferCache.get_rows); on smaller ones the rule's passes over a non-contiguous block cost more
-# than the GEMM gains (cifar10_quick's ip1, 64 x 1024: 272 against 230 us an update).
+# (BufferCache.get_rows); a small weight's GEMM is short, so the rule's passes over a
+# non-contiguous block cost more than the GEMM gains from the spread rows.
 PADDED_ROWS_MIN = 1 << 20
 
 

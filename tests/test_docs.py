@@ -4,7 +4,8 @@ README.md and docs/*.md hold what a user needs now: current figures with the com
 them, the design and its reasons. The history of how they came about is in git, so these files carry
 no run timestamps, no commit ids and no issue or work-period numbers. The README stays short enough
 to read in one sitting, the architecture map names paths that exist, and every command the CLI
-offers is in the README.
+offers is in the README. The code's own pointers stay true too: every docs/*.md and every engine/
+or dist/ path a module names exists, and the engine names no dist module.
 """
 import re
 from pathlib import Path
@@ -141,3 +142,99 @@ def test_readme_shows_every_command():
     text = README.read_text(encoding="utf-8")
     missing = [c for c in commands if not re.search(rf"\bposeidon {c}\b", text)]
     assert not missing, f"README.md does not show these commands: {', '.join(missing)}"
+
+
+# ----- the code's references to documents and to its own files -----------------------------------
+# Comments and docstrings point readers at docs/*.md and at other modules; when a file moves or a
+# document is merged away the pointer goes stale without anything failing. So every such reference
+# in the code must name something that exists.
+CODE_DIRS = ("engine", "dist", "tools", "models")
+DOC_REF = re.compile(r"(?<![\w./-])docs/[\w.-]+\.md\b")
+# engine/... or dist/...: a folder (ending in /), a file (a.py, caffe.proto), or a module and a
+# name in it (dist/worker.spin_seconds). Words without a dot or a trailing slash are prose.
+REPO_REF = re.compile(r"(?<![\w./-])((?:engine|dist)/(?:[\w-]+/)*(?:[\w-]+(?:\.\w+)+)?)(?![\w/-])")
+
+
+def repo_ref_exists(ref, root=ROOT):
+    """Whether a path reference of the code names a folder, a file, or a module and a name
+    defined in it (the name must appear in the module's text)."""
+    if ref.endswith("/"):
+        return (root / ref).is_dir()
+    if (root / ref).exists():
+        return True
+    if ref.endswith(".py"):
+        return False
+    module, name = ref.split(".", 1)
+    name = name.split(".")[0]
+    for path in (root / f"{module}.py", root / module / "__init__.py"):
+        if path.is_file():
+            return re.search(rf"\b{re.escape(name)}\b", path.read_text(encoding="utf-8")) is not None
+    return False
+
+
+def broken_refs_in(text, root=ROOT):
+    """[(line number, reference)] for every docs/*.md or engine/, dist/ path in text that does not
+    exist under root."""
+    broken = []
+    for number, line in enumerate(text.splitlines(), 1):
+        broken += [(number, m.group(0)) for m in DOC_REF.finditer(line)
+                   if not (root / m.group(0)).is_file()]
+        broken += [(number, m.group(1)) for m in REPO_REF.finditer(line)
+                   if not repo_ref_exists(m.group(1), root)]
+    return broken
+
+
+# Written in pieces, as above, so that a search of the code for stale names does not find these.
+@pytest.mark.parametrize("text", [
+    "see docs/" "benchmarks.md for the table",
+    "(docs/" "benchmark-history.md, \"Winograd for wide 3x3 layers\")",
+    "which dist/" "sfb.py broadcasts instead of the gradient",
+    "a server's shared memory (dist/" "kvshm.py)",
+    "the layers in engine/layers/" "conv.py",
+    "the frequency route (engine/layers/conv_" "fourier.py)",
+    "the worker's hooks (dist/worker.spin_" "forever)",
+    "the profiles in dist/" "profile/",
+])
+def test_the_reference_checker_finds_stale_paths(text):
+    assert broken_refs_in(text), f"not caught: {text!r}"
+
+
+@pytest.mark.parametrize("text", [
+    "docs/performance.md, \"InnerProduct and the GEMM share\"",
+    "a server's shared memory (dist/transport/onehost/kvshm.py).",
+    "the layers in engine/layers/conv/ and engine/parallel.py:",
+    "has a core for every process of the job (dist/worker.spin_seconds)",
+    "never writes a worker's region (dist/kvstore.KVServer.gradient_sum)",
+    "edit engine/proto/caffe.proto, then regenerate",
+    "like one of ours (engine.py, dist/, numpy.py)",
+    "engine/PyTorch speed: 1.10x",
+])
+def test_the_reference_checker_leaves_true_paths_alone(text):
+    assert broken_refs_in(text) == []
+
+
+def code_files():
+    return sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py"))
+
+
+def test_code_references_point_at_files_that_exist():
+    broken = []
+    for path in code_files():
+        where = path.relative_to(ROOT).as_posix()
+        broken += [f"{where}:{n}: {ref}"
+                   for n, ref in broken_refs_in(path.read_text(encoding="utf-8"))]
+    assert not broken, ("the code names documents or files that are not in the repository (point "
+                        "the reference where the thing now lives):\n  " + "\n  ".join(broken))
+
+
+def test_engine_names_no_dist_module():
+    """The engine knows nothing of distribution: its comments say what it offers (sufficient
+    factors, hooks, blobs placed in shared memory), not which dist module uses it, so that dist
+    can move without the engine's text going stale."""
+    named = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"(?<![\w./-])(?:dist/|poseidon\.dist\b)", line):
+                named.append(f"{path.relative_to(ROOT).as_posix()}:{number}: {line.strip()}")
+    assert not named, ("the engine names dist modules; say what the engine offers instead:\n  " +
+                       "\n  ".join(named))

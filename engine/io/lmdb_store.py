@@ -42,7 +42,7 @@ import warnings
 import lmdb
 
 from ..errors import DataError
-from .batch import decode_batch  # noqa: F401  (its home was here)
+from .batch import decode_batch  # noqa: F401  (importable from here too, for callers of the reader)
 
 DEFAULT_MAP_SIZE = 1 << 26          # 64 MiB to start; doubled whenever the map fills
 COMMIT_EVERY = 1000                 # as Caffe's converters

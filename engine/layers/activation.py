@@ -9,11 +9,11 @@ import numpy
 from ..layer import Layer, register
 from ..parallel import split_rows
 
-# numpy's maximum against a scalar runs without SIMD (numpy 2.4 here, an AVX-512 machine): 0.41 ms
-# for 3.2 MB in cache where maximum against an array of zeros takes 0.10, and 1.6 against 0.9 ms
-# for 12.8 MB. So on the CPU the input is taken as rows of ZERO_ROW_LENGTH numbers against one
-# row of zeros, broadcast (rows of 2,048-4,096 numbers ran no faster than the scalar: 8 or 16 KiB
-# apart, they share cache sets with the zeros).
+# numpy's maximum against a scalar takes a loop without SIMD on some builds, where maximum of two
+# arrays always has a vectorised one. So on the CPU the input is taken as rows of ZERO_ROW_LENGTH
+# numbers against one row of zeros, broadcast. The row is long: rows a small power-of-two
+# multiple of 4 KiB apart (2,048-4,096 floats) share cache sets with the row of zeros and lose
+# what the vector loop gains.
 ZERO_ROW_LENGTH = 16384
 _ZERO_ROWS = {}
 

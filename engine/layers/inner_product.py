@@ -3,7 +3,8 @@
 Weight `blobs[0]` is (num_output, N_in) — or (N_in, num_output) with `transpose: true` — and the optional
 bias `blobs[1]` is (num_output,). With K samples (the product of the axes before `axis`) the top gradient
 G is K×M (M = num_output) and the input X is K×N (N = N_in); the weight gradient is Gᵀ·X, a sum of K
-rank-1 products: the layer's *sufficient factors*, which dist/sfb.py broadcasts instead of the gradient.
+rank-1 products: the layer's *sufficient factors*, which a caller can send instead of the gradient
+(K·(M + N) numbers instead of M·N) and turn into the gradient where it is needed.
 """
 import numpy
 
@@ -17,12 +18,12 @@ PARALLEL_MIN_WEIGHTS = 1 << 20
 
 # Rows of a large weight per forward GEMM (Yᵀ = W·Xᵀ). With a batch of 32 each weight element
 # meets only 32 columns, so what OpenBLAS does with the weight rows it packs decides the speed:
-# one call per core over 2,048 rows runs them from L3, calls over a few hundred rows from L2.
-# Measured on the 2-core EPYC (512 KiB L2 a core), fc_heavy at batch 32, forward alone, 16
-# alternated rounds: fc6 30.8 -> 24.4 ms and fc7 13.7 -> 11.1 with 256 rows (192 and 384 within
-# 3% of it), fc8 (500 rows a core) level. Scaled with the L2 for other machines. Only for
-# batches up to FORWARD_ROWS_MAX_BATCH: fc6's shape, two cores, 256-row calls against one call a
-# core, GFLOP/s ratio 1.34 at 8 columns, 1.14 at 64, 1.04 at 128, 0.92 at 256.
+# one call per core over thousands of rows runs them from L3, calls over a few hundred rows from
+# L2. The block is sized from the L2 (256 rows of 512 KiB, and as many more as the L2 is larger),
+# so each call's packed rows stay in the core's own cache while the next call runs beside it.
+# Only for batches up to FORWARD_ROWS_MAX_BATCH: with more columns each packed row is used often
+# enough that the extra calls cost more than the cache misses they avoid.
+# (docs/performance.md, "InnerProduct and the GEMM share".)
 FORWARD_ROWS = max(64, l2_cache_bytes() // 2048)
 FORWARD_ROWS_MAX_BATCH = 128
 
@@ -33,9 +34,9 @@ class InnerProductLayer(Layer):
     exact_tops = 1
     # backward(..., weight_grad=False) leaves the weight gradient to whoever makes it from
     # sufficient_factors() instead, block by block inside the update (engine/solvers/factored.py:
-    # the solver, and the sufficient-factor scheme of dist): it then computes only the bias
-    # gradient and the bottom diff, and leaves the weight's diff alone, saving a K·M·N GEMM and
-    # two passes over the weight.
+    # the solver, or any caller that makes the weight gradient from the factors, e.g. a
+    # sufficient-factor scheme): it then computes only the bias gradient and the bottom diff,
+    # and leaves the weight's diff alone, saving a K·M·N GEMM and two passes over the weight.
     has_sufficient_factors = True
 
     def layer_setup(self, bottom, top):
@@ -97,7 +98,8 @@ class InnerProductLayer(Layer):
         if not self.transpose and w.size >= PARALLEL_MIN_WEIGHTS:
             # Yᵀ = W·Xᵀ: with the big weight as the left operand OpenBLAS packs it in cache-sized
             # blocks and reads it once, where X·Wᵀ packs whole panels of it first and reads it
-            # twice (fc6 of fc_heavy, one core: 39 vs 52 ms); the small Yᵀ is then transposed
+            # twice, and with few samples reading the weight is what the product costs; the
+            # small Yᵀ is then transposed
             yt = self.buffers.get("yt", (self.num_output, self.k), self.dtype, xp)
 
             step = (FORWARD_ROWS if xp is numpy and self.k <= FORWARD_ROWS_MAX_BATCH
@@ -130,8 +132,8 @@ class InnerProductLayer(Layer):
         over = w.diff_fresh
         # a large weight on the CPU: Gᵀ·X block by block of rows into cache-sized scratch whose
         # rows are an odd number of cache lines apart, each block then copied (or added) into the
-        # diff while in cache: fc_heavy's rows (16 and 36 KiB) written straight into the diff
-        # slow the GEMM by a third (engine/gemm.py)
+        # diff while in cache: rows a multiple of 4 KiB apart (e.g. 16 or 36 KiB) written
+        # straight into the diff make the GEMM's rows evict each other (engine/gemm.py)
         blocked = (not self.transpose and xp is numpy
                    and w.count >= PARALLEL_MIN_WEIGHTS)
         buf = (w.diff if over or not grad_w or blocked
@@ -171,7 +173,7 @@ class InnerProductLayer(Layer):
 
             self._split(self.n_in, data)
 
-    # ----- sufficient factors (used by dist/sfb.py) ---------------------------------------------
+    # ----- sufficient factors (for a caller that makes the weight gradient from them) ----------
     def sufficient_factors(self, bottom, top):
         """(G, X): top diff as a K×M view and bottom data as a K×N view (no copies).
 

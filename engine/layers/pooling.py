@@ -17,7 +17,7 @@ flattened over (N, C, Qh, Qw) with Qh = out_h + (kh-1)//sh, Qw = out_w + (kw-1)/
 (i, j) is then the flat slice of phase (i%sh, j%sw) starting at (i//sh)*Qw + j//sw: the output is
 computed on an out_h+... x Qw grid (the cells past out_h x out_w are discarded), and every pass over
 an offset is a contiguous slice, which numpy runs as one long SIMD loop instead of thousands of
-short strided rows (about 7x faster here). The passes take a run of samples at a time, all
+short strided rows, each paying a loop's start-up. The passes take a run of samples at a time, all
 offsets over one run while it is in cache (CHUNK_BYTES). Forward is a running maximum (or sum) over the offsets;
 MAX backward hands the top gradient to the first offset (row-major) that holds the window's maximum
 and removes it from what remains, so a later tie receives nothing; the phase gradients are then
@@ -38,12 +38,9 @@ MAX, AVE, STOCHASTIC = 0, 1, 2
 
 # The grid passes run over runs of samples whose grid takes about this many bytes, so that the
 # half-dozen arrays a pass touches (phases, maxima, gradients, masks) stay in cache across the
-# kernel offsets instead of streaming from memory at each. 2 threads on the 2-core EPYC (Zen 3,
-# 512 KiB L2 a core), forward / backward ms, whole ranges against runs of 256 KiB: cifar10_quick's
-# pool1 (MAX 3x3/2, 32 channels at 32x32, batch 100) 7.8-12.4 / 16.6-22.5 against 5.2-6.6 /
-# 10.7-13.6; GoogLeNet's 3x3/1 MAX (192 channels at 28x28, batch 16) 9.5-12.3 / 31.8-37.3
-# against 6.5-9.4 / 16.6-20.5; pool2 (AVE, 16x16) unchanged. Runs of 64 KiB (one sample of
-# pool1) lost to the calls' own cost: 13.2 / 40.9.
+# kernel offsets instead of streaming from memory at each: a quarter to half of a typical L2, so
+# those arrays fit beside each other. Much smaller runs (a single small sample) pay more in the
+# per-call cost of the numpy calls, a handful per offset, than they save in cache misses.
 CHUNK_BYTES = 256 << 10
 CEIL, FLOOR = 0, 1
 
@@ -390,8 +387,7 @@ class PoolingLayer(Layer):
         Caffe's ties and clipping kept (padding cells hold -FLT_MAX in both passes). GoogLeNet's
         3x3 stride-1 pools: docs/performance.md. With a stride the row pass would cover every
         input row, and the 2-D grid does less. AVE is separable too, but its 2-D passes are plain
-        additions, and the second pass's copies cost more than the offsets saved (Inception's
-        288 channels at 35x35: 4.7 / 4.7 ms forward / backward against 5.4 / 6.0)."""
+        additions, as cheap as the copies the second pass would add, so it stays 2-D."""
         n, c, h = x.shape[:3]
         return self.buffers.get(name, (n, c, h, self._plan.out_w), x.dtype, xp)
 

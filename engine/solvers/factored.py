@@ -2,16 +2,18 @@
 
 Why: an InnerProduct layer's weight gradient on K samples is Gᵀ·X
 (engine/layers/inner_product.py). Written out as a weight-sized array and read back by the
-update, it costs two more passes over the weight in main memory, for fc6 of AlexNet (151 MB)
-about as long as the GEMM that makes it. Made instead in blocks of rows that fit a core's L2
-cache, each block is updated while it is still there.
+update, it costs two more passes over the weight in main memory; with few samples the GEMM that
+makes it is itself bound by memory, so for a large weight (AlexNet's fc6: 151 MB) those passes
+cost about as much again. Made instead in blocks of rows that fit a core's L2 cache, each block
+is updated while it is still there.
 Each thread takes one range of rows and runs its own GEMMs and its own part of the rule, so no block
 waits on another thread. Every element gets the same dot product and the same elementwise rule as
 in the whole-array path, so the parameters come out the same.
 
 Two callers: the single-process solver (engine/solvers/solver.py), for each InnerProduct layer
 that alone owns its weight (with iter_size 1 and no clip_gradients, which need the whole
-gradient first); and SFB (dist/sfb.py), on the factors of every worker stacked in rank order.
+gradient first); and any caller that holds the factors of several processes, e.g. a
+sufficient-factor scheme, which passes them stacked in rank order.
 On a GPU the whole weight is one block.
 """
 import numpy
@@ -37,7 +39,8 @@ def update_from_factors(layer, rule, value, state, G, X, it, lr_mult, decay_mult
     step = block_rows(rows, row_len, value.itemsize, factor_rows=G.shape[0])
 
     def work(worker, lo, hi):
-        # rows an odd number of cache lines apart: the GEMM writes it 1.5x as fast (engine/gemm.py)
+        # rows an odd number of cache lines apart, so the GEMM's rows do not evict each other
+        # from the cache (engine/gemm.py)
         buf = buffers(worker).get_rows(f"grad{step}x{row_len}", step, row_len, value.dtype, xp,
                                        pad=value.size >= threads.PADDED_ROWS_MIN)
         for a in range(lo, hi, step):

@@ -1,8 +1,8 @@
 """The points at which the Solver's one training loop calls out: the seam distribution plugs into.
 
 The Solver runs Caffe's loop for everyone. A hooks object sees each iteration at fixed points and may
-take over what must change when the same loop runs on one of several workers (dist/worker.py is the
-one user in this package: Algorithm 2 of the Poseidon paper). With the base class, which does
+take over what must change when the same loop runs on one of several workers (a distributed
+trainer's hooks, e.g. Algorithm 2 of the Poseidon paper). With the base class, which does
 nothing, the Solver is the single-process solver. Layer indices are the net's; `it` is the iteration
 being computed (the solver's `iter` before it advances).
 

@@ -1,6 +1,6 @@
 """The training loop: Caffe's Solver (solver.cpp) around the update rules of rules.py.
 
-    solver = get_solver("prototxt/cifar10/cifar10_quick_solver.prototxt")
+    solver = get_solver("prototxt/cifar10_quick/solver.prototxt")
     solver.solve()                      # or solver.step(n), as pycaffe
 
 One iteration of `step` (Caffe's Solver::Step, same order and same log lines):

@@ -191,14 +191,12 @@ def overhead_variants(quick=False):
 
 
 # Rounds of part c, whatever --runs (its figure is a median over rounds, not over runs). One
-# round's ratio moves by +-12% on a shared 2-core machine, so the median of 24 rounds (8 per run
-# of --runs 3) came out anywhere from -0.1 to +3.5% for the same code within an hour, its 95%
-# interval about +-3%; 96 rounds gave +2.5, +1.6 and +2.2%, intervals about +-1.2%, for 24 s a
-# figure (cifar10_quick, 2 threads).
+# round's ratio moves by far more than the 1% goal on a shared machine, and the median's interval
+# narrows only with the square root of the rounds: this many bring it to about the goal's size
+# while a round stays a fraction of a second (docs/performance.md, "The parts").
 ROUNDS = 96
-# The variants beside it (overhead_variants) are shown, not judged: a third of the rounds (95%
-# intervals about +-2%) keeps the bench under 15 minutes on a slower 2-core machine (1,216 s with
-# 96 rounds each on a Zen 3 EPYC).
+# The variants beside it (overhead_variants) are shown, not judged: a third of the rounds each, a
+# wider interval, keeps the whole bench within the quarter of an hour its docs promise.
 VARIANT_ROUNDS = 32
 
 
@@ -459,7 +457,7 @@ MODES = (("no-overlap ps", ["--no-overlap", "--sync", "ps"]),
 
 # net key -> (builder, measured iterations per job, most rounds at TARGET_WORKERS): fc_heavy at 4
 # workers carries the target, so it gets the rounds, every other row one; a job's start-up (8
-# processes, worker 0's state sent under the cap) is most of its 15-45 s here.
+# processes, worker 0's state sent under the cap) is most of a job's time.
 SCALING_NETS = {"fc_heavy": (nets.fc_heavy, 3, 3), "cifar10_quick": (nets.cifar10_quick, 6, 1)}
 TARGET_WORKERS = 4
 

@@ -192,9 +192,9 @@ def gemm_peak_concurrent(calls, size=2048, runs=5, dtype=numpy.float32):
 class GemmPeaks:
     """The two GEMM peaks the shares of part b are taken against, sampled more than once.
 
-    This VM's speed drifts by tens of percent within minutes (the per-call peak measured 45 GFLOP/s
-    at one moment and 80 a minute later), so a peak taken once, before the layers
-    run, can sit below what the layers' own GEMMs reach (a share of 131% was printed) or above it.
+    A shared machine's speed drifts by tens of percent within minutes, so a peak taken once,
+    before the layers run, can sit below what the layers' own GEMMs reach (a share over 100%) or
+    above it.
     A peak is a capability, which a slow moment only lowers: `sample()` is called before part b
     and after each of its nets, and the peak is the best run of all the samples, so every share
     is taken against the fastest the machine was seen to go around those measurements.

@@ -2,11 +2,12 @@
 the GEMM FLOPs they do and the share of the machine's GEMM peak (measured in the same run) that
 their time represents: share = FLOPs / layer time / peak, so everything the layer does besides the
 GEMM (im2col, transposes, bias) counts against it. A convolution's FLOPs are always those of a
-direct convolution, the usual way to count them; for a layer on the frequency route (conv/fourier.py),
-which does fewer, that share is an effective figure and may pass 100%, while the metered GEMM calls
-count the FLOPs actually done. Beside each layer, when torch is installed, the
-same layer in PyTorch on the same input and thread count (tools/bench/torch_ref.layer_times), so
-a gap in part a's throughput can be traced to the layers where it arises.
+direct convolution, the usual way to count them; for a layer on the frequency route
+(engine/layers/conv/fourier.py), which does fewer, that share is an effective figure and may pass
+100%, while the metered GEMM calls count the FLOPs actually done. Beside each layer, when torch is
+installed, the same layer in PyTorch on the same input and thread count
+(tools/bench/torch_ref.TorchNet.layer_times), so a gap in part a's throughput can be traced to
+the layers where it arises.
 """
 import time
 from typing import NamedTuple
@@ -157,7 +158,7 @@ def _shares(bn, t, peak_gflops, call_peak_gflops):
         ff, bf = t.flops[li]
         row = {"name": name, "type": t.types[li], "forward_ms": stats(t.fwd[li]),
                "backward_ms": stats(t.bwd[li])}
-        if t.algorithms[li]:      # im2col, fourier or winograd (conv.py)
+        if t.algorithms[li]:      # im2col, fourier or winograd (engine/layers/conv/routes.py)
             row["algorithm"] = t.algorithms[li]
         if ff:
             tf = row["forward_ms"]["median"] / 1e3

@@ -115,8 +115,8 @@ def main(argv=None):
     from poseidon.engine.solvers import log_to_stderr
     log_to_stderr(logging.WARNING)
     address = f"tcp://127.0.0.1:{free_port()}"
-    # no --stats: its line an iteration would be part of what is measured (0.1 ms); the exposed
-    # sync is read from the solver itself
+    # no --stats: writing its line every iteration would be part of what is measured; the
+    # exposed sync is read from the solver itself
     options = dict(workers=1, servers=1, coordinator=address, sync="ps", **extra)
     server = subprocess.Popen(
         [sys.executable, "-c", "import json, sys; from poseidon import dist; dist.init(**json.loads(sys.argv[1]))",

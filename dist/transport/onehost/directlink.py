@@ -3,13 +3,12 @@ stream socket that the waiting thread reads itself.
 
 Why: a ZeroMQ message crosses two I/O threads (the sender's and the receiver's), and the answer is
 then handed from the receive thread to the sync thread that waits for it. On two cores that
-training keeps busy, each of those hand-offs is a wake-up that waits for a core. Measured here
-(a 40 KB round trip between two processes, two GEMM threads busy in the client): 310 µs through
-ZeroMQ and a receive thread, 196 µs through a plain Unix socket and a receive thread, 38-90 µs
-when the thread that sent the request reads the answer from the socket itself. So a worker's sync
-thread pushes a KV pair on a link of its own to the server and reads the answer from that link;
-the server serves all its links on one thread (`Listener`; the KV store serves its messages under
-one lock anyway) and answers on the link the push came on.
+training keeps busy, each of those hand-offs is a wake-up that waits for a core, and the wait
+for a core, not the bytes, sets the round trip of a small push; the fewer threads a message
+passes, the fewer such waits (docs/performance.md, "The distributed path on one host"). So a
+worker's sync thread pushes a KV pair on a link of its own to the server and reads the answer
+from that link; the server serves all its links on one thread (`Listener`; the KV store serves
+its messages under one lock anyway) and answers on the link the push came on.
 
 What stays on ZeroMQ: everything else (the coordinator, SFB's factors, initialisation, shutdown),
 pushes over MAX_BYTES, every peer on another host, every process when the job runs with
@@ -51,8 +50,9 @@ STAGE_BYTES = 1 << 14                   # what one read takes into a link's stag
 # A thread with nothing else to do while it waits for an answer (the worker's main thread in the
 # sync after the last backward) may look for it without sleeping for this long, where the host
 # has a core for every process of the job (dist/worker.spin_seconds): a thread asleep in select is
-# woken through the scheduler, and on this 2-core VM that wake-up took 50-90 us of the exposed
-# sync. The answer of cifar10_quick's one bucket comes 0.6-0.7 ms after the push.
+# woken through the scheduler, and that wake-up adds to the exposed sync. The bound is a few times
+# the round trip of a small net's one bucket on one host, so such an answer is caught spinning,
+# while a slower one costs at most this much CPU before the thread sleeps.
 SPIN_SECONDS = 0.002
 MAX_LINKS = 256                         # links a process opens (a thread each per server); then
                                         # its pushes go through ZeroMQ, sparing file descriptors

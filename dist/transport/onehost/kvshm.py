@@ -6,12 +6,10 @@ server, the server's answer out and in again, then into the parameter), each tim
 that training has just evicted from the caches. With the values and gradients in one shared
 mapping the push and its answer are headers only: the worker's gradient is in its own region,
 the server sums the regions and updates its values in place, and the worker's parameters are
-the values. (A worker places its parameters there, dist/worker.py: their data and diff become
-views of the mapping; a parameter it cannot place is copied in and out.) A prototype round trip
-of cifar10_quick's 0.58 MB after a 64 MB cache sweep took 0.9-1.1 ms through a socket and
-0.44-0.46 ms this way with nothing copied; in part c's job the exposed sync fell from 1.3-1.55
-to 0.9-1.1 ms, and fc_heavy's iteration on 1 worker + 1 server from 250 to 170 ms
-(docs/benchmarks.md).
+the values. (A worker places its parameters there, dist/replicas.py: their data and diff become
+views of the mapping; a parameter it cannot place is copied in and out.) What that saves is the
+cold copies, not bandwidth, so it matters most for the one sync that cannot be hidden and for
+nets whose parameters are large (docs/performance.md, "The distributed path on one host").
 
 The mapping is a memfd of the server, which it advertises with the rest of its Unix-socket
 details (pid, descriptor, device and inode) through the coordinator, over CURVE. A worker of the

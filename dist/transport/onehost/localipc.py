@@ -1,12 +1,11 @@
 """Unix-socket inboxes for processes of one job that share a host (`--ipc auto`, the default).
 
 Why: on one host, CURVE protects nothing the file system cannot, and it costs a full encryption
-and decryption of every byte. fc_heavy with 1 worker and 1 server on one machine took 675-684 ms
-an iteration with CURVE over loopback TCP and 278-303 ms over Unix sockets (125-142 ms without
-the distributed path); cifar10_quick's single-node overhead fell by about 4 points
-(docs/benchmark-history.md). So each process also
-binds its inbox on a Unix socket, `inbox` in a directory of its own made with mode 0700, and a
-peer on the same host connects there with ZeroMQ's NULL mechanism instead of CURVE over TCP.
+and decryption of every byte, on the same cores that train; for a net with large parameters
+that is most of the sync's cost (docs/performance.md, "The distributed path on one host"). So
+each process also binds its inbox on a Unix socket, `inbox` in a directory of its own made with
+mode 0700, and a peer on the same host connects there with ZeroMQ's NULL mechanism instead of
+CURVE over TCP.
 
 Who can connect: only processes of this user (and root): the kernel checks the search permission
 on the 0700 directory before it lets anyone reach the socket. That is the boundary CURVE draws on

@@ -5,7 +5,7 @@ the block sizes in routes.py):
 - the input is copied once into a zero-padded channels-last buffer (N, Hp, Wp, C); a window's row
   of kw pixels is then kw*C contiguous numbers, so im2col is one copy from a strided view whose
   inner runs are kw*C long (640 bytes for a 5x5 kernel on 32 channels) instead of Wo-cell image
-  rows (64 bytes at 16x16): 3-7x faster here;
+  rows (64 bytes at 16x16), so the copy moves long runs instead of paying a loop per short row;
 - the columns are (cells, kh*kw*C), one row per output cell, and the GEMM is columns x W^T ->
   (cells, O), the layout OpenBLAS runs fastest for these narrow (32-64 output) weights; the result
   goes back to NCHW with the bias in one small transposing add;
@@ -79,14 +79,11 @@ class Im2colConvCore(PlanarColumns, Pointwise):
         rows=(r0, r1): only those output rows of the one sample lo (a band of `_bands`).
 
         Why the least cells: each GEMM packs the whole weight, paid for by the chunk's rows, and
-        a chunk past L2 costs a trip to memory per cell, paid for by the product's width. 2
-        threads, forward / backward ms, one process taking turns, 2 MiB blocks against at least
-        512 cells: 512 -> 512 channels at 7x7, batch 8, 13.1 / 27.1 against 12.2 / 24.3 (batch
-        32: 48.7 / 96.2 against 42.1 / 81.8); 288 -> 384 at 35x35, stride 2, 41.3 / 72.6
-        against 34.4 / 69.6; 448 -> 384 at 8x8, 10.6 / 20.8 against 9.9 / 19.6. The width bound
-        keeps narrow products in L2: Inception's 80 -> 192 at 71x71 lost 140 -> 153 ms in
-        backward when its input gradient (80 wide) took 512-cell chunks; cifar10_quick's and
-        the VGG block's layers are unchanged."""
+        a chunk past L2 costs a trip to memory per cell, paid for by the product's width. So a
+        wide layer on small planes (512 channels at 7x7, whose L2-sized chunks would hold a few
+        dozen cells) takes at least MIN_CHUNK_CELLS cells a GEMM; but the bound is the product's
+        width where that is less, because a narrow product (an input gradient 80 wide) does
+        too little work per cell to pay for columns that spill out of L2."""
         row_bytes = max(out_w * cell_bytes, 1)
         least = min(self.MIN_CHUNK_CELLS, width) if xp is numpy else 1
         if rows is not None:
@@ -132,8 +129,9 @@ class Im2colConvCore(PlanarColumns, Pointwise):
     def _fill(x, dst, ph, pw, lo, hi):
         """dst's interior (samples lo..hi) = x (NCHW) channels-last. With under 8 channels one
         plane at a time: numpy's transposing copy runs its inner loop over the few channels
-        (3 numbers for an image), 3x slower here (AlexNet's input at batch 16: 7.3 against 2.4
-        ms) than a copy per channel, which loses from 16 channels on."""
+        (3 numbers for an image), paying a loop's start-up for every pixel, where a copy per
+        channel runs over whole planes; with many channels the per-channel copies' strided
+        writes cost more, and the transposing copy wins."""
         h, w = x.shape[2:]
         inner = dst[lo:hi, ph:ph + h, pw:pw + w]
         if x.shape[1] < 8:
@@ -215,7 +213,7 @@ class Im2colConvCore(PlanarColumns, Pointwise):
         # W (O, C/g, kh, kw) -> (g, kh*kw*C/g, O/g), the K order of the channels-last columns, as
         # the transposed view of (g, O/g, kh, kw, C/g): that copy only reorders each output
         # channel's own numbers (none for 1x1), where a (K, O) copy moves every number across
-        # the array (12 ms for a 2048 x 1024 weight here, on one core); BLAS takes the view as is
+        # the array, a cache miss for most of them on a large weight; BLAS takes the view as is
         wt = xp.ascontiguousarray(weight.reshape(grp, og, cg, g.kh, g.kw).transpose(0, 1, 3, 4, 2)
                                   ).reshape(grp, og, g.kh * g.kw * cg).transpose(0, 2, 1)
         src = self.sources[key] = self._padded(x, f"xpad{key}", g.ph, g.pw)

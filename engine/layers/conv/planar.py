@@ -43,12 +43,10 @@ class PlanarColumns:
 
         Why: with 3 input channels a channels-last window row is 9-33 numbers, and copying the
         columns a run at a time plus the transposing copy of the (cells, 32-96) output cost as
-        much as the GEMM. Forward, 2 threads on the 2-core EPYC, the two alternated, channels-last
-        -> this layout: Inception-v3's conv1 (3x3/2, batch 8) 14.9 -> 9.4 ms, VGG19's conv1_1
-        (batch 4) 25.8 -> 13.9, GoogLeNet's conv1 (7x7/2, batch 16) 61.1 -> 54.9, ResNet-50's
-        (batch 8) 30.4 -> 27.1, AlexNet's (11x11/4, batch 32) 81.6 -> 77.0, cifar10_quick's conv1
-        12.2 -> 10.5. The weight gradient from these columns won on some of those layers and lost
-        on others (7x7/2, 11x11/4), so backward keeps the channels-last columns."""
+        much as the GEMM, the layer's only real work. In this layout the copies run along whole
+        output rows and the GEMM writes NCHW itself, which pays on every such first layer. The
+        weight gradient from these columns paid on some such layers and not on others (large
+        strided kernels, 7x7/2 and 11x11/4), so backward keeps the channels-last columns."""
         xp = numpy
         g = self.geom
         n, c, h, w = x.shape
@@ -106,9 +104,9 @@ class PlanarColumns:
         one strided add of (C, Ho, Wo) planes per kernel offset.
 
         Why: the correlate route makes this a convolution with C outputs, a GEMM 3 columns wide
-        for an image, and channels-last col2im adds and copies runs of C numbers. Deconvolution
-        64 -> 3 channels, 5x5, 64x64, batch 16 (its forward is this pass), 2 threads: 103 ms
-        against PyTorch's 22."""
+        for an image, which no BLAS runs near its peak, and channels-last col2im adds and copies
+        runs of C numbers. Here the GEMM is as wide as the cells and col2im adds whole planes (a
+        Deconvolution to 3 channels runs this pass as its forward)."""
         xp = numpy
         g = self.geom
         o, k = wk.shape

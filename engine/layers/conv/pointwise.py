@@ -20,9 +20,9 @@ class Pointwise:
 
     def _subsampled(self, x, key):
         """Every sh-th row and sw-th column of x as a contiguous (N, C, Ho, Wo) array kept under
-        `key`: the strided 1x1 layer is the pointwise one on it. Its columns through im2col (a
-        channels-last copy, then GEMMs into the transposing add) ran at 57-97 GFLOP/s on ResNet's
-        shapes against 160-185 for the pointwise GEMMs on the same numbers."""
+        `key`: the strided 1x1 layer is the pointwise one on it. Through im2col the same numbers
+        would take a channels-last copy, then GEMMs into the transposing add; this copy is a
+        quarter of the input (stride 2), and the GEMMs run on it straight into NCHW."""
         g = self.geom
         n, c, h, w = x.shape
         xs = self.buffers.get(f"xsub{key}", (n, c, (h - 1) // g.sh + 1, (w - 1) // g.sw + 1),
@@ -96,9 +96,8 @@ class Pointwise:
         # Small planes (ResNet's 7x7): per-sample products have K = plane (49) and leave one
         # partial (O, C) gradient per sample to sum; with the samples moved next to the plane
         # the weight gradient is one product with K = samples*plane, for the price of copying dy
-        # and x (fewer numbers than the partials when plane*(O+C) < O*C). Batch 8, 2048 -> 512
-        # at 7x7, one thread: 5.3 instead of 12.3 ms (docs/benchmark-history.md, "the layers that
-        # still ran on one core").
+        # and x (fewer numbers than the partials when plane*(O+C) < O*C), and one product with a
+        # long K runs near the GEMM's peak where many with K = 49 do not.
         if grp == 1 and self._short_batch(n, xp):
             self._backward_pointwise_split(dy, weight, weight_diff, bias_diff, dx, x)
             return dx

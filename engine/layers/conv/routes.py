@@ -164,19 +164,18 @@ PLANAR_MAX_RUN_BYTES = 132
 
 
 # ----- the fallback order: rules fitted on one machine -------------------------------------------
-# The frequency route on a CPU, fitted on the 2-core EPYC over 18 layer shapes (cifar10_quick's,
-# AlexNet's, GoogLeNet-like 5x5s, VGG's 3x3 at 14-56 px with 16-512 channels, batches 10-128;
-# forward + both gradients, both routes; docs/benchmark-history.md has the table):
+# The frequency route on a CPU (docs/performance.md, "Convolutions"), a cost model in two terms:
 # - the frequency route's products are smaller (K = C, or a plane side) and it adds transposing
-#   copies, so it must need at most FALLBACK_FOURIER_WORK_SHARE of im2col's FLOPs;
-# - each channel product streams the whole weight spectrum (F x C x O complex, 10-30x the weight)
-#   once per thread range for only samples-per-thread rows, so with many channels and few samples
-#   that read, not the arithmetic, sets the time: it is charged FALLBACK_SPECTRUM_FLOPS_PER_BYTE
-#   FLOPs per byte.
-# With these, every shape measured faster by 10% or more on one route is given that route, but two
-# kept on im2col: 64 -> 64 3x3 on 32x32 at batch 32 (0.67 of im2col's time), and cifar10_quick's
-# conv1 when its input gradient is asked for (0.58). As a net's first layer it never is, and then
-# im2col is 1.6x faster. The others were within 10% either way.
+#   copies, so each of its FLOPs costs more than one of im2col's wide GEMMs: it must need at most
+#   FALLBACK_FOURIER_WORK_SHARE of im2col's FLOPs;
+# - each channel product streams the whole weight spectrum (F x C x O complex, many times the
+#   weight) once per thread range for only samples-per-thread rows, so with many channels and few
+#   samples that read, not the arithmetic, sets the time: it is charged
+#   FALLBACK_SPECTRUM_FLOPS_PER_BYTE FLOPs per byte.
+# The two constants were fitted on forward + both gradients of the bench nets' 5x5 and 3x3 shapes
+# (8-56 px, 16-512 channels, batches 10-128) on a 2-core CPU, so that shapes where one route was
+# clearly faster get that route; where the fit errs it errs towards im2col. They apply only with
+# measuring off, where a wrong guess costs time, never results.
 FALLBACK_FOURIER_WORK_SHARE = 0.65
 FALLBACK_SPECTRUM_FLOPS_PER_BYTE = 18.0
 
@@ -194,17 +193,13 @@ def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
 
 # On CuPy the costs differ in kind: cuBLAS's GEMMs are cheap, while im2col's columns (kh*kw times
 # the input) go through the card's memory three times (written, read by the GEMMs, scattered back
-# by col2im), and each kernel launch costs ~10 us whatever its size. So the frequency route pays
-# on a GPU where the columns are large, the planes wide enough for its DFT products to fill the
-# card and the input wide enough that its transforms are not most of its work. Measured per layer
-# on an H100 (CuPy 14, forward + backward, im2col -> frequency route): VGG19 at batch 32, conv1_2
-# 34.6 -> 21.9 ms, conv2_2 20.4 -> 11.3, conv3_2 14.6 -> 8.0, conv4_2 10.9 -> 7.6 (columns of
-# 58-925 M numbers), but conv5 (14 px) 3.2 -> 4.5 and conv1_1 (3 channels) 3.7 -> 11.4; GoogLeNet
-# at batch 128, conv2/3x3 21.4 -> 8.4; ResNet-50 at batch 32, the 56 px 3x3s 2.4 -> 1.6-2.2
-# (58 M) and the 28 px ones even (29 M); on cifar10_quick (8-32 px, every layer ~0.3 ms of
-# launches) the route lost on every layer. Whole blocks of two such layers on an H200, alternated:
-# 64 channels on 56 px at batch 16 (29 M) 0.79x of im2col's speed, 128 on 28 px at 16 (14 M)
-# 0.78x, 64 on 56 px at batch 64 (116 M) 1.64x, 256 on 56 px at 16 (116 M) 1.09x.
+# by col2im), and each kernel launch has a fixed cost whatever its size. So the frequency route
+# pays on a GPU where the columns are large (FALLBACK_GPU_FOURIER_MIN_COLUMNS: below it the
+# launches, not the columns' traffic, set the time, and the route only adds launches), the planes
+# wide enough for its DFT products to fill the card (MIN_CELLS), and the input wide enough that
+# its transforms are not most of its work (MIN_CHANNELS: a 3-channel first layer loses); a 1x1
+# kernel has no columns to save. The thresholds sit between the VGG19, GoogLeNet, ResNet-50 and
+# cifar10_quick layers on which the route won and lost on data-centre GPUs.
 FALLBACK_GPU_FOURIER_MIN_CELLS = 28 * 28
 FALLBACK_GPU_FOURIER_MIN_CHANNELS = 32
 FALLBACK_GPU_FOURIER_MIN_COLUMNS = 40_000_000
@@ -228,15 +223,13 @@ def fourier_pays_on_gpu(geom, group, n, c, o, h, w):
     return fourier <= FALLBACK_GPU_FOURIER_MAX_FLOP_RATIO * direct
 
 
-# Winograd on a CPU, measured on the 2-core EPYC: forward and both gradients against im2col, per
-# layer, 2 threads (docs/benchmark-history.md, "Winograd for wide 3x3 layers"). The transforms are
-# element-wise passes over arrays 4x the input's and the output's size whatever the channel
-# counts, while the GEMMs they save grow with C x O; small planes pay the per-sample cost of the
-# transforms (and 7x7 planes compute 8x8), and a thread's GEMMs need rows. Winograd / im2col time:
-# 0.63-0.67 for 256 and 512 channels at 56 and 28 px, 0.73-0.91 for 128-512 channels at 14-112 px;
-# but 0.95-1.12 with 64-96 channels, 1.29 on 12x12 and 1.59 on 7x7 planes, 1.15 with 245 tiles a
-# thread (10 samples of 14x14). On CuPy the fallback never takes it (VGG19: 244 against im2col's
-# 208 ms).
+# Winograd on a CPU (docs/performance.md, "Convolutions"). The transforms are element-wise passes
+# over arrays 4x the input's and the output's size whatever the channel counts, while the GEMMs
+# they save grow with C x O: so both sides need many channels (FALLBACK_WINOGRAD_MIN_CHANNELS).
+# Small planes pay the per-sample cost of the transforms and waste more of each tile (a 7x7 plane
+# computes 8x8), hence MIN_PLANE; and a thread's GEMMs need rows, hence MIN_TILES_PER_RANGE. On
+# CuPy the fallback never takes it: the card's GEMMs are cheap, so the transforms' passes through
+# memory cost more than the FLOPs they save.
 FALLBACK_WINOGRAD_MIN_CHANNELS = 128
 FALLBACK_WINOGRAD_MIN_PLANE = 14
 FALLBACK_WINOGRAD_MIN_TILES_PER_RANGE = 256

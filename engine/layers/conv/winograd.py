@@ -5,9 +5,10 @@ F(2x2, 3x3) computes a 2x2 block of outputs from a 4x4 block of input with 16 pr
 pair instead of 36, so the GEMMs do 2.25x fewer FLOPs; the price is two linear transforms on each
 side of them, which here are additions and subtractions of whole arrays (numpy or CuPy
 elementwise work, no Python loop over cells). Wide 3x3 layers on planes of 14 px or more (VGG's
-128-512-channel stages) are what this is for: there forward and both gradients take 0.63-0.91 of
-im2col's time on the 2-core EPYC. With 64-96 channels, small planes or few samples a thread the
-transforms cost what the GEMMs save; routes.py times the routes and keeps the faster one.
+128-512-channel stages) are what this is for: there the GEMMs saved outweigh the transforms'
+elementwise passes, whose cost does not grow with the channel counts. With 64-96 channels, small
+planes or few samples a thread the transforms cost what the GEMMs save; routes.py times the
+routes and keeps the faster one (docs/performance.md, "Convolutions").
 
 The arithmetic, with d a 4x4 input tile (rows 2ty..2ty+3 and columns 2tx..2tx+3 of the zero-padded
 input), g a 3x3 kernel and y the 2x2 output tile at (2ty, 2tx):
@@ -149,9 +150,9 @@ class WinogradConvCore:
     @staticmethod
     def kernel_transform(weight, xp):
         """U (16, C, O) = G g G^T of weight (O, C, 3, 3), position-major: one (16 x 9) x (9 x C*O)
-        product (as a batch of 4x3 products it took 48 ms for 512 x 512 kernels, this 6.5), cut
-        into ranges of input channels on the cores (its relayout moves every number across the
-        array, at cache-miss speed on one core)."""
+        product (a batch of tiny 4x3 products would run one small loop per kernel, far from a
+        GEMM's speed), cut into ranges of input channels on the cores (its relayout moves every
+        number across the array, at cache-miss speed on one core)."""
         o, c = weight.shape[:2]
         g = _kernel_matrix(weight.dtype, xp).T
         w3 = weight.reshape(o, c, 9)
