@@ -107,11 +107,6 @@ class Layer:
         gradients and for input gradients. Most layers need not know; one that picks its
         algorithm by timing it (Convolution) times what will run."""
 
-    def unfold(self, top):
-        """After a forward that also wrote the next layer's output (a fold, as a BatchNorm does
-        for its Scale), put this layer's own output back in the top: Net.ForwardLayer calls it
-        when the caller may stop here. Most layers fold nothing."""
-
     def allow_force_backward(self, bottom_index):
         return True
 

@@ -16,6 +16,7 @@ from . import backend
 from .blob import Blob
 from .errors import DataError, ModelError, PoseidonError
 from .layer import TRAIN, TEST, create_layer
+from .layers.batchnorm_scale import BatchNormScalePair, can_pair
 from .proto import caffe_pb2
 from . import prototxt
 
@@ -88,18 +89,19 @@ class Net:
 
     def _pair_batchnorm_scale(self):
         """A Scale run in place right after the BatchNorm whose output it scales (the pairs of
-        ResNet and Inception files) reads its saved input from BatchNorm's normalized copy,
-        bitwise the same numbers, instead of keeping a copy of its own: one activation-sized
-        buffer and one pass over it less per pair."""
+        ResNet and Inception files) runs with it as one (engine/layers/batchnorm_scale.py): the
+        two layer indices get the pair's two members, which keep the layers' names, parameters
+        and per-layer steps; the pair may fold the Scale into the BatchNorm's passes, and saves
+        the Scale its copy of the input (one activation-sized buffer and one pass over it per
+        pair)."""
         for li in range(1, len(self.layers)):
-            norm, scale = self.layers[li - 1], self.layers[li]
-            if (norm.type == "BatchNorm" and hasattr(norm, "normalized")
-                    and scale.type == "Scale" and len(self.bottom_vecs[li]) == 1
-                    and self.bottom_vecs[li][0] is self.top_vecs[li - 1][0]
-                    and self.top_vecs[li][0] is self.bottom_vecs[li][0]):
-                scale.input_from = norm
-                norm.scale_after = scale
-                scale.reshape(self.bottom_vecs[li], self.top_vecs[li])   # decides the fold
+            if can_pair(self.layers[li - 1], self.layers[li], self.top_vecs[li - 1],
+                        self.bottom_vecs[li], self.top_vecs[li]):
+                pair = BatchNormScalePair(self.layers[li - 1], self.layers[li])
+                self.layers[li - 1], self.layers[li] = pair.members
+                self._pairs[li - 1] = pair
+                self.layers[li].reshape(self.bottom_vecs[li], self.top_vecs[li])  # decides the fold
+        self.layer_dict = collections.OrderedDict(zip(self.layer_names, self.layers))
 
     @staticmethod
     def _copy(param):
@@ -179,6 +181,7 @@ class Net:
             needs = self.layer_need_backward[li]
             layer.plan_backward(needs and any(layer.param_propagate_down),
                                 needs and any(self.bottom_need_backward[li]))
+        self._pairs = {}   # BatchNorm index -> its BatchNormScalePair (_pair_batchnorm_scale)
         self._pair_batchnorm_scale()
         users = collections.Counter(spec.name for specs in self.layer_param_specs for spec in specs)
         self._sole_params = {id(blob) for blob, spec in zip(self.learnable_params,
@@ -278,10 +281,10 @@ class Net:
     # ----- running -----------------------------------------------------------------------------
     def ForwardLayer(self, li, alone=True):
         """Reshape and run the forward of layer li. A BatchNorm whose Scale folds into it
-        writes the Scale's output as well (BatchNormLayer.scale_after); run `alone` (the
-        default: the caller may stop here and read the top) it then puts its own output back,
-        which the Scale's forward scales as usual. Forward, and the per-layer timers, which run
-        the next layer right after, pass alone=False."""
+        writes the Scale's output as well (BatchNormScalePair); run `alone` (the default: the
+        caller may stop here and read the top) the pair then puts the BatchNorm's own output
+        back, which the Scale's forward scales as usual. Forward, and the per-layer timers,
+        which run the next layer right after, pass alone=False."""
         layer = self.layers[li]
         bottom, top = self.bottom_vecs[li], self.top_vecs[li]
         try:
@@ -289,8 +292,8 @@ class Net:
             layer.forward(bottom, top)
         except (ModelError, DataError) as e:   # e.g. a corrupt record met by a Data layer
             raise self._locate(e) from None
-        if alone:
-            layer.unfold(top)
+        if alone and li in self._pairs:
+            self._pairs[li].unfold(top)
 
     def Forward(self, start=0, end=None):
         """Run layers start..end (inclusive); returns the weighted loss of the net."""

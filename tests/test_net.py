@@ -300,13 +300,12 @@ def test_scale_in_place_after_batchnorm_pairs_with_it(monkeypatch, variant):
     left alone."""
     text = BN_SCALE_VARIANTS[variant]
     net, paired = _bn_scale_run(monkeypatch, True, text)
-    scale, scale2 = net.layer_dict["scale"], net.layer_dict["scale2"]
-    assert scale.input_from is net.layer_dict["bn"] and scale._temp is None
-    assert scale._into_norm and scale.folds_into(net.layer_dict["bn"])
-    assert net.layer_dict["bn"]._centered and not scale.prescaled     # folded, and consumed
-    assert scale2.input_from is None                # not in place: it reads its bottom
+    pair = net.layer_dict["scale"].pair
+    assert pair is net.layer_dict["bn"].pair and pair.scale._temp is None
+    assert pair.folds and pair.holds_centred and not pair.prescaled   # folded, and consumed
+    assert not hasattr(net.layer_dict["scale2"], "pair")  # not in place: it reads its bottom
     plain_net, plain = _bn_scale_run(monkeypatch, False, text)
-    assert plain_net.layer_dict["scale"].input_from is None
+    assert not hasattr(plain_net.layer_dict["scale"], "pair")
     assert plain_net.layer_dict["scale"]._temp is not None
     if variant == "frozen scale":
         assert not any(plain_net.layer_dict["scale"].param_propagate_down)
@@ -314,7 +313,7 @@ def test_scale_in_place_after_batchnorm_pairs_with_it(monkeypatch, variant):
              for blob in layer.blobs}
     names = [owner[id(blob)] for blob in net.learnable_params]
     assert len(paired) == len(plain) == 6
-    assert not plain_net.layer_dict["bn"]._centered
+    assert not hasattr(plain_net.layer_dict["bn"], "pair")
     for k in range(0, 6, 3):
         numpy.testing.assert_allclose(paired[k], plain[k], rtol=1e-12)   # the loss
         for name, a, b in zip(names, paired[k + 1], plain[k + 1]):
@@ -330,8 +329,8 @@ def test_batchnorm_after_a_folded_forward_gives_xhat_and_its_own_gradient(monkey
     nets = [_bn_scale_net(monkeypatch, paired) for paired in (True, False)]
     for net in nets:
         net.Forward()
-    folded, plain = (n.layer_dict["bn"] for n in nets)
-    assert folded._centered and not plain._centered
+    folded, plain = nets[0].layer_dict["bn"].pair, nets[1].layer_dict["bn"]
+    assert folded.holds_centred and not hasattr(plain, "pair")
     numpy.testing.assert_allclose(folded.normalized(), plain.normalized(), rtol=1e-12,
                                   atol=1e-14)
     dy = numpy.random.RandomState(7).standard_normal(nets[0].blobs["conv"].shape)
@@ -352,12 +351,13 @@ def test_a_forward_that_stops_at_a_folding_batchnorm_leaves_its_own_output(monke
     output; the whole forward folds (the Scale's forward has nothing left to do)."""
     folded, plain = nets = [_bn_scale_net(monkeypatch, paired) for paired in (True, False)]
     bn, scale = folded.layer_names.index("bn"), folded.layer_names.index("scale")
-    assert scale == bn + 1 and folded.layers[scale].folds_into(folded.layers[bn])
+    pair = folded.layers[bn].pair
+    assert scale == bn + 1 and folded.layers[scale].pair is pair and pair.folds
     for net in nets:
         net.Forward(end=bn)
     numpy.testing.assert_allclose(folded.blobs["conv"].data, plain.blobs["conv"].data,
                                   rtol=1e-12, atol=1e-14)
-    assert not folded.layers[scale].prescaled
+    assert not pair.prescaled
     for net in nets:
         net.Forward(start=scale)
     numpy.testing.assert_allclose(folded.blobs["conv"].data, plain.blobs["conv"].data,
@@ -372,4 +372,4 @@ def test_a_forward_that_stops_at_a_folding_batchnorm_leaves_its_own_output(monke
     numpy.testing.assert_allclose(folded.blobs["conv"].data, plain.blobs["conv"].data,
                                   rtol=1e-12, atol=1e-14)
     folded.Forward()
-    assert folded.layers[bn]._centered and not folded.layers[scale].prescaled
+    assert pair.holds_centred and not pair.prescaled

@@ -23,7 +23,7 @@ from ..layer import Layer, register
 from ..parallel import split_range, split_rows
 
 
-def _buffer(holder, name, shape, dtype, xp, zero=False):
+def reuse_buffer(holder, name, shape, dtype, xp, zero=False):
     """A scratch array kept on `holder`, reallocated only when the shape changes."""
     buf = getattr(holder, name, None)
     if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
@@ -48,13 +48,13 @@ def _run_of(item_bytes):
     return max(1, RUN_BYTES // max(int(item_bytes), 1))
 
 
-def _reduce(a3):
+def sum_per_dim(a3):
     """Sum of an (outer, dim, inner) array over outer and inner: shape (dim,)."""
     return a3.sum(axis=2).sum(axis=0)
 
 
-def _reduce_product(xp, a3, b3):
-    """_reduce(a3 * b3); einsum (no temporary) is fastest on numpy, multiply-then-sum on CuPy."""
+def dot_per_dim(xp, a3, b3):
+    """sum_per_dim(a3 * b3); einsum (no temporary) is fastest on numpy, multiply-then-sum on CuPy."""
     if xp is numpy:
         return numpy.einsum("odi,odi->d", a3, b3)
     return (a3 * b3).sum(axis=2).sum(axis=0)
@@ -87,14 +87,14 @@ class LRNLayer(Layer):
         n, c, h, w = x.shape
         pad = self.size - 1
         dt, xp = x.dtype, self.xp
-        self._scale = _buffer(self, "_scale_buf", x.shape, dt, xp)
-        self._pow = _buffer(self, "_pow_buf", x.shape, dt, xp)
+        self._scale = reuse_buffer(self, "_scale_buf", x.shape, dt, xp)
+        self._pow = reuse_buffer(self, "_pow_buf", x.shape, dt, xp)
         if self.within:
             # zero borders stay zero: only the interior is ever written
-            self._pad = _buffer(self, "_pad_buf", (n, c, h + pad, w + pad), dt, xp, zero=True)
-            self._rows = _buffer(self, "_rows_buf", (n, c, h, w + pad), dt, xp)
+            self._pad = reuse_buffer(self, "_pad_buf", (n, c, h + pad, w + pad), dt, xp, zero=True)
+            self._rows = reuse_buffer(self, "_rows_buf", (n, c, h, w + pad), dt, xp)
         else:
-            self._pad = _buffer(self, "_pad_buf", (n, c + pad, h, w), dt, xp, zero=True)
+            self._pad = reuse_buffer(self, "_pad_buf", (n, c + pad, h, w), dt, xp, zero=True)
 
     def _window_sum(self, a, out, pad, rows):
         """Sum of `a` over the LRN window (zero outside), written into out; pad and rows are the
@@ -185,11 +185,9 @@ class BatchNormLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     stores_statistics = True   # its blobs are running statistics, not learnable parameters
-    # The Scale run in place right after this layer (Net._pair_batchnorm_scale), or None. When
-    # that Scale folds into this layer (ScaleLayer._into_norm), forward writes the pair's output
-    # scale * (x - mean) / sqrt(var + eps) + bias in one pass and keeps x - mean instead of x-hat:
-    # four passes over the activations less than the two layers apart
-    scale_after = None
+    # x-hat of the last forward, (N, C, spatial), for backward; made by the first forward at a
+    # shape, so that a caller that runs normalize() into its own buffer never allocates it
+    _x_norm = None
 
     def layer_setup(self, bottom, top):
         p = self.param.batch_norm_param
@@ -223,8 +221,6 @@ class BatchNormLayer(Layer):
                                  f"parameters: param {{ lr_mult }} #{i} must be 0 (or drop the "
                                  f"param specs), got {specs[i].lr_mult}")
         self.param_propagate_down = [False] * 3
-        self._from_scale = None        # set by a paired Scale's backward (take_scale)
-        self._centered = False         # _x_norm holds x - mean (a folded forward), not x-hat
 
     def reshape(self, bottom, top):
         x = bottom[0]
@@ -236,17 +232,26 @@ class BatchNormLayer(Layer):
             top[0].reshape(x.shape)
         n = x.shape[0]
         s = x.count // (n * c) if n * c else 0
-        self._shape3 = (n, c, s)
-        self._x_norm = _buffer(self, "_x_norm_buf", self._shape3, x.dtype, self.xp)
+        self.shape3 = (n, c, s)     # (N, C, spatial): the view every pass works on
+        self._itemsize = numpy.dtype(x.dtype).itemsize
 
     def forward(self, bottom, top):
-        """Per channel range on the cores (split_range): each channel's statistics and
-        normalisation are computed as in one call, so the numbers do not depend on the split."""
+        x_norm = reuse_buffer(self, "_x_norm", self.shape3, bottom[0].dtype, self.xp)
+        self.normalize(bottom, top, x_norm, _write_x_hat)
+
+    def normalize(self, bottom, top, centred, write_top):
+        """The forward's work, per channel range on the cores (split_range): each channel's
+        statistics and normalisation are computed as in one call, so the numbers do not depend
+        on the split. For the channels lo:hi, centred (N, C, spatial) gets x - mean, then
+        write_top(lo, hi, centred, inv_std, top) writes the top from it (slices of the three,
+        inv_std = 1 / sqrt(var + eps)) while they are still in cache: forward's writes x-hat
+        (in centred too); a caller wanting another per-channel function of x - mean gives its
+        own, and pays no pass over the activations for it. Keeps inv_std for backward and, with
+        batch statistics, updates the running sums."""
         xp = self.xp
-        x3 = bottom[0].data.reshape(self._shape3)
-        y3 = top[0].data.reshape(self._shape3)       # may be x3 itself (in place)
-        xn = self._x_norm
-        n, c, s = self._shape3
+        x3 = bottom[0].data.reshape(self.shape3)
+        y3 = top[0].data.reshape(self.shape3)       # may be x3 itself (in place)
+        n, c, s = self.shape3
         m = n * s
         batch_stats = not self.use_global_stats
         if batch_stats:
@@ -260,34 +265,18 @@ class BatchNormLayer(Layer):
             var = self.blobs[1].data * factor
             inv_std = 1.0 / xp.sqrt(var + self.eps)
 
-        scale = self.scale_after
-        fold = scale is not None and scale.folds_into(self)
-        if fold:
-            gamma = scale.blobs[0].data.reshape(-1)
-            beta = scale.blobs[-1].data.reshape(-1) if scale.bias_term else None
-
         def part(lo, hi):
-            xs, ns = x3[:, lo:hi], xn[:, lo:hi]
+            xs, ns = x3[:, lo:hi], centred[:, lo:hi]
             if batch_stats:
-                mean[lo:hi] = _reduce(xs) / m
+                mean[lo:hi] = sum_per_dim(xs) / m
             xp.subtract(xs, mean[lo:hi, None], out=ns)
             if batch_stats:
-                var[lo:hi] = _reduce_product(xp, ns, ns) / m
+                var[lo:hi] = dot_per_dim(xp, ns, ns) / m
                 inv_std[lo:hi] = 1.0 / xp.sqrt(var[lo:hi] + self.eps)
-            if fold:                     # the pair's output; ns stays x - mean
-                ys = y3[:, lo:hi]
-                xp.multiply(ns, (gamma[lo:hi] * inv_std[lo:hi])[:, None], out=ys)
-                if beta is not None:
-                    ys += beta[lo:hi, None]
-                return
-            ns *= inv_std[lo:hi, None]
-            y3[:, lo:hi] = ns
+            write_top(lo, hi, ns, inv_std[lo:hi], y3[:, lo:hi])
 
-        split_range(part, c, x3.size, xp, run=self._channel_run())
-        self._inv_std = inv_std
-        self._centered = fold
-        if fold:
-            scale.prescaled = True
+        split_range(part, c, x3.size, xp, run=self.channel_run())
+        self.inv_std = inv_std
         if batch_stats:
             b0, b1, b2 = (b.data for b in self.blobs)
             b2 *= self.maf
@@ -297,61 +286,30 @@ class BatchNormLayer(Layer):
             b1 *= self.maf
             b1 += var * (m / (m - 1.0) if m > 1 else 1.0)
 
-    def _channel_run(self):
+    def channel_run(self):
         """Channels a call of the multi-pass work takes: about RUN_BYTES of activations."""
-        n, c, s = self._shape3
-        return _run_of(n * s * self._x_norm.itemsize)
-
-    def unfold(self, top):
-        """After a folded forward whose Scale has not run yet: the top gets this layer's own
-        output, x-hat, and the Scale's next forward computes its part (Net.ForwardLayer, for
-        a caller that stops between the two)."""
-        scale = self.scale_after
-        if not (self._centered and scale is not None and scale.prescaled):
-            return
-        self._x_hat_into(top[0].data.reshape(self._shape3))
-        scale.prescaled = False
-
-    def _x_hat_into(self, out):
-        """out (N, C, spatial) = x-hat from a folded forward's x - mean, over the cores."""
-        xp, inv = self.xp, self._inv_std
-        split_range(lambda lo, hi: xp.multiply(self._x_norm[:, lo:hi], inv[lo:hi, None],
-                                               out=out[:, lo:hi]),
-                    self._shape3[1], out.size, xp)
+        n, c, s = self.shape3
+        return _run_of(n * s * self._itemsize)
 
     def normalized(self):
         """(x - mean) / sqrt(var + eps) of the last forward, as (N, C, spatial): what the top
-        held after it (a Scale run in place next reads it instead of copying its input). After a
-        folded forward it is made here from x - mean (normalized_parts avoids that)."""
-        if self._centered:
-            out = self.xp.empty_like(self._x_norm)
-            self._x_hat_into(out)
-            return out
+        held after it (a Scale run in place next reads it instead of copying its input)."""
         return self._x_norm
 
-    def normalized_parts(self):
-        """(a, f): the last forward's x-hat is a * f[channel], f None when a is x-hat itself
-        (f = 1 / sqrt(var + eps) after a folded forward, a = x - mean)."""
-        return self._x_norm, (self._inv_std if self._centered else None)
-
-    def take_scale(self, scale, sum_dy, sum_dy_xn):
-        """From the Scale paired with this layer (Net._pair_batchnorm_scale), in its backward:
-        the top gradient was left unscaled, here is the scale and the two per-channel sums it
-        made for its own gradients; this layer's next backward folds them in."""
-        self._from_scale = (scale, sum_dy, sum_dy_xn)
-
     def backward(self, top, propagate_down, bottom):
-        fused, self._from_scale = self._from_scale, None
-        if not propagate_down[0]:
-            return
+        if propagate_down[0]:
+            self.input_gradient(top[0].diff, bottom[0].diff, self._x_norm)
+
+    def input_gradient(self, dy, out, x_hat, factor=None):
+        """out = the input gradient for the top gradient dy (both of the bottom's shape; out
+        may be dy itself, in place), the last forward's x-hat being x_hat (N, C, spatial) times
+        factor per channel, or x_hat itself when factor is None: a caller that kept x - mean
+        instead (normalize) gives it with factor inv_std, and no x-hat is made."""
         xp = self.xp
-        dy = top[0].diff.reshape(self._shape3)
-        out = bottom[0].diff.reshape(self._shape3)  # may be dy itself (in place)
-        if fused is not None:
-            return self._backward_fused(dy, out, fused)
-        inv = self._inv_std
-        xn, f = self.normalized_parts()
-        n, c, s = self._shape3
+        dy = dy.reshape(self.shape3)
+        out = out.reshape(self.shape3)
+        inv, f = self.inv_std, factor
+        n, c, s = self.shape3
         m = n * s
 
         def part(lo, hi):
@@ -361,46 +319,23 @@ class BatchNormLayer(Layer):
                 return
             # dx = (dy - mean(dy) - mean(dy * y) * y) / sqrt(var + eps), means over (N, spatial);
             # with y = a * f: mean(dy * y) * y = f^2 * mean(dy * a) * a
-            a = xn[:, lo:hi]
-            mean_dy = _reduce(d) / m
-            mean_dyy = _reduce_product(xp, d, a) / m
+            a = x_hat[:, lo:hi]
+            mean_dy = sum_per_dim(d) / m
+            mean_dyy = dot_per_dim(xp, d, a) / m
             if f is not None:
                 mean_dyy *= f[lo:hi] * f[lo:hi]
             xp.subtract(d, mean_dy[:, None], out=o)
             o -= a * mean_dyy[:, None]
             o *= inv[lo:hi, None]
 
-        split_range(part, c, dy.size, xp, run=self._channel_run())
+        split_range(part, c, dy.size, xp, run=self.channel_run())
 
-    def _backward_fused(self, dy, out, fused):
-        """The BatchNorm + Scale pair's input gradient from the Scale's top gradient dy. With
-        k = scale / sqrt(var + eps) per channel, the Scale's dx = scale * dy makes Caffe's
-        formula dx = k * (dy - mean(dy) - mean(dy * xn) * xn), and both means are the sums the
-        Scale already made for its own gradients: two reductions and one pass over the
-        activations less than the two layers apart (the same numbers up to float rounding)."""
-        xp = self.xp
-        scale, sum_dy, sum_dy_xn = fused
-        k = scale.reshape(-1) * self._inv_std
-        n, c, s = self._shape3
-        if self.use_global_stats:        # dx = scale * dy / sqrt(var + eps)
-            split_range(lambda lo, hi: xp.multiply(dy[:, lo:hi], k[lo:hi, None],
-                                                   out=out[:, lo:hi]), c, dy.size, xp)
-            return
-        m = n * s
-        c1 = k * (sum_dy / m)
-        c2 = k * (sum_dy_xn / m)
-        xn, f = self.normalized_parts()
-        if f is not None:                # x-hat = xn * f
-            c2 = c2 * f
 
-        def part(lo, hi):
-            o = out[:, lo:hi]
-            xp.multiply(dy[:, lo:hi], k[lo:hi, None], out=o)
-            o -= c1[lo:hi, None]
-            o -= xn[:, lo:hi] * c2[lo:hi, None]
-
-        split_range(part, c, dy.size, xp, run=self._channel_run())
-
+def _write_x_hat(lo, hi, centred, inv_std, top):
+    """BatchNorm's own top, for normalize: x-hat, made in centred and copied to the top (the
+    same memory when in place)."""
+    centred *= inv_std[:, None]
+    top[...] = centred
 
 # ------------------------------------------------------------------------------------------------
 def _operand_axis(layer, bottom0, operand_ndim, axis_param):
@@ -473,10 +408,10 @@ class BiasLayer(Layer):
         dy = top[0].diff
         if len(bottom) == 1:
             if self.param_propagate_down[0]:
-                self.blobs[0].diff += _reduce(dy.reshape(outer, dim, inner)).reshape(
+                self.blobs[0].diff += sum_per_dim(dy.reshape(outer, dim, inner)).reshape(
                     self.blobs[0].shape)
         elif propagate_down[1]:
-            bottom[1].diff[...] = _reduce(dy.reshape(outer, dim, inner)).reshape(bottom[1].shape)
+            bottom[1].diff[...] = sum_per_dim(dy.reshape(outer, dim, inner)).reshape(bottom[1].shape)
         if propagate_down[0] and top[0] is not bottom[0]:
             bottom[0].diff[...] = dy
 
@@ -486,13 +421,9 @@ class ScaleLayer(Layer):
     min_bottoms = 1
     max_bottoms = 2
     exact_tops = 1
-    # Set by the Net when this layer runs in place right after the BatchNorm whose output it
-    # scales: backward then reads its input from that layer's normalized copy (bitwise the same
-    # numbers) instead of keeping a copy of its own (Net._pair_batchnorm_scale)
-    input_from = None
-    # Set by that BatchNorm's forward when it already wrote this layer's output (folds_into):
-    # this layer's next forward then has nothing to do
-    prescaled = False
+    # A copy of the input, which a forward run in place overwrites and backward needs; made by
+    # the first such forward at a shape (apply's keep_input)
+    _temp = None
 
     def layer_setup(self, bottom, top):
         p = self.param.scale_param
@@ -518,62 +449,45 @@ class ScaleLayer(Layer):
     def reshape(self, bottom, top):
         scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
         self._axis = _operand_axis(self, bottom[0], scale.ndim, self.axis_param)
-        self._layout = _check_operand(self, bottom[0], scale.shape, self._axis, "scale")
+        # (outer, dim, inner): bottom[0] seen as the axes before, under and after the scale
+        self.layout = _check_operand(self, bottom[0], scale.shape, self._axis, "scale")
         if self.bias_term:
             bias = self.blobs[-1]
             baxis = _operand_axis(self, bottom[0], bias.ndim, self.axis_param)
             self._bias_layout = _check_operand(self, bottom[0], bias.shape, baxis, "bias")
         # the bias over the same axes as the scale (always, unless loaded blobs say otherwise):
         # both can be cut into the same ranges
-        self._same_axes = not self.bias_term or self._bias_layout == self._layout
-        # backward leaves its input gradient to the paired BatchNorm (_backward_into_norm): a
-        # learned scale (and bias) per channel, after a BatchNorm run in place too, so the blob
-        # whose diff is left unscaled is the BatchNorm's bottom as well, and its backward
-        # overwrites it
-        norm = self.input_from
-        self._into_norm = (norm is not None and len(bottom) == 1 and self._same_axes
-                           and self._layout == norm._shape3 and norm.in_place)
-        if top[0] is bottom[0] and self.input_from is None:
-            self._temp = _buffer(self, "_temp_buf", bottom[0].shape, bottom[0].dtype, self.xp)
-        elif top[0] is bottom[0]:
-            self._temp = self._temp_buf = None          # the BatchNorm's copy serves
-        else:
+        self.same_axes = not self.bias_term or self._bias_layout == self.layout
+        if top[0] is not bottom[0]:
             top[0].reshape(bottom[0].shape)
-
-    def folds_into(self, norm):
-        """Whether this layer's forward and input gradient are made by BatchNorm `norm` (its
-        pair, run in place before it, per-channel scale and bias: _into_norm)."""
-        return self.input_from is norm and self._into_norm
-
-    def _saved_input(self, bottom):
-        """The input forward saw, when it ran in place (and overwrote it)."""
-        if self.input_from is not None:
-            return self.input_from.normalized().reshape(bottom[0].shape)
-        return self._temp
 
     def _split(self, fn):
         """fn(lo, hi) over ranges of the scale's axis on the cores (split_range); one call when
         the bias spans other axes than the scale."""
-        outer, dim, inner = self._layout
-        if not self._same_axes:
+        outer, dim, inner = self.layout
+        if not self.same_axes:
             fn(0, dim)
             return
         split_range(fn, dim, outer * dim * inner, self.xp)
 
     def forward(self, bottom, top):
-        if self.prescaled:               # the paired BatchNorm made the output (folds_into)
-            self.prescaled = False
-            return
+        keep = None
+        if top[0] is bottom[0]:          # in place: the output overwrites what backward needs
+            keep = reuse_buffer(self, "_temp", bottom[0].shape, bottom[0].dtype, self.xp)
+        self.apply(bottom, top, keep)
+
+    def apply(self, bottom, top, keep_input=None):
+        """top = bottom[0] * scale (+ bias), over ranges of the scale's axis on the cores;
+        keep_input (an array of bottom[0]'s shape), when given, gets a copy of the input in the
+        same pass, before an in-place output overwrites it."""
         xp = self.xp
         scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
-        outer, dim, inner = self._layout
-        in_place = top[0] is bottom[0]
+        outer, dim, inner = self.layout
         x3 = bottom[0].data.reshape(outer, dim, inner)
         y3 = top[0].data.reshape(outer, dim, inner)
         s1 = scale.data.reshape(1, dim, 1)
-        t3 = (self._temp.reshape(outer, dim, inner) if in_place and self.input_from is None
-              else None)
-        same_axes = self._same_axes
+        t3 = None if keep_input is None else keep_input.reshape(outer, dim, inner)
+        same_axes = self.same_axes
         if self.bias_term:
             bo, bd, bi = self._bias_layout
             b1 = self.blobs[-1].data.reshape(1, bd, 1)
@@ -590,18 +504,21 @@ class ScaleLayer(Layer):
         self._split(part)
 
     def backward(self, top, propagate_down, bottom):
+        x = self._temp if top[0] is bottom[0] else bottom[0].data
+        self.gradients(top, propagate_down, bottom, x)
+
+    def gradients(self, top, propagate_down, bottom, x):
+        """Backward, the input forward saw being x (bottom[0]'s shape): the kept copy after a
+        forward in place, or another holder of the same numbers."""
         xp = self.xp
-        outer, dim, inner = self._layout
+        outer, dim, inner = self.layout
         dy = top[0].diff
         one = len(bottom) == 1
         scale = self.blobs[0] if one else bottom[1]
         want_bias = self.bias_term and self.param_propagate_down[-1]
         want_scale = (one and self.param_propagate_down[0]) or (not one and propagate_down[1])
-        same_axes = self._same_axes
+        same_axes = self.same_axes
         d3 = dy.reshape(outer, dim, inner)
-        if propagate_down[0] and self._into_norm:
-            return self._backward_into_norm(d3, scale, want_scale, want_bias)
-        x = self._saved_input(bottom) if top[0] is bottom[0] else bottom[0].data
         x3 = x.reshape(outer, dim, inner)
         s1 = scale.data.reshape(1, dim, 1)
         dx3 = bottom[0].diff.reshape(outer, dim, inner)
@@ -612,11 +529,11 @@ class ScaleLayer(Layer):
 
         def part(lo, hi):
             if want_bias and same_axes:
-                bias.diff.reshape(-1)[lo:hi] += _reduce(d3[:, lo:hi])
+                bias.diff.reshape(-1)[lo:hi] += sum_per_dim(d3[:, lo:hi])
             elif want_bias:                              # one call (_split): the whole array
-                bias.diff += _reduce(dy.reshape(bo, bd, bi)).reshape(bias.shape)
+                bias.diff += sum_per_dim(dy.reshape(bo, bd, bi)).reshape(bias.shape)
             if want_scale:
-                grad = _reduce_product(xp, d3[:, lo:hi], x3[:, lo:hi])
+                grad = dot_per_dim(xp, d3[:, lo:hi], x3[:, lo:hi])
                 if one:
                     scale_diff[lo:hi] += grad
                 else:
@@ -625,26 +542,3 @@ class ScaleLayer(Layer):
                 xp.multiply(d3[:, lo:hi], s1[:, lo:hi], out=dx3[:, lo:hi])
 
         self._split(part)
-
-    def _backward_into_norm(self, d3, scale, want_scale, want_bias):
-        """The parameter gradients, and the per-channel sums of dy and dy * x the paired
-        BatchNorm needs (BatchNormLayer.take_scale); no input gradient is written here. The
-        input x is the BatchNorm's x-hat = a * f (normalized_parts)."""
-        xp = self.xp
-        dim = self._layout[1]
-        a3, f = self.input_from.normalized_parts()
-        sum_dy = xp.empty(dim, d3.dtype)
-        sum_dy_x = xp.empty(dim, d3.dtype)
-
-        def part(lo, hi):
-            sum_dy[lo:hi] = _reduce(d3[:, lo:hi])
-            sum_dy_x[lo:hi] = _reduce_product(xp, d3[:, lo:hi], a3[:, lo:hi])
-
-        self._split(part)
-        if f is not None:
-            sum_dy_x *= f
-        if want_bias:
-            self.blobs[-1].diff.reshape(-1)[...] += sum_dy
-        if want_scale:
-            scale.diff.reshape(-1)[...] += sum_dy_x
-        self.input_from.take_scale(scale.data, sum_dy, sum_dy_x)
