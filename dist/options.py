@@ -8,7 +8,6 @@ import argparse
 import os
 
 from .placement import DEFAULT_PAIR_BYTES, parse_bytes
-from .priority import CHOICES as COMM_PRIORITIES
 from .schemes import sync_choices
 from .transport import parse_bandwidth
 
@@ -152,10 +151,6 @@ def add_dist_options(parser):
         "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
     add("--insecure", action="store_true", help="no CURVE authentication or "
         "encryption (experiments on a trusted network only)")
-    add("--comm-priority", choices=COMM_PRIORITIES, default="normal",
-        help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
-        "(Linux), taking only cores the training leaves free; for jobs whose "
-        "processes share one machine's cores (default normal)")
     add("--ipc", choices=IPC_CHOICES, default="auto",
         help="auto: processes of the job on one host talk over Unix sockets in "
         "private folders, without CURVE (only this user can reach them), and a "
@@ -207,7 +202,7 @@ class DistOptions:
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0,
-              "comm_priority": "normal", "ipc": "auto"}
+              "ipc": "auto"}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -227,8 +222,6 @@ class DistOptions:
             raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "
                             f"{', '.join(sync_choices())}")
         check_consistency(self)
-        from .priority import check
-        check(self.comm_priority)
         if self.ipc not in IPC_CHOICES:
             from .errors import DistError
             raise DistError(f"ipc={self.ipc!r}: use {' or '.join(map(repr, IPC_CHOICES))}")

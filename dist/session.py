@@ -154,9 +154,6 @@ class Session:
         text_format.Parse(book.data["solver"], param)
         server = KVServer(self.transport, book, self.roles, make_rule(param),
                           stats_path=stats_path, log=self.log, memory=self.transport.kv_memory)
-        if self.options.comm_priority == "idle":      # a server does no training: all of it
-            from .priority import idle_threads
-            idle_threads()
         self.log(f"{self.name}: {len(server.pairs)} KV pairs, {server.bytes_held() / 1e6:.2f} MB")
         stop = threading.Event()
         watch_server(server, self.options.stall_warning, self.name, self.roles.name, _warn, stop)

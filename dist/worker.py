@@ -77,15 +77,11 @@ def _current_device(xp):
     return cupy.cuda.runtime.getDevice()
 
 
-def _start_sync_thread(device, idle):
-    """Pool threads start on CUDA device 0: make them use the worker's device; and lower them
-    under --comm-priority idle (dist/priority.py)."""
+def _start_sync_thread(device):
+    """Pool threads start on CUDA device 0: make them use the worker's device."""
     if device is not None:
         import cupy
         cupy.cuda.Device(device).use()
-    if idle:
-        from .priority import idle_this_thread
-        idle_this_thread()
 
 
 def spin_seconds(book, roles):
@@ -158,13 +154,7 @@ class WorkerHooks(SolverHooks):
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync",
                                        initializer=_start_sync_thread,
-                                       initargs=(_current_device(self.net.xp),
-                                                 opts.comm_priority == "idle"))
-        # --comm-priority idle: the threads the session has started so far, and once more after
-        # the first iteration for those made on first use (pyzmq's zero-copy collector and its
-        # context's I/O thread)
-        self._lower_comm = 2 if opts.comm_priority == "idle" else 0
-        self._lower_comm_threads()
+                                       initargs=(_current_device(self.net.xp),))
         self.timeline = Timeline(self.rank, enabled=bool(opts.timeline))
         self._stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
                        if opts.stats else None)
@@ -293,12 +283,6 @@ class WorkerHooks(SolverHooks):
         for f in self._pending:
             f.cancel()
 
-    def _lower_comm_threads(self):
-        if self._lower_comm:
-            from .priority import compute_threads, idle_threads
-            idle_threads(keep=compute_threads())
-            self._lower_comm -= 1
-
     def before_update(self, solver, it, loss):
         """The loss's verdict, then the BSP barrier: every layer's sync of this iteration done."""
         if not math.isfinite(loss):
@@ -322,7 +306,6 @@ class WorkerHooks(SolverHooks):
         t1 = time.time()
         barrier_s, exposed_s = t1 - t0, t1 - self._iter.get("backward_end", t0)
         self.last_sync = {"iter": it, "barrier_wait_s": barrier_s, "exposed_sync_s": exposed_s}
-        self._lower_comm_threads()                  # outside the barrier's time
         for st in stats:
             self.timeline.event(f"sync {st.name}", f"sync {st.scheme}", st.start, st.end,
                                 thread=st.thread,

@@ -91,18 +91,17 @@ def test_single_node_overhead_alternates_plain_and_distributed(tmp_path):
         <= out["overhead_rounds"]["max"]
 
 
-@pytest.mark.skipif(not dist_parts.comm_priority_supported(), reason="SCHED_IDLE is Linux-only")
 def test_single_node_overhead_passes_options_to_both_processes(tmp_path):
-    """Part c's second figure: the same A/B with --comm-priority idle (a bad option would fail
+    """Part c's variants: the same A/B with options for both processes (a bad option would fail
     the child; the per-thread split shows the sync threads ran: each layer alone, so that all
     syncs but the last go to the pool)."""
     out = dist_parts.single_node_overhead(tmp_path, quick=True, threads=1,
-                                          options={"comm_priority": "idle", "bucket_bytes": 0})
+                                          options={"ipc": "links", "bucket_bytes": 0})
     assert out["status"] == "measured", out.get("reason")
     assert "sync" in out["where_it_goes"]["threads_cpu_ms"]["distributed"]
     bad = dist_parts.single_node_overhead(tmp_path / "bad", quick=True, threads=1,
-                                          options={"comm_priority": "low"})
-    assert bad["status"] == "failed" and "--comm-priority takes normal or idle" in bad["reason"]
+                                          options={"ipc": "carrier-pigeon"})
+    assert bad["status"] == "failed" and "ipc='carrier-pigeon'" in bad["reason"]
 
 
 def test_part_c_variants_name_their_flag_and_threads(monkeypatch):

@@ -142,12 +142,6 @@ def _union(spans):
 
 
 # ----- c. single-node overhead ---------------------------------------------------------------------
-def comm_priority_supported():
-    """Whether part c can also run with --comm-priority idle here (Linux)."""
-    from poseidon.dist.priority import supported
-    return supported()
-
-
 class OverheadVariant(NamedTuple):
     """One of part c's figures besides the default. The default on one host (--bucket-bytes
     auto) holds all of cifar10_quick's 0.58 MB of parameters in one bucket: one sync an
@@ -172,10 +166,6 @@ def overhead_variants(quick=False):
         "ipc_zmq", "--ipc zmq", {"ipc": "zmq"},
         "every message through ZeroMQ: no direct links for the KV pushes and their answers, "
         "dist/transport/onehost/directlink.py", None)]
-    if comm_priority_supported():
-        variants.append(OverheadVariant(
-            "comm_idle", "--comm-priority idle", {"comm_priority": "idle"},
-            "the sync path's threads and the server at SCHED_IDLE, dist/priority.py", None))
     variants.append(OverheadVariant(
         "layers_alone", "--bucket-bytes 0", {"bucket_bytes": 0},
         "each layer synced alone right after its backward: the paper's WFBP, the default across "

@@ -4,7 +4,7 @@ train the same solver file side by side, in alternating blocks of iterations.
 
     python -m poseidon.tools.bench.overhead_ab SOLVER_FILE ROUNDS BLOCK WARMUP [OPTIONS_JSON]
 
-(OPTIONS_JSON: more distributed options for both processes, e.g. '{"comm_priority": "idle"}'.)
+(OPTIONS_JSON: more distributed options for both processes, e.g. '{"ipc": "links"}'.)
 
 Why alternate inside one process: on a shared machine the load changes from second to second, and
 two separate processes also differ in memory layout and start-up; blocks of a few iterations taken
