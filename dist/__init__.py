@@ -6,17 +6,13 @@
     solver = dist.DistributedSolver(get_solver("solver.prototxt", **session.solver_kwargs()))
     solver.solve()
 
-The command line does the same: `poseidon train --solver S --workers 4 --servers 2`. See
-docs/distributed.md for the design and the module docstrings for the reasons.
+The command line does the same: `poseidon train --solver S --workers 4 --servers 2`. A scheme of
+your own is a class registered with `@dist.register_scheme` (dist/schemes/base.py says what it
+provides); BestScheme then compares it with the others. See docs/distributed.md for the design and
+the module docstrings for the reasons.
 """
 from .errors import AbortError, DeadlineError, DistError  # noqa: F401
 from .options import DistOptions, add_dist_options  # noqa: F401
+from .schemes import Scheme, register_scheme  # noqa: F401
 from .session import Session, current, init  # noqa: F401
-
-
-def __getattr__(name):
-    # DistributedSolver pulls in the engine's solver; import it on first use.
-    if name == "DistributedSolver":
-        from .worker import DistributedSolver
-        return DistributedSolver
-    raise AttributeError(f"module 'dist' has no attribute '{name}'")
+from .worker import DistributedSolver, WorkerHooks  # noqa: F401
