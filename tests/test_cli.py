@@ -444,3 +444,34 @@ def test_keys_refuses_a_symbolic_link_and_leaves_its_target(tmp_path):
     dangling.symlink_to(tmp_path / "nowhere")
     fails(poseidon("keys", "--force", dangling, cwd=tmp_path), "symbolic link")
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_distributed_flags_are_refused_in_one_process(tmp_path):
+    """A flag of the distributed group means nothing without --workers/--coordinator: one line says
+    so instead of the run ignoring it."""
+    fails(poseidon("train", "--solver", DIGITS_SOLVER, "--sync", "ps", "--stats", "s.jsonl",
+                   cwd=tmp_path), "--sync, --stats only apply to a distributed run", "--workers")
+
+
+def test_dtype_means_the_same_in_one_process(digits, tmp_path):
+    """--dtype float64 trains in float64 in one process as it does in a job: the weights equal
+    those of the engine's float64 solver on the same file, and differ from a float32 run's."""
+    from poseidon.engine.solvers import get_solver
+    work, _ = digits
+    runs = {}
+    for dtype in ("float64", "float32"):
+        solver = solver_copy(work, f"{dtype}.prototxt", max_iter=5, test_interval=100,
+                             snapshot=0, snapshot_prefix=f'"snap/{dtype}"')
+        ok(poseidon("train", "--solver", solver, "--dtype", dtype, cwd=work))
+        runs[dtype] = load_params(work / "snap" / f"{dtype}_iter_5.caffemodel")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        reference = get_solver(str(work / "float64.prototxt"), dtype=numpy.float64)
+        reference.step(5)
+        reference.net.save(str(tmp_path / "ref.caffemodel"))
+    finally:
+        os.chdir(cwd)
+    want = load_params(tmp_path / "ref.caffemodel")
+    assert all(numpy.array_equal(runs["float64"][k], want[k]) for k in want)
+    assert not all(numpy.array_equal(runs["float32"][k], want[k]) for k in want)

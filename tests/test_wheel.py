@@ -88,3 +88,18 @@ def test_installed_wheel_trains_the_demo_from_an_empty_folder(wheel, tmp_path):
     final = re.search(r"Final test accuracy \(net #0\): ([\d.]+)", demo.stdout)
     assert final and float(final.group(1)) >= 0.98, demo.stdout[-2000:]
     assert (empty / "poseidon-demo" / "data" / "digits" / "train").is_dir()
+
+
+def test_child_processes_ignore_the_working_folder(tmp_path):
+    """A job's children start by module name without the working folder on sys.path: a user's
+    `poseidon.py` beside the solver file does not shadow the package in any rank (with a plain
+    `python -m` it would)."""
+    from poseidon.dist.spawn import module_command
+    (tmp_path / "poseidon.py").write_text("raise SystemExit('the working folder was imported')\n")
+    plain = subprocess.run([sys.executable, "-m", "poseidon.tools.cli", "--help"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert plain.returncode != 0 and "working folder was imported" in plain.stderr
+    child = subprocess.run(module_command("poseidon.tools.cli", "--help"), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert "train" in child.stdout
