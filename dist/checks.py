@@ -8,6 +8,7 @@ line, count it". The checks are cheap (no copy of the payload) and come in three
 - roles: who may send a type and who receives it (a
   KV_PUSH comes from a worker to a server, a BOOK from the coordinator, ...); a sender outside the
   job or the process itself is refused;
+- fields: the JSON object of a control message, field by field (dist/control.py);
 - the book (once the process has it): on a worker, the key, dtype and shape of KV values, snapshot
   replies, sufficient factors and initial weights, and the server a KV pair lives on. Servers check
   their own pairs in dist/kvstore.py, where the pair state is.
@@ -17,6 +18,7 @@ is one line in RULES), so a new type works before anyone writes its rule.
 """
 import numpy
 
+from .control import field_reason
 from .placement import MAX_BUNDLE_ARRAYS
 from .roles import COORDINATOR
 from .schemes import scheme_class
@@ -135,7 +137,7 @@ class WireRules:
             a = msg.arrays[0]
             if a.dtype != numpy.float64 or a.ndim != 1:
                 return f"{name} carries {_spec(a)}, expected a float64 vector"
-        reason = self._roles_say(msg.type, msg.sender, name)
+        reason = self._roles_say(msg.type, msg.sender, name) or field_reason(msg, self.roles)
         if reason is not None:
             return reason
         if self.book is not None:

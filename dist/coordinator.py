@@ -8,6 +8,11 @@ It runs as a thread beside worker 0 on a ROUTER socket bound at the job's coordi
   placement) and hands the same book to everyone.
 - Services: barriers, allreduce-mean of small vectors in rank order (test outputs, the display loss,
   BatchNorm statistics), gathers to worker 0 (the timeline), `Query`.
+- Hardening: a message whose fields are not what its handler reads is dropped before it gets here
+  (dist/control.py, through the transport's checks); one that does not fit the coordinator's state
+  (a collective call already completed, a repeat, a REGISTER once the job runs) is dropped here,
+  logged and counted the same way (`transport.drop`), and the unfinished collectives are bounded
+  (dist/collectives.py). A member that sends nonsense does not stop the job.
 - Liveness: every process sends a heartbeat each second; the coordinator sends one to every process.
   A rank silent for --heartbeat-timeout seconds, or one that reports a failure, makes the
   coordinator broadcast ABORT with a reason naming the lost role and rank, so every process stops
@@ -23,6 +28,7 @@ import zlib
 import numpy
 
 from .book import InformationBook, describe_net, digest, first_difference  # noqa: F401
+from .collectives import Collectives
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 from .transport import Msg, ZmqTransport
@@ -33,6 +39,7 @@ def _key(name):
 
 
 LOSS_KEY = _key("loss")     # the allreduce every worker makes once per iteration
+QUERY_FIELDS = ("index", "param", "server")    # what InformationBook.query reads
 
 
 class Coordinator:
@@ -64,10 +71,9 @@ class Coordinator:
         self.aborted_reason = None
         self.failed_rank = None           # the rank whose FAILED stopped the job (it knows why)
         self._thread = None
-        self._barriers = {}
-        self._reduces = {}
-        self._gathers = {}
-        self._waits = {}              # (kind, key, seq) -> [label, group, arrived set, since, warned]
+        # a collective no member still waits for is given up: a member waits for one at most
+        # max(10 timeouts, the start timeout) (DistributedSolver's patience for slow peers)
+        self.collectives = Collectives(max(10 * timeout, start_timeout), log=self.log)
         self._requested = None        # 'snapshot' or 'stop' (a signal), told with the next loss
 
     def request(self, action):
@@ -123,14 +129,10 @@ class Coordinator:
                                 f"{', '.join(missing)} (start them with the same --workers, "
                                 f"--servers and --coordinator, each with its own --rank)")
             msg = self.transport.next(timeout=min(left, 0.5))
-            if msg is None:
-                continue
-            if msg.type == Msg.REGISTER:
-                self._on_register(msg)
-            elif msg.type == Msg.FAILED:
-                self._on_failed(msg)
-            elif msg.type == Msg.DONE:
-                self.done.add(msg.sender)
+            if msg is not None:
+                self._handle(msg, {Msg.REGISTER: self._on_register, Msg.FAILED: self._on_failed,
+                                   Msg.DONE: lambda m: self.done.add(m.sender)},
+                             "before every rank has registered")
         self._check_agreement()
         workers0 = self.registered[0]
         self.book = InformationBook.build(
@@ -144,13 +146,29 @@ class Coordinator:
         self.log(f"all {roles.size} processes registered ({roles.workers} workers, "
                  f"{roles.servers} servers); book sent")
 
+    def _handle(self, msg, handlers, when):
+        """Hand msg to its handler; a type not taken now, or a message its handler cannot use,
+        is dropped (logged and counted), never raised: only a failure of the job stops it."""
+        handler = handlers.get(msg.type)
+        if handler is None:
+            self.transport.drop(msg, f"{msg.type.name} is not taken {when}")
+            return
+        try:
+            handler(msg)
+        except DistError:            # AbortError too: a rank failed, or ranks really disagree
+            raise
+        except Exception as e:       # a field no check foresaw: this message is bad, not the job
+            self.transport.drop(msg, f"{msg.type.name} could not be used ({type(e).__name__}: "
+                                     f"{e})")
+
     def _on_register(self, msg):
-        info = msg.obj
-        rank = int(info["rank"])
-        if not 0 <= rank < self.roles.size:
-            return   # the process checks its own rank; nothing to answer here
+        info = msg.obj               # its fields were checked on arrival (dist/control.py)
+        rank = info["rank"]
         if rank in self.registered:
             old = self.registered[rank]
+            if all(old.get(f) == info.get(f) for f in ("host", "pid", "address")):
+                self.transport.drop(msg, f"a second REGISTER from {self.roles.name(rank)}")
+                return
             raise DistError(f"two processes registered as {self.roles.name(rank)}: "
                             f"{old['host']} pid {old['pid']} and {info['host']} pid {info['pid']}; "
                             f"give each process its own --rank")
@@ -189,19 +207,19 @@ class Coordinator:
         for rank in self.done:
             self.transport.unwatch(rank)
         last_beat = 0.0
+        handlers = {Msg.BARRIER: self._on_barrier, Msg.ALLREDUCE: self._on_allreduce,
+                    Msg.GATHER: self._on_gather, Msg.FAILED: self._on_failed,
+                    Msg.DONE: self._on_done, Msg.QUERY: self._on_query}
         while len(self.done) < roles.size:
             msg = self.transport.next(timeout=0.2)
             if msg is not None:
-                handler = {Msg.BARRIER: self._on_barrier, Msg.ALLREDUCE: self._on_allreduce,
-                           Msg.GATHER: self._on_gather, Msg.FAILED: self._on_failed,
-                           Msg.DONE: self._on_done, Msg.QUERY: self._on_query}.get(msg.type)
-                if handler is not None:
-                    handler(msg)
+                self._handle(msg, handlers, "once every rank has registered")
             now = time.monotonic()
             if self.stall_warning:
                 self._inspect_stalls(now)
             if now - last_beat >= self.heartbeat:
                 last_beat = now
+                self.collectives.expire(now)
                 for rank in range(roles.size):
                     if rank not in self.done:
                         try:
@@ -213,89 +231,82 @@ class Coordinator:
     def _group(self, name):
         return self.roles.worker_ranks() if name == "workers" else list(range(self.roles.size))
 
-    def _waiting(self, kind, msg, group, arrived):
-        """Note who has arrived at a collective, for the stall inspector."""
-        k = (kind, msg.key, msg.iteration)
-        if len(arrived) == len(group):
-            self._waits.pop(k, None)
-        elif k not in self._waits:
-            name = (msg.obj or {}).get("name", msg.key) if isinstance(msg.obj, dict) else msg.key
-            now = time.monotonic()
-            self._waits[k] = [f"{kind} '{name}' (call {msg.iteration})", group, arrived, now, now]
+    def _arrive(self, kind, msg, group, value, **kw):
+        """File msg's part of a collective; the Open collective, or None when msg was dropped
+        (a call already completed, far ahead, repeated, from outside the group, ...)."""
+        entry, reason = self.collectives.arrive(kind, msg, group, value,
+                                                name=msg.obj.get("name", msg.key), **kw)
+        if reason is not None:
+            self.transport.drop(msg, reason)
+        return entry
 
     def _inspect_stalls(self, now):
         """One line per --stall-warning interval per collective still waiting: for whom."""
-        for entry in self._waits.values():
-            label, group, arrived, since, warned = entry
-            if now - warned >= self.stall_warning:
-                entry[4] = now
-                missing = ", ".join(self.roles.name(r) for r in group if r not in arrived)
-                self.warn(f"the coordinator: {label}: waiting {now - since:.0f} s for {missing}")
+        for entry in self.collectives.open.values():
+            if now - entry.warned >= self.stall_warning:
+                entry.warned = now
+                missing = ", ".join(self.roles.name(r) for r in entry.group
+                                    if r not in entry.arrived)
+                self.warn(f"the coordinator: {entry.label}: waiting {now - entry.since:.0f} s "
+                          f"for {missing}")
 
     def _on_barrier(self, msg):
-        group = self._group((msg.obj or {}).get("group", "workers"))
-        k = (msg.key, msg.iteration, tuple(group))
-        arrived = self._barriers.setdefault(k, set())
-        arrived.add(msg.sender)
-        self._waiting("barrier", msg, group, arrived)
-        if len(arrived) == len(group):
-            del self._barriers[k]
+        group = self._group(msg.obj["group"])
+        entry = self._arrive("barrier", msg, group, True, tag=msg.obj["group"])
+        if entry is not None and entry.complete:
+            self.collectives.finish(entry)
             for rank in group:
                 self.transport.send(rank, Msg.BARRIER_DONE, iteration=msg.iteration, key=msg.key)
 
     def _on_allreduce(self, msg):
-        k = (msg.key, msg.iteration)
-        got = self._reduces.setdefault(k, {})
-        got[msg.sender] = numpy.array(msg.arrays[0], numpy.float64)
         workers = self.roles.worker_ranks()
-        self._waiting("allreduce", msg, workers, got)
-        if len(got) == len(workers):
-            del self._reduces[k]
-            acc = got[workers[0]].copy()
-            for rank in workers[1:]:                  # rank order: the same bits every time
-                if got[rank].shape != acc.shape:
-                    raise DistError(f"allreduce '{(msg.obj or {}).get('name', msg.key)}': "
-                                    f"{self.roles.name(rank)} sent {got[rank].size} values, "
-                                    f"{self.roles.name(workers[0])} {acc.size}")
-                acc += got[rank]
-            if msg.aux == 0:
-                acc /= len(workers)
-            told = None
-            if msg.key == LOSS_KEY and self._requested:     # every worker acts at this iteration
-                told, self._requested = {"action": self._requested}, None
-            for rank in workers:
-                self.transport.send(rank, Msg.ALLREDUCE_DONE, iteration=msg.iteration,
-                                    key=msg.key, arrays=[acc], obj=told)
+        entry = self._arrive("allreduce", msg, workers, numpy.array(msg.arrays[0], numpy.float64))
+        if entry is None or not entry.complete:
+            return
+        got = entry.arrived
+        acc = got[workers[0]].copy()
+        for rank in workers[1:]:                  # rank order: the same bits every time
+            if got[rank].shape != acc.shape:      # the workers really disagree: say so
+                raise DistError(f"allreduce '{msg.obj.get('name', msg.key)}': "
+                                f"{self.roles.name(rank)} sent {got[rank].size} values, "
+                                f"{self.roles.name(workers[0])} {acc.size}")
+            acc += got[rank]
+        self.collectives.finish(entry)
+        if msg.aux == 0:
+            acc /= len(workers)
+        told = None
+        if msg.key == LOSS_KEY and self._requested:     # every worker acts at this iteration
+            told, self._requested = {"action": self._requested}, None
+        for rank in workers:
+            self.transport.send(rank, Msg.ALLREDUCE_DONE, iteration=msg.iteration,
+                                key=msg.key, arrays=[acc], obj=told)
 
     def _on_gather(self, msg):
-        k = (msg.key, msg.iteration)
-        got = self._gathers.setdefault(k, {})
-        got[msg.sender] = msg.obj["item"]
         workers = self.roles.worker_ranks()
-        self._waiting("gather", msg, workers, got)
-        if len(got) == len(workers):
-            del self._gathers[k]
-            items = [got[r] for r in workers]
-            self.transport.send(msg.aux, Msg.GATHER_DONE, iteration=msg.iteration, key=msg.key,
-                                obj={"items": items})
+        entry = self._arrive("gather", msg, workers, msg.obj["item"], root=msg.aux)
+        if entry is not None and entry.complete:
+            self.collectives.finish(entry)
+            self.transport.send(entry.root, Msg.GATHER_DONE, iteration=msg.iteration,
+                                key=msg.key, obj={"items": [entry.arrived[r] for r in workers]})
 
     def _on_query(self, msg):
-        q = dict(msg.obj or {})
-        what = q.pop("what", "")
+        q = dict(msg.obj)             # its fields were checked on arrival (dist/control.py)
+        what = q.pop("what")
         if what == "request_action":          # a signal on a rank other than worker 0
-            self.request(q.get("action"))
+            self.request(q["action"])
             self.transport.send(msg.sender, Msg.QUERY_REPLY, iteration=msg.iteration,
                                 key=msg.key, obj={"result": True})
             return
         try:
-            result = {"result": self.book.query(what, **q)}
+            result = {"result": self.book.query(what, **{f: q[f] for f in QUERY_FIELDS if f in q})}
         except (DistError, KeyError, ValueError) as e:
-            result = {"error": str(e)}
+            result = {"error": f"{e}" if not isinstance(e, KeyError) else
+                      f"query '{what}': {e} is not in the book"}
         self.transport.send(msg.sender, Msg.QUERY_REPLY, iteration=msg.iteration, key=msg.key,
                             obj=result)
 
     def _on_failed(self, msg):
-        reason = (msg.obj or {}).get("reason", "unknown error")
+        reason = msg.obj["reason"]
         self.failed_rank = msg.sender
         raise AbortError(f"{self.roles.name(msg.sender)} failed: {reason}")
 

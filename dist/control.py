@@ -1,0 +1,193 @@
+"""What the fields of a control message must be for a process to act on it; anything else is dropped.
+
+Why: the control messages (registration, collectives, queries, failures, aborts) carry a JSON object
+that the coordinator and the ranks read field by field. A member of the job can be buggy, and before
+these schemas one GATHER without its object, or a QUERY whose index was a list, raised inside the
+coordinator's loop and stopped the whole job. So every field a handler reads is described here
+(type and range), once per message type, and checks.WireRules asks `field_reason(msg, roles)` in the
+receive thread: a reason string means the message is dropped, logged and counted there, like any
+other refused message, and the handlers can read the fields without guarding each one.
+
+What is checked here depends only on the message and the job's roles; what depends on the
+coordinator's state (a call already completed, a vector of the wrong length, a collective's root)
+is checked in dist/collectives.py.
+"""
+from .transport import Msg
+
+TEXT = 1 << 16            # the longest string field (a failure's reason may quote a traceback)
+NAME = 256                # a collective's name, a host name
+INDEX = 1 << 31           # layer, parameter and server indices are below this
+
+
+class Int:
+    """A JSON integer (not a boolean) in [least, most)."""
+
+    def __init__(self, least=0, most=INDEX):
+        self.least, self.most = least, most
+
+    def __call__(self, value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"is {_kind(value)}, not an integer"
+        if not self.least <= value < self.most:
+            return f"is {value}, outside {self.least}..{self.most - 1}"
+        return None
+
+
+class Text:
+    """A JSON string of at most `most` characters."""
+
+    def __init__(self, most=TEXT):
+        self.most = most
+
+    def __call__(self, value):
+        if not isinstance(value, str):
+            return f"is {_kind(value)}, not a string"
+        if len(value) > self.most:
+            return f"is {len(value)} characters long (at most {self.most})"
+        return None
+
+
+class OneOf:
+    def __init__(self, *values):
+        self.values = values
+
+    def __call__(self, value):
+        if isinstance(value, str) and value in self.values:
+            return None
+        return f"is {str(value)[:40]!r}, not one of {', '.join(map(repr, self.values))}"
+
+
+def an_object(value):
+    return None if isinstance(value, dict) else f"is {_kind(value)}, not an object"
+
+
+def a_list(value):
+    return None if isinstance(value, list) else f"is {_kind(value)}, not a list"
+
+
+def anything(value):
+    return None
+
+
+def _kind(value):
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value), "a value")
+
+
+class Schema:
+    """The JSON object of one message type: `json` is 'none' (it must carry none), 'maybe' or
+    'object'; `required` and `optional` map a field to its check; `more(msg, roles)`, when given,
+    checks what depends on the sender or on the header (a reason or None)."""
+
+    def __init__(self, json="object", required=None, optional=None, more=None):
+        self.json, self.more = json, more
+        self.required, self.optional = required or {}, optional or {}
+
+    def reason(self, msg, roles):
+        obj, name = msg.obj, msg.type.name
+        if obj is None:
+            if self.json == "object":
+                return f"{name} carries no JSON object"
+        elif self.json == "none":
+            return f"{name} carries a JSON object, which it never has"
+        else:
+            for field, check in self.required.items():
+                if field not in obj:
+                    return f"{name} lacks the field '{field}'"
+                why = check(obj[field])
+                if why is not None:
+                    return f"{name}: the field '{field}' {why}"
+            for field, check in self.optional.items():
+                why = None if field not in obj else check(obj[field])
+                if why is not None:
+                    return f"{name}: the field '{field}' {why}"
+        return None if self.more is None else self.more(msg, roles)
+
+
+# ----- what depends on the sender or the header ---------------------------------------------------
+def _register(msg, roles):
+    rank = msg.obj["rank"]
+    if rank != msg.sender:
+        return f"REGISTER for rank {rank} sent by {roles.name(msg.sender)}"
+    if msg.obj["role"] != roles.role(rank):
+        return f"REGISTER from {roles.name(rank)} says it is a {msg.obj['role']}"
+    if roles.is_worker(rank):
+        for field, check in (("description", an_object), ("solver", Text(1 << 20))):
+            why = "is missing" if field not in msg.obj else check(msg.obj[field])
+            if why is not None:
+                return f"REGISTER from {roles.name(rank)}: the field '{field}' {why}"
+    return None
+
+
+def _allreduce(msg, roles):
+    if msg.aux not in (0, 1):
+        return f"ALLREDUCE with operation {msg.aux} (0: mean, 1: sum)"
+    return None
+
+
+def _gather(msg, roles):
+    if not roles.is_worker(msg.aux):
+        return f"GATHER to rank {msg.aux}, which is not a worker"
+    return None
+
+
+QUERIES = {              # what a QUERY may ask, and the fields each needs
+    "layer": {"index": Int()}, "best_scheme": {"index": Int()}, "costs": {"index": Int()},
+    "pairs": {}, "cluster": {}, "server_bytes": {},
+    "request_action": {"action": OneOf("snapshot", "stop")},
+}
+
+
+def _query(msg, roles):
+    need = QUERIES.get(msg.obj["what"])
+    if need is None:         # answered with an error naming the queries there are, not dropped
+        return None
+    for field, check in need.items():
+        why = "is missing" if field not in msg.obj else check(msg.obj[field])
+        if why is not None:
+            return f"QUERY '{msg.obj['what']}': the field '{field}' {why}"
+    if msg.obj["what"] == "pairs" and not ("param" in msg.obj or "server" in msg.obj):
+        return "QUERY 'pairs' names neither 'param' nor 'server'"
+    return None
+
+
+def _query_reply(msg, roles):
+    if "result" not in msg.obj and "error" not in msg.obj:
+        return "QUERY_REPLY with neither a result nor an error"
+    return None
+
+
+def _gather_done(msg, roles):
+    if len(msg.obj["items"]) != roles.workers:
+        return f"GATHER_DONE with {len(msg.obj['items'])} items for {roles.workers} workers"
+    return None
+
+
+SCHEMAS = {
+    # to the coordinator
+    Msg.REGISTER: Schema(required={"rank": Int(0, 1 << 15), "address": Text(NAME * 2),
+                                   "host": Text(NAME), "role": OneOf("worker", "server"),
+                                   "options": an_object},
+                         optional={"pid": Int(0, 1 << 31), "local": anything},
+                         more=_register),
+    Msg.BARRIER: Schema(required={"name": Text(NAME), "group": OneOf("workers", "all")}),
+    Msg.ALLREDUCE: Schema(required={"name": Text(NAME)}, more=_allreduce),
+    Msg.GATHER: Schema(required={"name": Text(NAME), "item": anything}, more=_gather),
+    Msg.FAILED: Schema(required={"reason": Text()}),
+    Msg.DONE: Schema(json="none"),
+    Msg.QUERY: Schema(required={"what": Text(64)},
+                      optional={"param": Int(), "server": Int()}, more=_query),
+    Msg.HEARTBEAT: Schema(json="none"),
+    # from the coordinator
+    Msg.BARRIER_DONE: Schema(json="none"),
+    Msg.ALLREDUCE_DONE: Schema(json="maybe", optional={"action": OneOf("snapshot", "stop")}),
+    Msg.GATHER_DONE: Schema(required={"items": a_list}, more=_gather_done),
+    Msg.QUERY_REPLY: Schema(optional={"error": Text()}, more=_query_reply),
+    Msg.ABORT: Schema(required={"reason": Text()}),
+}
+
+
+def field_reason(msg, roles):
+    """None if the fields of msg are what its handler reads, else why not (one line)."""
+    schema = SCHEMAS.get(msg.type)
+    return None if schema is None else schema.reason(msg, roles)
