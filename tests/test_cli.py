@@ -475,3 +475,18 @@ def test_dtype_means_the_same_in_one_process(digits, tmp_path):
     want = load_params(tmp_path / "ref.caffemodel")
     assert all(numpy.array_equal(runs["float64"][k], want[k]) for k in want)
     assert not all(numpy.array_equal(runs["float32"][k], want[k]) for k in want)
+
+
+def test_refresh_routes_flag_reaches_the_route_choice(monkeypatch):
+    """--refresh-routes on train, test and time sets what the route choice reads (and what a
+    job's processes inherit)."""
+    import argparse
+    from poseidon.engine.layers.conv import routes
+    from poseidon.tools.commands.common import add_gpu_option, apply_route_refresh
+    monkeypatch.delenv("POSEIDON_CONV_REFRESH", raising=False)
+    parser = argparse.ArgumentParser()
+    add_gpu_option(parser)
+    apply_route_refresh(parser.parse_args([]))
+    assert not routes.refresh_asked()
+    apply_route_refresh(parser.parse_args(["--refresh-routes"]))
+    assert routes.refresh_asked()

@@ -16,7 +16,7 @@ from poseidon.dist.options import add_dist_options, dist_flags_given
 from poseidon.engine.errors import PoseidonError
 from poseidon.engine.solvers import final_accuracy_lines
 
-from .common import add_gpu_option, apply_gpu, out, setup_logging
+from .common import add_gpu_option, apply_gpu, apply_route_refresh, out, setup_logging
 
 DEMO_SOLVER = shipped_prototxt.path("digits_quick", "solver.prototxt")
 
@@ -79,6 +79,7 @@ def run(args):
         from poseidon.engine.solvers import check_solver_file
         check_solver_file(args.solver)   # a bad file: one line, before any process starts
         from poseidon.dist.launch import launch
+        apply_route_refresh(args)
         return launch(args)
     given = dist_flags_given(args)
     if given:
