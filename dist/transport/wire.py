@@ -16,6 +16,9 @@ import struct
 import time
 
 import numpy
+import zmq
+
+from ..errors import DeadlineError
 
 
 class Msg(enum.IntEnum):
@@ -190,16 +193,37 @@ def make_message(head, mtype, flags, sender, iteration, key, aux, arrays, payloa
 
 
 class Receipt:
-    """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames."""
+    """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames.
 
-    __slots__ = ("payload_bytes", "header_bytes", "trackers")
+    Why a deadline: a zero-copy frame is done only once the receiver has read it, and a receiver
+    that is stopped (SIGSTOP) or gone never reads; a wait without one would stop the waiting
+    thread for ever (a KV server's receive thread then stops beating and serving). `wait` gives
+    up after the transport's --timeout, naming the receiver; `done` asks without waiting."""
 
-    def __init__(self, payload_bytes=0, header_bytes=0, trackers=()):
+    __slots__ = ("payload_bytes", "header_bytes", "trackers", "timeout", "what")
+
+    def __init__(self, payload_bytes=0, header_bytes=0, trackers=(), timeout=None, what=None):
         self.payload_bytes, self.header_bytes, self.trackers = payload_bytes, header_bytes, trackers
+        self.timeout = timeout           # seconds a wait lasts at most (None: the caller's)
+        self.what = what                 # "rank 0's KV_VALUE to rank 2", for the deadline error
+
+    def done(self):
+        """Whether every sent buffer is free again (without waiting)."""
+        if all(t.done for t in self.trackers):
+            self.trackers = ()
+            return True
+        return False
 
     def wait(self, timeout=None):
-        """Block until ZeroMQ no longer needs the sent buffers (so they may be overwritten)."""
+        """Block until the sent buffers may be overwritten, at most `timeout` seconds (default:
+        the receipt's own, the transport's --timeout); DeadlineError naming the receiver after."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
         for t in self.trackers:
-            t.wait(-1 if timeout is None else timeout)
+            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                t.wait(left)
+            except (TimeoutError, zmq.NotDone):
+                raise DeadlineError(f"{self.what or 'a message'} was not taken within "
+                                    f"{limit:g} s: is the receiver still running?") from None
         self.trackers = ()
-

@@ -207,12 +207,12 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         peer = self._local_peers.get(dest)
         if peer is not None:             # no network between them: no bandwidth cap either
             peer._take_in_local(header, [a.copy() for a in arrays])
-            return self._count_sent(payload, header, ())
+            return self._count_sent(payload, header, (), dest, mtype)
         if self.bucket is not None:
             self.bucket.consume(payload + len(header))
         written = self._send_direct(dest, mtype, header, arrays, key, iteration, payload)
         if written is not None:
-            return self._count_sent(payload, header, written)
+            return self._count_sent(payload, header, written, dest, mtype)
         try:
             sock, lock = self._out[dest]
         except KeyError:
@@ -234,14 +234,15 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             raise DeadlineError(f"{self.name} could not send {Msg(mtype).name} to "
                                 f"{self._namer(dest)} within {self.timeout:g} s: is it still "
                                 f"running?") from None
-        return self._count_sent(payload, header, trackers)
+        return self._count_sent(payload, header, trackers, dest, mtype)
 
-    def _count_sent(self, payload, header, trackers):
+    def _count_sent(self, payload, header, trackers, dest, mtype):
         with self.counters_lock:
             self.sent_payload += payload
             self.sent_header += len(header)
             self.sent_messages += 1
-        return Receipt(payload, len(header), trackers)
+        what = (f"{self.name}'s {Msg(mtype).name} to {self._namer(dest)}" if trackers else None)
+        return Receipt(payload, len(header), trackers, self.timeout, what)
 
     # ----- receiving ----------------------------------------------------------------------------------
     def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None,
