@@ -151,7 +151,12 @@ def add_dist_options(parser):
     add("--keys", metavar="FILE", help="the job's key file from `poseidon keys FILE` "
         "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
     add("--insecure", action="store_true", help="no CURVE authentication or "
-        "encryption (experiments on a trusted network only)")
+        "encryption: any process that reaches a port of the job (on a local job, any user of "
+        "this machine) can push gradients into it or abort it; refused with a coordinator on a "
+        "routable address unless --trusted-network is given too")
+    add("--trusted-network", action="store_true", help="with --insecure: the network between "
+        "the job's hosts is trusted (a private cluster), so a coordinator on a routable address "
+        "may run without CURVE")
     add("--comm-priority", choices=COMM_PRIORITIES, default="normal",
         help="idle: the sync path's threads and the KV servers run at SCHED_IDLE "
         "(Linux), taking only cores the training leaves free; for jobs whose "
@@ -206,7 +211,7 @@ class DistOptions:
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
-              "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0,
+              "keys": None, "insecure": False, "trusted_network": False, "straggler_timeout": None, "staleness": 0,
               "comm_priority": "normal", "ipc": "auto"}
 
     def __init__(self, **kw):

@@ -64,7 +64,8 @@ class Session:
         self.log = log or (lambda line: None)
         host, port = split_address(options.coordinator)
         loopback = host in ("127.0.0.1", "localhost") or options.local
-        self.keys = resolve_keys(options.keys, options.insecure, loopback)
+        self.keys = resolve_keys(options.keys, options.insecure, loopback,
+                                 options.trusted_network)
         if options.interface:
             address = interface_address(options.interface)
         else:
