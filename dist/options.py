@@ -10,7 +10,7 @@ import os
 from .placement import DEFAULT_PAIR_BYTES, parse_bytes
 from .priority import CHOICES as COMM_PRIORITIES
 from .schemes import sync_choices
-from .transport import parse_bandwidth
+from .transport import MIN_SLICE_BYTES, parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
 
@@ -58,6 +58,19 @@ def parse_bucket_bytes(value):
 
 
 _bytes = _size()
+
+
+def parse_slice_bytes(value):
+    """--slice-bytes: a size in bytes, at least MIN_SLICE_BYTES (so a message is not thousands of
+    slices, each with its header) and at most 1GB."""
+    size = parse_bytes(value, what="the slice size")
+    if not MIN_SLICE_BYTES <= size <= 1 << 30:
+        raise ValueError(f"the slice size must be between {MIN_SLICE_BYTES} bytes and 1GB, "
+                         f"got '{value}'")
+    return size
+
+
+_slice_bytes = _argument(parse_slice_bytes)
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
 _bucket_bytes = _argument(parse_bucket_bytes)
 
@@ -114,6 +127,10 @@ def add_dist_options(parser):
         "(forward, backward and sync of each layer), written by worker 0")
     add("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
         help="largest KV pair (default 2MB)")
+    add("--slice-bytes", type=_slice_bytes, metavar="BYTES",
+        help="every message larger than BYTES travels in slices of BYTES (default: "
+        "--kv-pair-bytes), and no process takes a frame much larger (a stranger's claimed "
+        "512 MB frame is refused before any memory is taken); at least 4KB")
     add("--fusion-bytes", type=_fusion_bytes, metavar="BYTES",
         help="a layer's KV pairs on one server go as one message while it stays "
         "within BYTES (default: --kv-pair-bytes, so a bias rides with its weight); 0: "
@@ -207,7 +224,8 @@ class DistOptions:
 
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
-              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None, "bucket_bytes": "auto",
+              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "slice_bytes": None, "fusion_bytes": None,
+              "bucket_bytes": "auto",
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
@@ -223,6 +241,7 @@ class DistOptions:
         if self.servers is None:
             self.servers = 1
         self.kv_pair_bytes = parse_bytes(self.kv_pair_bytes)
+        self.slice_bytes = parse_slice_bytes(self.slice_bytes or self.kv_pair_bytes)
         if self.fusion_bytes is not None:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
@@ -266,7 +285,8 @@ class DistOptions:
     def shared(self):
         """The options every process of one job must agree on."""
         return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
-                "kv_pair_bytes": self.kv_pair_bytes, "fusion_bytes": self.fusion_bytes,
+                "kv_pair_bytes": self.kv_pair_bytes, "slice_bytes": self.slice_bytes,
+                "fusion_bytes": self.fusion_bytes,
                 "bucket_bytes": self.bucket_bytes, "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
                 "staleness": int(self.staleness or 0)}

@@ -84,7 +84,8 @@ class Session:
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
                                       roles=self.roles, local_ipc=options.ipc != "off",
                                       direct_links=options.ipc in ("auto", "links"),
-                                      shared_memory=shared_kv_memory(options))
+                                      shared_memory=shared_kv_memory(options),
+                                      slice_bytes=options.slice_bytes)
         if self.coordinator is not None:   # one process: their messages skip the sockets
             self.transport.attach_local(COORDINATOR, self.coordinator.transport)
             self.coordinator.transport.attach_local(rank, self.transport)
