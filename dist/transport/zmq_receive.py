@@ -205,7 +205,9 @@ class ZmqReceiveSide:
                 self.fail(e if isinstance(e, DistError) else
                           DistError(f"{self.name}: handling {msg!r} failed: {e}"))
         else:
-            self.mailbox.put(msg)
+            reason = self.mailbox.put(msg)
+            if reason is not None:
+                self.drop(msg, reason)
 
     def _tick(self):
         now = time.monotonic()

@@ -5,6 +5,8 @@ process can do to a job's processes, and what they must not.
   answering the other workers (their iterations go on while the straggler is stopped), and after
   SIGCONT the job finishes. A server that waited for the stopped worker to take its last answer
   would stop its receive thread with it: no answers, no heartbeats.
+- 300 copies of one 1 MB KV_VALUE, and of one KV_PUSH to a server's queue: one is filed, 299
+  are dropped and counted (the copies were filed, 300 MB of them).
 
 Run: python -m pytest tests/dist/test_bounded.py -q -s
 """
@@ -15,7 +17,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy
 import pytest
+
+from poseidon.dist.roles import Roles
+from poseidon.dist.transport import Msg, ZmqTransport
 
 from .helpers import fc_net, make_lmdb
 from .test_processes import alive, cli, env, write_solver
@@ -81,3 +87,64 @@ def test_a_stopped_worker_does_not_stop_the_server(tmp_path):
     assert "poseidon: all processes finished" in text
     print(f"\nworker 2 stopped for 3 s: worker 0 went on {during} iterations, the server "
           f"answered {served_during}; after SIGCONT the job finished")
+
+
+@pytest.fixture
+def pair():
+    roles = Roles(1, 1)
+    worker = ZmqTransport(0, namer=roles.name, timeout=10.0)
+    server = ZmqTransport(1, namer=roles.name, timeout=10.0)
+    for t in (worker, server):
+        t.bind("127.0.0.1")
+        t.start()
+    worker.connect(1, server.address)
+    server.connect(0, worker.address)
+    yield worker, server
+    worker.close(0)
+    server.close(0)
+
+
+def _settle(t, n, limit=30.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        c = t.counters()
+        if c["recv_messages"] + c["dropped_messages"] >= n:
+            return c
+        time.sleep(0.02)
+    raise AssertionError(f"{t.name} took in {t.counters()} of {n} messages")
+
+
+def _filed_bytes(mailbox):
+    boxes = sum(m.payload_bytes for box in mailbox._boxes.values() for m in box)
+    return boxes + sum(m.payload_bytes for m in mailbox._fifo)
+
+
+def test_copies_of_a_message_are_dropped_not_filed(pair):
+    worker, server = pair
+    value = numpy.ones(1 << 18, numpy.float32)                        # 1 MB
+    server.set_fifo([Msg.KV_PUSH])
+    for _ in range(300):
+        server.send(0, Msg.KV_VALUE, iteration=3, key=7, arrays=[value])
+        worker.send(1, Msg.KV_PUSH, iteration=3, key=7, arrays=[value])
+    for t in (worker, server):
+        c = _settle(t, 300)
+        assert c["recv_messages"] == 1 and c["dropped_messages"] == 299, c
+        assert _filed_bytes(t.mailbox) == value.nbytes
+    got = worker.receive(Msg.KV_VALUE, key=7, iteration=3)[0]
+    numpy.testing.assert_array_equal(got.arrays[0], value)
+    assert server.next(timeout=1).key == 7 and server.next(timeout=0) is None
+    server.send(0, Msg.KV_VALUE, iteration=4, key=7, arrays=[value])    # the next one: filed
+    assert worker.receive(Msg.KV_VALUE, key=7, iteration=4)[0].sender == 1
+    print(f"\n300 copies of a 1 MB KV_VALUE and of a KV_PUSH: 1 filed, 299 dropped each")
+
+
+def test_the_mailbox_is_bounded(monkeypatch):
+    from poseidon.dist.transport import Message, Mailbox
+    from poseidon.dist.transport import mailbox as module
+    monkeypatch.setattr(module, "MAX_FILED", 5)
+    box = Mailbox(str)
+    msgs = [Message(Msg.SF, 0, it, 1, 0, [], None, 0, 0) for it in range(6)]
+    assert [box.put(m) for m in msgs[:5]] == [None] * 5
+    assert "5 messages already wait" in box.put(msgs[5])
+    assert box.take(Msg.SF, 1, 0, timeout=1)[0].iteration == 0
+    assert box.put(msgs[5]) is None                      # taking one made room
