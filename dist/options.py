@@ -241,7 +241,8 @@ class DistOptions:
         if self.servers is None:
             self.servers = 1
         self.kv_pair_bytes = parse_bytes(self.kv_pair_bytes)
-        self.slice_bytes = parse_slice_bytes(self.slice_bytes or self.kv_pair_bytes)
+        self.slice_bytes = parse_slice_bytes(self.slice_bytes or
+                                             max(self.kv_pair_bytes, MIN_SLICE_BYTES))
         if self.fusion_bytes is not None:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
