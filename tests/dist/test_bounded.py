@@ -148,3 +148,24 @@ def test_the_mailbox_is_bounded(monkeypatch):
     assert "5 messages already wait" in box.put(msgs[5])
     assert box.take(Msg.SF, 1, 0, timeout=1)[0].iteration == 0
     assert box.put(msgs[5]) is None                      # taking one made room
+
+
+def test_a_receipt_waits_at_most_its_deadline_and_names_the_receiver():
+    """A zero-copy frame a receiver never reads (stopped, gone): the wait ends at the deadline."""
+    import zmq
+    from poseidon.dist.errors import DeadlineError
+    from poseidon.dist.transport import Receipt
+
+    class NeverTaken:
+        done = False
+
+        def wait(self, timeout):
+            time.sleep(min(timeout, 0.05))
+            raise zmq.NotDone()
+
+    receipt = Receipt(10, 5, [NeverTaken()], timeout=0.1, what="worker 0's SF to worker 1")
+    assert not receipt.done()
+    start = time.monotonic()
+    with pytest.raises(DeadlineError, match="worker 0's SF to worker 1 was not taken within 0.1 s"):
+        receipt.wait()
+    assert time.monotonic() - start < 5
