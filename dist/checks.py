@@ -59,6 +59,18 @@ JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a fl
 SHARED_TYPES = {Msg.KV_PUSH, Msg.KV_VALUE}            # may keep their arrays in shared memory
 
 
+BOOK_SIZED = {Msg.KV_VALUE, Msg.KV_GET_REPLY, Msg.SF, Msg.WEIGHTS}   # the book fixes their shapes
+
+
+class _Described:
+    """A message known by its arrays' descriptions only (zero-stride arrays of those shapes)."""
+
+    shared = False
+
+    def __init__(self, mtype, sender, key, arrays):
+        self.type, self.sender, self.key, self.arrays = mtype, sender, key, arrays
+
+
 def _is(role, rank, roles):
     if role == "anyone":
         return rank == COORDINATOR or 0 <= rank < roles.size
@@ -150,6 +162,26 @@ class WireRules:
                     return None
             return self._check_shapes(msg, name)
         return None
+
+    def check_specs(self, mtype, sender, key, specs):
+        """Why a message of these (dtype, shape) arrays (the JSON object's left out) from sender
+        cannot be a member's, or None. Asked of a sliced message's first slice, before its whole
+        is allocated: the count and role checks, and the book's shapes where it fixes them, so a
+        whole is never sized by what a sender claims beyond what the job allows."""
+        rule = RULES.get(mtype)
+        if rule is None or self.roles is None:
+            return None
+        name = mtype.name
+        least, most = rule[2]
+        if not least <= len(specs) <= most:
+            return (f"{name} declares {len(specs)} arrays, expected "
+                    f"{least if least == most else f'{least} to {most}'}")
+        reason = self._roles_say(mtype, sender, name)
+        if reason is not None or self.book is None or mtype not in BOOK_SIZED:
+            return reason
+        arrays = [numpy.lib.stride_tricks.as_strided(numpy.zeros(1, dtype), shape,
+                                                     (0,) * len(shape)) for dtype, shape in specs]
+        return self._check_shapes(_Described(mtype, sender, key, arrays), name)
 
     def _roles_say(self, mtype, sender, name):
         """The sender/receiver check, which depends only on (type, sender) once the roles are

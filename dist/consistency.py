@@ -160,9 +160,7 @@ class DropPolicy(_Policy):
         n = len(arrived)
         t0 = time.perf_counter()
         acc = rank_order_sum(pair, arrived)
-        for receipt in pair.receipts:
-            receipt.wait()
-        pair.receipts = []
+        s.free_value(pair)                   # replies in flight keep the old buffer
         if n == self.workers or s.book.options.get("sum_gradients"):
             scale = s.grad_scale                 # BSP's own factor: bitwise BSP when all came
         else:
@@ -225,9 +223,7 @@ class StalePolicy(_Policy):
         t0 = time.perf_counter()
         acc = s.scratch(pair.length)
         numpy.copyto(acc, grad)
-        for receipt in pair.receipts:        # replies in flight still read pair.value
-            receipt.wait()
-        pair.receipts = []
+        s.free_value(pair)                   # replies in flight keep the old buffer
         s.rule.update(pair.value, acc, pair.state, c, pair.lr_mult,
                       pair.decay_mult / self.workers, s.grad_scale)
         st["update_s"] += time.perf_counter() - t0

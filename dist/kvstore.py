@@ -68,8 +68,7 @@ class UpdateHandler:
     def complete(self, pair, it):
         s = self.server
         acc, live = s.gradient_sum(pair)     # the rule takes it as scratch unless it is live
-        for receipt in pair.receipts:        # the last reply's frames may still be in flight
-            receipt.wait()
+        s.free_value(pair)                   # the last reply's frames may still be in flight
         s.rule.update(pair.value, acc, pair.state, it, pair.lr_mult, pair.decay_mult,
                       s.grad_scale, keep_grad=live)
         return pair.value
@@ -152,6 +151,26 @@ class KVServer:
             return rank_order_sum(pair, range(self.workers)), False
         return (rank_order_sum(pair, range(self.workers), out=self.scratch(pair.length)),
                 self.workers == 1)
+
+    def free_value(self, pair):
+        """Make pair.value safe to overwrite in place, without waiting: when a reply that reads it
+        is still queued (a slow, stopped or lost worker has not taken it), the pair goes on in a
+        copy and the queued reply keeps the old buffer until ZeroMQ lets it go.
+
+        Why never wait: this runs on the receive thread under the server's lock, and a wait for
+        a worker that does not read (SIGSTOP, a dead host) would stop the heartbeats, the ABORT
+        handling and every other worker's answers with it. Values in shared memory are never
+        copied away (the workers read them there); their replies carry copies instead (replies)."""
+        if pair.receipts and not all(r.done() for r in pair.receipts):
+            pair.value = pair.value.copy()
+        pair.receipts = []
+
+    def reply_arrays(self, outs):
+        """The arrays a reply to a worker without the shared memory sends, and whether their
+        receipts must be kept: values in shared memory go as copies (see free_value)."""
+        if self.segment is not None:
+            return [numpy.array(o) for o in outs], False
+        return outs, True
 
     def bytes_held(self):
         return sum(p.length for p in self.pairs.values()) * self.dtype.itemsize
@@ -381,18 +400,23 @@ class KVServer:
     def answer(self, pairs, it, st, outs, aux=0):
         """Send every worker the results of iteration it of one message's pairs, in one message,
         and open their next iteration (BSP here, and the straggler policy once its deadline has
-        passed). Each pair keeps the receipts: its value is not touched until they are sent."""
+        passed). Each pair keeps the receipts: its value is not overwritten while they are in flight
+        (free_value)."""
         receipts = []
         shared = pairs[0].shared
+        copies = None
         for w in range(self.workers):
             if shared[w]:                     # the values are in place in the shared memory
                 receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pairs[0].id,
                                               aux=aux, shared=True)
                 st["sent_payload"] += sum(a.nbytes for a in outs)
             else:
+                if copies is None:
+                    copies, keep = self.reply_arrays(outs)
                 receipt = self.transport.send(w, Msg.KV_VALUE, iteration=it, key=pairs[0].id,
-                                              aux=aux, arrays=outs)
-                receipts.append(receipt)
+                                              aux=aux, arrays=copies)
+                if keep:
+                    receipts.append(receipt)
                 st["sent_payload"] += receipt.payload_bytes
             st["sent_header"] += receipt.header_bytes
         for pair in pairs:
@@ -409,8 +433,6 @@ class KVServer:
         pair = self._pair(msg)
         if pair is None:
             return
-        for receipt in pair.receipts:
-            receipt.wait()
         self.transport.send(msg.sender, Msg.KV_GET_REPLY, iteration=msg.iteration, key=pair.id,
                             arrays=[pair.value.copy()] + [s.copy() for s in pair.state])
 

@@ -9,7 +9,7 @@ import os
 
 from .placement import DEFAULT_PAIR_BYTES, parse_bytes
 from .schemes import sync_choices
-from .transport import parse_bandwidth
+from .transport import MIN_SLICE_BYTES, parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
 
@@ -57,6 +57,19 @@ def parse_bucket_bytes(value):
 
 
 _bytes = _size()
+
+
+def parse_slice_bytes(value):
+    """--slice-bytes: a size in bytes, at least MIN_SLICE_BYTES (so a message is not thousands of
+    slices, each with its header) and at most 1GB."""
+    size = parse_bytes(value, what="the slice size")
+    if not MIN_SLICE_BYTES <= size <= 1 << 30:
+        raise ValueError(f"the slice size must be between {MIN_SLICE_BYTES} bytes and 1GB, "
+                         f"got '{value}'")
+    return size
+
+
+_slice_bytes = _argument(parse_slice_bytes)
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
 _bucket_bytes = _argument(parse_bucket_bytes)
 
@@ -113,6 +126,10 @@ def add_dist_options(parser):
         "(forward, backward and sync of each layer), written by worker 0")
     add("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
         help="largest KV pair (default 2MB)")
+    add("--slice-bytes", type=_slice_bytes, metavar="BYTES",
+        help="every message larger than BYTES travels in slices of BYTES (default: "
+        "--kv-pair-bytes), and no process takes a frame much larger (a stranger's claimed "
+        "512 MB frame is refused before any memory is taken); at least 4KB")
     add("--fusion-bytes", type=_fusion_bytes, metavar="BYTES",
         help="a layer's KV pairs on one server go as one message while it stays "
         "within BYTES (default: --kv-pair-bytes, so a bias rides with its weight); 0: "
@@ -150,7 +167,12 @@ def add_dist_options(parser):
     add("--keys", metavar="FILE", help="the job's key file from `poseidon keys FILE` "
         "(default: POSEIDON_KEYS); a multi-host job needs it, a local one makes its own")
     add("--insecure", action="store_true", help="no CURVE authentication or "
-        "encryption (experiments on a trusted network only)")
+        "encryption: any process that reaches a port of the job (on a local job, any user of "
+        "this machine) can push gradients into it or abort it; refused with a coordinator on a "
+        "routable address unless --trusted-network is given too")
+    add("--trusted-network", action="store_true", help="with --insecure: the network between "
+        "the job's hosts is trusted (a private cluster), so a coordinator on a routable address "
+        "may run without CURVE")
     add("--ipc", choices=IPC_CHOICES, default="auto",
         help="auto: processes of the job on one host talk over Unix sockets in "
         "private folders, without CURVE (only this user can reach them), and a "
@@ -197,12 +219,13 @@ class DistOptions:
 
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
-              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "fusion_bytes": None, "bucket_bytes": "auto",
+              "kv_pair_bytes": DEFAULT_PAIR_BYTES, "slice_bytes": None, "fusion_bytes": None,
+              "bucket_bytes": "auto",
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
-              "keys": None, "insecure": False, "straggler_timeout": None, "staleness": 0,
-              "ipc": "auto"}
+              "keys": None, "insecure": False, "trusted_network": False,
+              "straggler_timeout": None, "staleness": 0, "ipc": "auto"}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -213,6 +236,8 @@ class DistOptions:
         if self.servers is None:
             self.servers = 1
         self.kv_pair_bytes = parse_bytes(self.kv_pair_bytes)
+        self.slice_bytes = parse_slice_bytes(self.slice_bytes or
+                                             max(self.kv_pair_bytes, MIN_SLICE_BYTES))
         if self.fusion_bytes is not None:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
@@ -254,7 +279,8 @@ class DistOptions:
     def shared(self):
         """The options every process of one job must agree on."""
         return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
-                "kv_pair_bytes": self.kv_pair_bytes, "fusion_bytes": self.fusion_bytes,
+                "kv_pair_bytes": self.kv_pair_bytes, "slice_bytes": self.slice_bytes,
+                "fusion_bytes": self.fusion_bytes,
                 "bucket_bytes": self.bucket_bytes, "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
                 "staleness": int(self.staleness or 0)}

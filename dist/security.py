@@ -196,11 +196,17 @@ def loopback_keys():
         return _loopback
 
 
-def resolve_keys(keys, insecure, loopback):
+def resolve_keys(keys, insecure, loopback, trusted_network=False):
     """The JobKeys a process uses: keys (JobKeys or a file path), else POSEIDON_KEYS, else on the
     loopback interface this user's loopback key; None with insecure. Refuses a job that reaches
-    other hosts without keys."""
+    other hosts without keys, and an insecure one whose network the user has not said is trusted
+    (without CURVE anyone who reaches a port can push gradients into the job or abort it)."""
     if insecure:
+        if not loopback and not trusted_network:
+            raise DistError("--insecure with a coordinator on a routable address: anyone who "
+                            "reaches the job's ports could push gradients into it or abort it; "
+                            "give --trusted-network too if the network between its hosts is "
+                            "private, or drop --insecure and use --keys")
         return None
     if isinstance(keys, JobKeys):
         return keys

@@ -64,7 +64,8 @@ class Session:
         self.log = log or (lambda line: None)
         host, port = split_address(options.coordinator)
         loopback = host in ("127.0.0.1", "localhost") or options.local
-        self.keys = resolve_keys(options.keys, options.insecure, loopback)
+        self.keys = resolve_keys(options.keys, options.insecure, loopback,
+                                 options.trusted_network)
         if options.interface:
             address = interface_address(options.interface)
         else:
@@ -83,7 +84,8 @@ class Session:
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
                                       roles=self.roles, local_ipc=options.ipc != "off",
                                       direct_links=options.ipc in ("auto", "links"),
-                                      shared_memory=shared_kv_memory(options))
+                                      shared_memory=shared_kv_memory(options),
+                                      slice_bytes=options.slice_bytes)
         if self.coordinator is not None:   # one process: their messages skip the sockets
             self.transport.attach_local(COORDINATOR, self.coordinator.transport)
             self.coordinator.transport.attach_local(rank, self.transport)

@@ -431,6 +431,8 @@ CASES = [
     Case("flag: --timeout -3", train("--workers", "2", "--timeout", "-3"), ["--timeout", "'-3'"]),
     Case("flag: --kv-pair-bytes 0", train("--workers", "2", "--kv-pair-bytes", "0"),
          ["--kv-pair-bytes", "'0'"]),
+    Case("flag: --slice-bytes 100", train("--workers", "2", "--slice-bytes", "100"),
+         ["--slice-bytes", "'100'", "4096"]),
     Case("flag: --sync bogus", train("--workers", "2", "--sync", "bogus"),
          ["--sync", "'bogus'", "hybrid"]),
     Case("flag: --sigint_effect garbage", train("--sigint_effect", "garbage"),

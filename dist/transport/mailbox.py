@@ -16,6 +16,14 @@ from ..errors import DeadlineError
 from ..roles import COORDINATOR
 from .wire import Msg
 
+MAX_FILED = 1 << 16    # messages waiting for a taker, in all: far more than a job's iteration has
+
+_REPEATED = "a copy of a message that is still waiting to be taken (each comes once)"
+
+
+def _once(msg):
+    return (msg.sender, msg.type, msg.key, msg.iteration)
+
 
 class Mailbox:
     """Messages filed by (type, key, iteration) for the threads that wait on them; some types
@@ -23,7 +31,12 @@ class Mailbox:
 
     One lock, but a condition per awaited key: a message wakes only the thread waiting for its
     key (or the FIFO reader), not every sync thread of the worker (a notify_all on one shared
-    condition woke all of them for each of the iteration's messages)."""
+    condition woke all of them for each of the iteration's messages).
+
+    Bounded: a message of (type, key, iteration) comes once from each sender, so a copy of one
+    still waiting (a repeating member, a replay) is refused rather than filed, and no more than
+    MAX_FILED messages wait in all; `put` says why it refused one, and the transport drops, logs
+    and counts it as it does any bad message."""
 
     def __init__(self, namer):
         self._lock = threading.Lock()
@@ -31,6 +44,8 @@ class Mailbox:
         self._fifo = deque()
         self._fifo_types = frozenset()
         self._fifo_cond = threading.Condition(self._lock)
+        self._queued = set()          # (sender, type, key, iteration) of the FIFO's messages
+        self._filed = 0               # messages in the boxes and the FIFO
         self._waiting = {}            # key -> [condition, number of waiters]
         self._error = None
         self._namer = namer
@@ -50,19 +65,33 @@ class Mailbox:
                      for m in self._boxes.pop(k)]
             early.sort(key=lambda m: m.received_at)
             self._fifo.extend(early)
+            self._queued.update(_once(m) for m in early)
             self._wake_all()
 
     def put(self, msg):
+        """File msg for its taker; None, or why it was refused (a copy of a waiting message, or
+        the mailbox is full)."""
         with self._lock:
+            if self._filed >= MAX_FILED:
+                return f"{MAX_FILED} messages already wait to be taken"
             if msg.type in self._fifo_types:
+                once = _once(msg)
+                if once in self._queued:
+                    return _REPEATED
+                self._queued.add(once)
                 self._fifo.append(msg)
                 self._fifo_cond.notify_all()
             else:
                 k = (msg.type, msg.key, msg.iteration)
-                self._boxes[k].append(msg)
+                box = self._boxes[k]
+                if any(m.sender == msg.sender for m in box):
+                    return _REPEATED
+                box.append(msg)
                 waiting = self._waiting.get(k)
                 if waiting is not None:
                     waiting[0].notify_all()
+            self._filed += 1
+            return None
 
     def fail(self, error):
         with self._lock:
@@ -109,6 +138,7 @@ class Mailbox:
                     if box is not None and len(box) >= count:
                         got = box[:count]
                         del box[:count]
+                        self._filed -= count
                         if not box:
                             del self._boxes[k]
                         got.sort(key=lambda m: m.sender)
@@ -159,7 +189,10 @@ class Mailbox:
                 if self._error is not None:
                     raise self._error
                 if self._fifo:
-                    return self._fifo.popleft()
+                    msg = self._fifo.popleft()
+                    self._queued.discard(_once(msg))
+                    self._filed -= 1
+                    return msg
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None

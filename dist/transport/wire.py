@@ -12,10 +12,14 @@ member's is refused the same way (BadMessage) whichever way it came.
 """
 import enum
 import json
+import math
 import struct
 import time
 
 import numpy
+import zmq
+
+from ..errors import DeadlineError
 
 
 class Msg(enum.IntEnum):
@@ -55,6 +59,9 @@ class Msg(enum.IntEnum):
 FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)
 FLAG_SHARED = 2        # a KV push or answer whose arrays are in the server's shared memory
                        # (dist/transport/onehost/kvshm.py): the message is its header alone
+FLAG_SLICE = 4         # one slice of a larger message (see encode_slice): one uint8 frame, and
+                       # after its description where it goes in the whole and the whole's own
+                       # descriptions (the receiver sizes the whole from them, checked first)
 
 _FIXED = struct.Struct("<BBhqiiH")     # type, flags, sender, iteration, key, aux, number of arrays
 _ARRAY = struct.Struct("<BB")          # dtype code, ndim (then ndim uint32 dims)
@@ -62,9 +69,15 @@ _DTYPES = [numpy.dtype(t) for t in ("float32", "float64", "float16", "int32", "i
 _CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 _KNOWN_TYPES = frozenset(int(m) for m in Msg)
 _BY_VALUE = {int(m): m for m in Msg}   # a dict lookup, not Msg(value) (the enum call is slow)
+_SLICE = struct.Struct("<IHQH")        # slice size, array index, byte offset in that array,
+                                       # arrays of the whole message (then their descriptions)
 MAX_ARRAYS = 64                        # more arrays, or more dimensions, than any message has
 MAX_NDIM = 8
+MIN_SLICE_BYTES = 4096                 # fewer bytes a slice makes a message of too many slices
 FIXED_HEADER_BYTES = _FIXED.size
+# The most a header takes: the fixed part, a slice's frame and place, and MAX_ARRAYS descriptions
+# of MAX_NDIM dimensions. A frame of more than the slice size plus this is no member's.
+MAX_HEADER_BYTES = _FIXED.size + 2 * _SLICE.size + (MAX_ARRAYS + 1) * (_ARRAY.size + 4 * MAX_NDIM)
 
 
 _SPEC_BYTES = {}                       # (dtype, shape) -> its bytes in a header
@@ -94,6 +107,16 @@ def encode_header(mtype, sender, iteration, key, aux, arrays, flags=0):
     return head + b"".join([_spec_bytes(a.dtype, a.shape) for a in arrays])
 
 
+def encode_slice(whole_header, slice_bytes, array, offset, length):
+    """The header of one slice of a message whose header is `whole_header`: the slice's `length`
+    bytes are those at `offset` of the whole's array `array`, every slice but an array's last
+    `slice_bytes` long (so the slices of a message are a partition its receiver can check)."""
+    mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(whole_header, 0)
+    return (_FIXED.pack(mtype, flags | FLAG_SLICE, sender, iteration, key, aux, 1) +
+            _spec_bytes(_DTYPES[5], (length,)) + _SLICE.pack(slice_bytes, array, offset, n) +
+            whole_header[_FIXED.size:])
+
+
 class BadMessage(ValueError):
     """A received message that cannot be what a member sends; it is dropped, logged and counted."""
 
@@ -113,21 +136,46 @@ def decode_header(buf):
     mtype, flags, sender, iteration, key, aux, n = _FIXED.unpack_from(buf, 0)
     if mtype not in _KNOWN_TYPES:
         raise BadMessage(f"unknown message type {mtype}")
-    if flags & ~(FLAG_JSON | FLAG_SHARED):
+    if flags & ~(FLAG_JSON | FLAG_SHARED | FLAG_SLICE):
         raise BadMessage(f"unknown flags 0x{flags:02x}")
+    if flags & FLAG_SLICE:             # not cached: each slice's header is another
+        return mtype, flags, sender, iteration, key, aux, decode_slice(buf)[0]
     tail = (n, buf[_FIXED.size:])
     specs = _SPEC_CACHE.get(tail)
     if specs is None:
-        specs = _decode_specs(buf, n)
+        specs = _decode_specs(buf, n)[0]
         if len(_SPEC_CACHE) < _SPEC_CACHE_SIZE:
             _SPEC_CACHE[tail] = specs
     return mtype, flags, sender, iteration, key, aux, specs
 
 
-def _decode_specs(buf, n):
+def decode_slice(buf):
+    """(the slice's own spec, (slice size, array index, offset, the whole's specs)) of a slice's
+    header; BadMessage for one that is not a slice of a possible message."""
+    n = _FIXED.unpack_from(buf, 0)[6]
+    if n != 1:
+        raise BadMessage(f"a slice declares {n} arrays (one: its bytes)")
+    own, off = _decode_specs(buf, 1, _FIXED.size, end=False)
+    if own[0][0] != _DTYPES[5] or len(own[0][1]) != 1:
+        raise BadMessage("a slice's array is not bytes")
+    if off + _SLICE.size > len(buf):
+        raise BadMessage("truncated header (a slice's place is cut off)")
+    size, array, offset, whole_n = _SLICE.unpack_from(buf, off)
+    whole, _ = _decode_specs(buf, whole_n, off + _SLICE.size)
+    length = own[0][1][0]
+    if not MIN_SLICE_BYTES <= size or array >= whole_n or length == 0:
+        raise BadMessage(f"a slice of {length} bytes, {size} per slice, of array {array} "
+                         f"of {whole_n}")
+    nbytes = whole[array][0].itemsize * math.prod(whole[array][1])
+    if offset % size or offset + length > nbytes or length != min(size, nbytes - offset):
+        raise BadMessage(f"a slice of {length} bytes at byte {offset} of array {array} "
+                         f"({nbytes} bytes, {size} per slice) is not one of its slices")
+    return own, (size, array, offset, whole)
+
+
+def _decode_specs(buf, n, off=_FIXED.size, end=True):
     if n > MAX_ARRAYS:
         raise BadMessage(f"declares {n} arrays (at most {MAX_ARRAYS})")
-    off = _FIXED.size
     specs = []
     for i in range(n):
         if off + _ARRAY.size > len(buf):
@@ -143,20 +191,23 @@ def _decode_specs(buf, n):
         shape = struct.unpack_from(f"<{ndim}I", buf, off) if ndim else ()
         off += 4 * ndim
         specs.append((_DTYPES[code], tuple(shape)))
+    if not end:
+        return tuple(specs), off
     if off != len(buf):
         raise BadMessage(f"{len(buf) - off} bytes after the end of the header")
-    return tuple(specs)
+    return tuple(specs), off
 
 
 class Message:
     """A received message: header fields, arrays (views over frames this process owns), sizes."""
 
     __slots__ = ("type", "sender", "iteration", "key", "aux", "arrays", "obj", "header_bytes",
-                 "payload_bytes", "received_at", "shared")
+                 "payload_bytes", "received_at", "shared", "slice")
 
     def __init__(self, mtype, sender, iteration, key, aux, arrays, obj, header_bytes,
-                 payload_bytes, shared=False):
+                 payload_bytes, shared=False, slice_of=None):
         self.type = _BY_VALUE.get(mtype, mtype)
+        self.slice = slice_of            # a slice's (flags, size, array, offset, whole's specs)
         self.shared = shared             # its arrays are in the server's shared memory
         self.sender, self.iteration, self.key, self.aux = sender, iteration, key, aux
         self.arrays, self.obj = arrays, obj
@@ -175,7 +226,13 @@ def header_specs(head):
 
 
 def make_message(head, mtype, flags, sender, iteration, key, aux, arrays, payload):
-    """The Message of decoded header fields and arrays (the JSON object taken out of them)."""
+    """The Message of decoded header fields and arrays (the JSON object taken out of them; a
+    slice's is in its whole, dist/transport/slices.py). `head`: the header, or its length."""
+    header_bytes = head if isinstance(head, int) else len(head)
+    if flags & FLAG_SLICE:
+        _, (size, array, offset, whole) = decode_slice(head)
+        return Message(mtype, sender, iteration, key, aux, arrays, None, header_bytes, payload,
+                       False, (flags & ~FLAG_SLICE, size, array, offset, whole))
     obj = None
     if flags & FLAG_JSON:
         if not arrays or arrays[0].dtype != numpy.uint8 or arrays[0].ndim != 1:
@@ -185,21 +242,42 @@ def make_message(head, mtype, flags, sender, iteration, key, aux, arrays, payloa
             obj = json.loads(bytes(arrays.pop(0)).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise BadMessage(f"{Msg(mtype).name}: unreadable JSON ({e})") from None
-    return Message(mtype, sender, iteration, key, aux, arrays, obj, len(head), payload,
+    return Message(mtype, sender, iteration, key, aux, arrays, obj, header_bytes, payload,
                    bool(flags & FLAG_SHARED))
 
 
 class Receipt:
-    """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames."""
+    """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames.
 
-    __slots__ = ("payload_bytes", "header_bytes", "trackers")
+    Why a deadline: a zero-copy frame is done only once the receiver has read it, and a receiver
+    that is stopped (SIGSTOP) or gone never reads; a wait without one would stop the waiting
+    thread for ever (a KV server's receive thread then stops beating and serving). `wait` gives
+    up after the transport's --timeout, naming the receiver; `done` asks without waiting."""
 
-    def __init__(self, payload_bytes=0, header_bytes=0, trackers=()):
+    __slots__ = ("payload_bytes", "header_bytes", "trackers", "timeout", "what")
+
+    def __init__(self, payload_bytes=0, header_bytes=0, trackers=(), timeout=None, what=None):
         self.payload_bytes, self.header_bytes, self.trackers = payload_bytes, header_bytes, trackers
+        self.timeout = timeout           # seconds a wait lasts at most (None: the caller's)
+        self.what = what                 # "rank 0's KV_VALUE to rank 2", for the deadline error
+
+    def done(self):
+        """Whether every sent buffer is free again (without waiting)."""
+        if all(t.done for t in self.trackers):
+            self.trackers = ()
+            return True
+        return False
 
     def wait(self, timeout=None):
-        """Block until ZeroMQ no longer needs the sent buffers (so they may be overwritten)."""
+        """Block until the sent buffers may be overwritten, at most `timeout` seconds (default:
+        the receipt's own, the transport's --timeout); DeadlineError naming the receiver after."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
         for t in self.trackers:
-            t.wait(-1 if timeout is None else timeout)
+            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                t.wait(left)
+            except (TimeoutError, zmq.NotDone):
+                raise DeadlineError(f"{self.what or 'a message'} was not taken within "
+                                    f"{limit:g} s: is the receiver still running?") from None
         self.trackers = ()
-

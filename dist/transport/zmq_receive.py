@@ -25,7 +25,7 @@ import zmq
 
 from ..errors import AbortError, DistError
 from ..roles import COORDINATOR
-from .wire import BadMessage, Msg, decode_header, make_message
+from .wire import FLAG_JSON, BadMessage, Msg, decode_header, make_message
 
 LOGGED_DROPS = 20                      # dropped messages logged one by one; then at 100, 1000, ...
 _LOG_AT = frozenset(10 ** k for k in range(2, 13))
@@ -77,6 +77,12 @@ class ZmqReceiveSide:
             payload += len(buf)
             arrays.append(numpy.frombuffer(buf, dtype).reshape(shape))
         return make_message(head, mtype, flags, sender, iteration, key, aux, arrays, payload)
+
+    def _check_whole(self, msg, flags, specs):
+        """Why the whole message a first slice describes is refused before it is allocated (the
+        rules of dist/checks.py on its descriptions), or None."""
+        arrays = specs[1:] if flags & FLAG_JSON else specs
+        return self.rules.check_specs(msg.type, msg.sender, msg.key, arrays)
 
     def _decode_link(self, head, arrays):
         """A Message from a direct link's (or a local peer's) header and the arrays read after it
@@ -167,7 +173,18 @@ class ZmqReceiveSide:
         self._file(msg)
 
     def _file(self, msg):
-        """Admit, count, then hand msg to its handler or its mailbox."""
+        """Admit, count, then hand msg to its handler or its mailbox (a slice: once its message
+        is whole, dist/transport/slices.py)."""
+        if msg.slice is not None:
+            whole, reason = self._assembler.add(msg)
+            if reason is not None:
+                self._refuse(msg, reason)
+                return
+            with self.counters_lock:
+                self.slices_received += 1
+            if whole is None:
+                return
+            msg = whole
         reason = self._admit(msg)
         if reason is not None:
             self._refuse(msg, reason)
@@ -188,7 +205,9 @@ class ZmqReceiveSide:
                 self.fail(e if isinstance(e, DistError) else
                           DistError(f"{self.name}: handling {msg!r} failed: {e}"))
         else:
-            self.mailbox.put(msg)
+            reason = self.mailbox.put(msg)
+            if reason is not None:
+                self.drop(msg, reason)
 
     def _tick(self):
         now = time.monotonic()

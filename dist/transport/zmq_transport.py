@@ -31,6 +31,7 @@ import zmq
 from .. import security
 from ..errors import AbortError, DeadlineError, DistError
 from ..roles import COORDINATOR
+from . import slices
 from .bandwidth import TokenBucket
 from .mailbox import Mailbox
 from .wire import FLAG_JSON, FLAG_SHARED, Msg, Receipt, encode_header
@@ -70,7 +71,8 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
 
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
                  heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None,
-                 local_ipc=False, direct_links=None, shared_memory=False):
+                 local_ipc=False, direct_links=None, shared_memory=False,
+                 slice_bytes=slices.DEFAULT_SLICE_BYTES):
         from ..checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
@@ -82,6 +84,8 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         self._inbox = self.ctx.socket(zmq.ROUTER if router else zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.setsockopt(zmq.RCVHWM, 0)
+        self.slice_bytes = int(slice_bytes)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, slices.inbox_limit(self.slice_bytes))
         self._init_one_host(router, local_ipc, direct_links, shared_memory)
         self.routes = {}                             # rank -> 'ipc' or 'tcp'
         self.rules = WireRules(rank, roles, self._namer)
@@ -91,12 +95,14 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         self._out = {}                               # rank -> (socket, lock)
         self._out_lock = threading.Lock()
         self.mailbox = Mailbox(self._namer)
+        self._assembler = slices.Assembler(self._check_whole)
         self.bucket = TokenBucket(bandwidth) if bandwidth else None
         self.address = None
         self.counters_lock = threading.Lock()
         self.sent_payload = self.sent_header = self.recv_payload = self.recv_header = 0
         self.sent_messages = self.recv_messages = self.dropped_messages = 0
         self.direct_sent = self.direct_received = 0  # messages that went on direct links
+        self.slices_sent = self.slices_received = 0  # slices of messages larger than a slice
         self.recv_types = {}                         # type name -> messages accepted
         self.heartbeat = float(heartbeat)
         self.lost_after = float(lost_after)
@@ -151,6 +157,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
             sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, slices.inbox_limit(self.slice_bytes))
             if rank == COORDINATOR:
                 sock.setsockopt(zmq.IDENTITY, struct.pack("<i", self.rank))
             if self.keys is not None and ipc is None:
@@ -195,11 +202,18 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         """Send arrays (numpy, contiguous) and/or a JSON-able obj; returns a Receipt.
 
         Frames of at least ZERO_COPY_BYTES go zero-copy: wait on the receipt before changing them.
-        shared: a KV push or answer whose arrays are in the server's shared memory (no arrays)."""
+        A message of more than the slice size goes in slices (dist/transport/slices.py), counted
+        as one message. shared: a KV push or answer whose arrays are in the server's shared
+        memory (no arrays)."""
         flags = FLAG_SHARED if shared else 0
         arrays = list(arrays)
         if obj is not None:
-            arrays.insert(0, numpy.frombuffer(json.dumps(obj).encode("utf-8"), numpy.uint8))
+            text = json.dumps(obj).encode("utf-8")
+            if len(text) > slices.MAX_JSON_BYTES:
+                raise DistError(f"{self.name}: {Msg(mtype).name} to {self._namer(dest)} carries "
+                                f"{len(text)} bytes of JSON, more than a process takes "
+                                f"({slices.MAX_JSON_BYTES})")
+            arrays.insert(0, numpy.frombuffer(text, numpy.uint8))
             flags |= FLAG_JSON
         arrays = [numpy.ascontiguousarray(a) for a in arrays]
         header = encode_header(mtype, self.rank, int(iteration), int(key), int(aux), arrays, flags)
@@ -207,12 +221,28 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         peer = self._local_peers.get(dest)
         if peer is not None:             # no network between them: no bandwidth cap either
             peer._take_in_local(header, [a.copy() for a in arrays])
-            return self._count_sent(payload, header, ())
+            return self._count_sent(payload, header, (), dest, mtype)
+        size = self.slice_bytes if dest != COORDINATOR else min(self.slice_bytes,
+                                                                 slices.DEFAULT_SLICE_BYTES)
+        if payload <= size:
+            trackers = self._put(dest, mtype, header, arrays, key, iteration, payload)
+            return self._count_sent(payload, header, trackers, dest, mtype)
+        trackers, headers = [], 0
+        parts = slices.cut(header, arrays, size)
+        for head, part in parts:
+            trackers += self._put(dest, mtype, head, [part], key, iteration, part.nbytes)
+            headers += len(head)
+        with self.counters_lock:
+            self.slices_sent += len(parts)
+        return self._count_sent(payload, headers, trackers, dest, mtype)
+
+    def _put(self, dest, mtype, header, arrays, key, iteration, payload):
+        """Send one message (or slice) on a direct link or the socket to dest; its trackers."""
         if self.bucket is not None:
             self.bucket.consume(payload + len(header))
         written = self._send_direct(dest, mtype, header, arrays, key, iteration, payload)
         if written is not None:
-            return self._count_sent(payload, header, written)
+            return list(written)
         try:
             sock, lock = self._out[dest]
         except KeyError:
@@ -234,14 +264,16 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             raise DeadlineError(f"{self.name} could not send {Msg(mtype).name} to "
                                 f"{self._namer(dest)} within {self.timeout:g} s: is it still "
                                 f"running?") from None
-        return self._count_sent(payload, header, trackers)
+        return trackers
 
-    def _count_sent(self, payload, header, trackers):
+    def _count_sent(self, payload, header, trackers, dest, mtype):
+        header_bytes = header if isinstance(header, int) else len(header)
         with self.counters_lock:
             self.sent_payload += payload
-            self.sent_header += len(header)
+            self.sent_header += header_bytes
             self.sent_messages += 1
-        return Receipt(payload, len(header), trackers)
+        what = (f"{self.name}'s {Msg(mtype).name} to {self._namer(dest)}" if trackers else None)
+        return Receipt(payload, header_bytes, trackers, self.timeout, what)
 
     # ----- receiving ----------------------------------------------------------------------------------
     def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None,
@@ -307,6 +339,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
                     "dropped_messages": self.dropped_messages,
                     "direct_messages": {"sent": self.direct_sent,
                                         "received": self.direct_received},
+                    "slices": {"sent": self.slices_sent, "received": self.slices_received},
                     "received_by_type": dict(self.recv_types),
                     "refused_connections": self.gatekeeper.refused if self.gatekeeper else 0,
                     "admitted_connections": self.gatekeeper.admitted if self.gatekeeper else 0,

@@ -141,10 +141,13 @@ def test_calls_already_completed_far_ahead_or_repeated_are_dropped(job, capfd):
     err = capfd.readouterr().err
     for why in ("allreduce 'after' call 0, already completed",
                 "more than 1000 ahead of the last completed",
-                "barrier 'b' call 0 again from the same sender",
                 "barrier 'c' from a rank that is not one of its members",
                 "REGISTER is not taken once every rank has registered"):
         assert why in err, (why, err)
+    # the second BARRIER 'b' is dropped by whichever sees it first: the transport's mailbox (a
+    # copy of a message still waiting) or the coordinator (the same call again from one sender)
+    assert ("barrier 'b' call 0 again from the same sender" in err
+            or "a copy of a message that is still waiting" in err), err
 
 
 def test_the_schema_refuses_each_field_type_and_range(job):

@@ -243,3 +243,31 @@ def test_a_server_without_shared_memory_refuses_a_shared_push():
     msg.shared = True
     server.on_push(msg)
     assert len(t.dropped) == 1 and "shared memory" in t.dropped[0] and "offers none" in t.dropped[0]
+
+
+def test_the_sized_memory_is_sealed_so_no_process_of_this_user_can_shrink_it():
+    """Another process of the same user opens the server's memfd through /proc and tries to
+    shrink (or grow) it: the kernel refuses, and the server's mapping still reads to its end
+    (unsealed, the shrink succeeded and the server's next access there was a SIGBUS)."""
+    import subprocess
+    import sys
+    book = _Book([{"id": 0, "server": 0, "length": 4096}])
+    layout = kvshm.Layout(book, 0, workers=1)
+    memory = kvshm.ServerMemory.make()
+    segment = memory.allocate(layout)
+    segment.values(0)[...] = 7
+    info = memory.describe()
+    attack = ("import os, sys\n"
+              f"fd = os.open('/proc/{info['pid']}/fd/{info['fd']}', os.O_RDWR)\n"
+              "for size in (0, 1 << 30):\n"
+              "    try:\n"
+              "        os.ftruncate(fd, size)\n"
+              "        print('resized to', size)\n"
+              "    except PermissionError:\n"
+              "        print('refused')\n")
+    out = subprocess.run([sys.executable, "-c", attack], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, timeout=60).stdout.decode()
+    assert out.split() == ["refused", "refused"], out
+    assert os.fstat(memory.fd).st_size >= layout.nbytes
+    assert float(segment.values(0)[-1]) == 7.0            # the server reads its mapping's end
+    assert kvshm.open_segment(info, layout) is not None   # a worker still maps it

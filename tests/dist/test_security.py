@@ -182,6 +182,29 @@ def test_cli_refuses_a_missing_key_file_and_a_multi_host_job_without_keys(data, 
     print(f"\nmulti-host without keys: {out[0]}\nlocal with a missing file: {out2[0]}")
 
 
+def test_insecure_is_refused_on_a_routable_address_unless_the_network_is_trusted(data, tmp_path):
+    """Without CURVE anyone who reaches a port can push gradients or abort the job: --insecure
+    alone with a coordinator on a routable address stops with one line saying why and how;
+    with --trusted-network it goes on (to wait for a coordinator that is not there)."""
+    solver = tmp_path / "solver.prototxt"
+    (tmp_path / "net.prototxt").write_text(fc_net(data, 4))
+    solver.write_text('net: "net.prototxt"\nbase_lr: 0.01\nmax_iter: 1\nlr_policy: "fixed"\n')
+    args = ("train", "--solver", solver, "--workers", 1, "--servers", 1, "--coordinator",
+            "tcp://192.0.2.1:5555", "--rank", 1, "--start-timeout", 2, "--insecure")
+    r = _cli(*args)
+    out = r.stdout.decode().strip().splitlines()
+    assert r.returncode == 1 and len(out) == 1, out
+    assert "--insecure with a coordinator on a routable address" in out[0], out
+    assert "--trusted-network" in out[0] and "--keys" in out[0], out
+    trusted = _cli(*args, "--trusted-network").stdout.decode()
+    assert "routable address" not in trusted and "coordinator" in trusted, trusted
+    with pytest.raises(DistError, match="--trusted-network"):
+        security.resolve_keys(None, True, loopback=False)
+    assert security.resolve_keys(None, True, loopback=True) is None       # a local job
+    assert security.resolve_keys(None, True, False, trusted_network=True) is None
+    print(f"\n--insecure on a routable address: {out[0]}")
+
+
 # ----- a local job listens on 127.0.0.1 only -----------------------------------------------------------
 def _listening(pid):
     """(address, port) of the TCP sockets process pid listens on (from /proc)."""

@@ -26,6 +26,7 @@ region again only in its next backward, after that answer; the server writes the
 every worker has pushed the pair's next gradient, so nobody reads what is being written, and it
 never writes a worker's region (dist/kvstore.KVServer.gradient_sum).
 """
+import fcntl
 import logging
 import mmap
 import os
@@ -34,6 +35,10 @@ import stat
 import numpy
 
 ALIGN_BYTES = 64
+# Once sized, the memfd's size is sealed: another process of this user that opens it through
+# /proc could otherwise shrink it, and the server's (and every worker's) next access past the new
+# end would be a SIGBUS. F_SEAL_SEAL keeps anyone from lifting or changing the seals.
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class Layout:
@@ -75,7 +80,7 @@ class ServerMemory:
     once the book says what the server holds."""
 
     def __init__(self):
-        self.fd = os.memfd_create("poseidon-kv", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("poseidon-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
 
     @classmethod
     def make(cls):
@@ -94,10 +99,12 @@ class ServerMemory:
         return {"pid": os.getpid(), "fd": self.fd, "dev": st.st_dev, "ino": st.st_ino}
 
     def allocate(self, layout):
-        """Size the memfd for layout and map it; returns the Segment (None for no pairs)."""
+        """Size the memfd for layout, seal its size (SIZE_SEALS) and map it; returns the Segment
+        (None for no pairs)."""
         if layout.nbytes == 0:
             return None
         os.ftruncate(self.fd, layout.nbytes)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
         return Segment(layout, mmap.mmap(self.fd, layout.nbytes))
 
 
@@ -122,6 +129,9 @@ def open_segment(info, layout):
             return None
         if st.st_size < layout.nbytes:
             log.debug(f"{path} holds {st.st_size} bytes, the book's layout {layout.nbytes}")
+            return None
+        if fcntl.fcntl(handle, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+            log.debug(f"{path} is not sealed at its size (it could shrink under the mapping)")
             return None
         return Segment(layout, mmap.mmap(handle, layout.nbytes))
     except OSError as e:
