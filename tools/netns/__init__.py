@@ -15,5 +15,8 @@ that drops, delays and reorders its frames.
 Needs root and iproute2; `why_unavailable()` says why not where it cannot run. Used by the tests
 in tests/hosts/ and by `poseidon bench`'s part g.
 """
-from .network import (Host, Impairment, Network, pids_in, sweep_stale, tbf_rate,  # noqa: F401
-                      tcp_payload, why_unavailable)
+from .network import (Host, Impairment, Network, pids_in, sigterm_as_exit, sweep_stale,
+                      tbf_rate, tcp_payload, why_unavailable)
+
+__all__ = ["Host", "Impairment", "Network", "pids_in", "sigterm_as_exit", "sweep_stale", "tbf_rate",
+           "tcp_payload", "why_unavailable"]

@@ -28,6 +28,7 @@ Needs root and iproute2 (`why_unavailable()` says what is missing). Every wait h
 time; every loop in count or time.
 """
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -37,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +386,25 @@ class Network:
         _kill_inside(self.bridge_ns)
         for name in [h.name for h in self.hosts] + [self.bridge_ns]:
             sh(["ip", "netns", "del", name], check=False)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """Inside the block, SIGTERM (what `kill` and a CI's timeout send) raises SystemExit in the
+    main thread, so the `with Network(...)` blocks it unwinds close their networks and atexit
+    runs; its default action would end the process with no clean-up at all. A no-op off the
+    main thread, where Python cannot set a handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @atexit.register

@@ -59,16 +59,18 @@ class HostJob:
     """A job's ranks and files in `folder`: the key file, one log per rank, the --stats files.
 
     `flags` are the `poseidon train` flags every rank shares beyond the multi-host ones; the
-    ranks run in `folder`, so relative paths among them (--stats) land there."""
+    ranks run in `folder`, so relative paths among them (--stats) land there. `keys`: a key
+    file to use (jobs run one after another may share one); by default a new one in `folder`."""
 
-    def __init__(self, folder, solver, workers, servers, flags=(), paths=(), threads=None):
+    def __init__(self, folder, solver, workers, servers, flags=(), paths=(), threads=None,
+                 keys=None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.solver = solver
         self.workers, self.servers = workers, servers
         self.flags = [str(f) for f in flags]
         self.env = environment(paths, threads)
-        self.keys = make_key_file(self.folder / "job.keys", self.env)
+        self.keys = str(keys) if keys else make_key_file(self.folder / "job.keys", self.env)
         (self.folder / "logs").mkdir(exist_ok=True)
 
     @property
