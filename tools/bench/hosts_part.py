@@ -5,9 +5,11 @@ inside the transport (`--bandwidth`, dist/transport/bandwidth.py). That stands f
 as far as a cap on sends behaves like a link. Here each rank of the same job runs in a network
 namespace of its own (poseidon.tools.netns), its link capped by tc's tbf at the same rate both
 ways, with no `--bandwidth`: the kernel's TCP, the bridge and the cap on what a host receives come
-into play. Right after each such job the same job runs on loopback under `--bandwidth`, as part e
-runs it, so that the machine's drift touches both sides of a pair alike; the figure per mode is
-the ratio of the two iteration times (netns / token bucket), taken per round.
+into play. Beside each job stands the same job on loopback under `--bandwidth`: part e's row of
+the same bench run where part e measured it (the default run, so that part g costs only its own
+jobs), else a twin run right after each netns job, so that the machine's drift touches both sides
+of a pair alike. The figure per mode is the ratio of the two iteration times (netns / token
+bucket): per round for twins, of the medians against part e.
 
 What a row holds, per side: iteration time = median over rounds of each job's median iteration
 (worker 0's consecutive --stats records, the first left out as warm-up), as in part e; bytes per

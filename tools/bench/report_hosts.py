@@ -33,6 +33,12 @@ def _bytes(netns_side):
             f"{_mb(b.get('stats_sent'))} / {_mb(b.get('stats_received'))})")
 
 
+def _lowest(ratios):
+    """The lowest link's tc / counted: at least 1 when tc saw every byte the job counted (the
+    rest is start-up, the book, heartbeats, TCP's handshakes and resent segments)."""
+    return "-" if not ratios else f"{ratios['min']:.3f}"
+
+
 def markdown_lines(g):
     """The section's lines (a 'not measured' line with the reason when it did not run)."""
     if not g or g.get("status") != "measured":
@@ -41,8 +47,8 @@ def markdown_lines(g):
         return [f"{TITLE}: {why}", ""]
     lines = [TITLE, "",
              "| net | workers | mode | netns iteration s | token bucket iteration s | netns / "
-             "token bucket | worker 0 MB per iter sent / recv: tc (stats) | tc / counted per "
-             "host and way, whole job | tbf drops, TCP resent |",
+             "token bucket | worker 0 MB per iter sent / recv: tc (stats) | tc / the job's count, "
+             "whole job, lowest link and way | tbf drops, TCP resent |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in g["rows"]:
         ns = r["netns"]
@@ -53,7 +59,7 @@ def markdown_lines(g):
             f"{_side(r['token_bucket'])}{source} | "
             f"{_mm(r.get('netns_over_token_bucket'), '{:.2f}')} | "
             f"{_bytes(ns) if measured else '-'} | "
-            f"{_mm(ns.get('tc_over_counted'), '{:.3f}') if measured else '-'} | "
+            f"{_lowest(ns.get('tc_over_counted')) if measured else '-'} | "
             f"{ns.get('tbf_drops', '-')}, {ns.get('tcp_retransmits', '-')} |")
     per_mode = g.get("netns_over_token_bucket") or {}
     if per_mode:

@@ -1,7 +1,8 @@
 """`poseidon bench`: the engine's speed beside PyTorch CPU and the distributed path's costs, in one
 command that writes results.json, results.md and PNG plots into --out (default bench-results/).
 
-    poseidon bench                      # everything (about 10-15 minutes on a 2-core machine)
+    poseidon bench                      # everything (about 13-19 minutes on a 2-core machine)
+    poseidon bench --parts g            # part g alone (root): each job beside a loopback twin
     poseidon bench --quick              # a one-minute smoke run (small batches, 2 runs, no jobs)
     poseidon bench --parts a,b          # only throughput and per-layer times
     poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
