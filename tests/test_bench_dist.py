@@ -24,18 +24,18 @@ def test_scaling_rows_take_the_median_per_round_and_pair_rounds_for_the_ratio():
             (_records([0, 9, 13, 17, 21]), None, 1.0, None)]
     fast = [(_records([0, 9, 9.5, 10.0, 10.5], sent=10), None, 1.0, None),
             (_records([0, 9, 11, 13, 15], sent=10), None, 1.0, None)]
-    rows = [dist_parts._scaling_row("fc_heavy", 4, "no-overlap ps", "1Gbit", slow, skip=1),
-            dist_parts._scaling_row("fc_heavy", 4, "hybrid", "1Gbit", fast, skip=1)]
+    rows = [dist_parts.scaling_row("fc_heavy", 4, "no-overlap ps", "1Gbit", slow, skip=1),
+            dist_parts.scaling_row("fc_heavy", 4, "hybrid", "1Gbit", fast, skip=1)]
     assert rows[0]["iteration_s_by_round"] == [2.0, 4.0]
     assert rows[0]["iteration_s"]["median"] == 3.0
     assert rows[1]["bytes_sent_per_iter"] == 20
-    ratios = dist_parts._per_round_ratios(rows)
+    ratios = dist_parts.per_round_ratios(rows)
     assert sorted(ratios["fc_heavy-4"]["runs"]) == [0.25, 0.5]    # 0.5/2 and 2/4, not 0.5/4
 
 
 def test_a_failed_job_makes_a_failed_row_with_its_reason():
-    row = dist_parts._scaling_row("fc_heavy", 2, "hybrid", "1Gbit",
-                                  [([], None, 1.0, "exit status 1: boom")], skip=1)
+    row = dist_parts.scaling_row("fc_heavy", 2, "hybrid", "1Gbit",
+                                 [([], None, 1.0, "exit status 1: boom")], skip=1)
     assert row["status"] == "failed" and "boom" in row["reason"]
 
 

@@ -2,8 +2,10 @@
 always torn down, the data, and the undisturbed run the fault scenarios are compared with."""
 import pytest
 
+from poseidon.tools import netns as net
+
 from ..dist.helpers import make_lmdb
-from . import network as net
+from . import REPORT
 from .jobs import Job
 
 
@@ -26,8 +28,8 @@ def networks(request):
         network = net.Network(count, impaired=impaired)
         made.append(network)
         line = _qdisc_line(network)
-        if line not in net.REPORT:
-            net.REPORT.append(line)
+        if line not in REPORT:
+            REPORT.append(line)
         return network
 
     def close_all():
@@ -61,7 +63,7 @@ def reference(data, tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if net.REPORT:
+    if REPORT:
         terminalreporter.section("emulated hosts")
-        for line in net.REPORT:
+        for line in REPORT:
             terminalreporter.write_line(line)

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from . import network as net
+from poseidon.tools import netns as net
+
+from . import REPORT
 from .jobs import (CALM_HEARTBEAT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, ROOT, Job, assert_bitwise_equal,
                    cli, environment, public_key, wait_for)
 
@@ -84,7 +86,7 @@ def test_c_a_cut_link_stops_every_host_and_resume_auto_finishes_bitwise(data, re
     job.wait(again, attempt="-resumed")
     assert "resuming from" in job.output(0, "-resumed"), job.output(0, "-resumed")[-2000:]
     assert_bitwise_equal(job.final_params(), reference, "resumed after the cut")
-    net.REPORT.append(f"(c) worker 1's link cut after the snapshot of iteration 4, "
+    REPORT.append(f"(c) worker 1's link cut after the snapshot of iteration 4, "
                       f"--heartbeat-timeout {HEARTBEAT_TIMEOUT_S:g}: stopped after "
                       + ", ".join(f"rank {r} {t:.1f} s" for r, t in sorted(times.items()))
                       + "; --resume auto: bitwise equal")
@@ -126,7 +128,7 @@ def test_e_a_host_without_the_keys_gets_nothing_and_changes_nothing(data, refere
     handshake_bytes = 1024 * seen["sockets"] + 128 * seen["ports"]
     assert got_payload <= handshake_bytes, (got, seen)
     assert_bitwise_equal(job.final_params(), reference, "with an intruder on the bridge")
-    net.REPORT.append(f"(e) an intruder on the bridge: {seen['sockets']} ZeroMQ sockets and "
+    REPORT.append(f"(e) an intruder on the bridge: {seen['sockets']} ZeroMQ sockets and "
                       f"{seen['ports']} raw clients on {seen['ports']} ports, "
                       f"{seen['attempted']} messages sent; all refused; it received "
                       f"{got_payload} bytes of TCP payload (handshakes; {seen['raw_received']} "
@@ -176,4 +178,4 @@ def test_f_a_sigkill_leaves_no_process_on_any_host(data, networks, tmp_path, vic
             assert "the coordinator (beside worker 0)" in out, f"rank {rank}:\n{out[-2000:]}"
         assert last <= HEARTBEAT_TIMEOUT_S + EXIT_ALLOWANCE_S, gone
     who = victim if victim == "rank 0" else f"the {victim}"
-    net.REPORT.append(f"(f) SIGKILL of {who}: every host empty after {last:.1f} s")
+    REPORT.append(f"(f) SIGKILL of {who}: every host empty after {last:.1f} s")

@@ -22,8 +22,11 @@ import shutil
 
 import pytest
 
+from poseidon.tools import netns as net
+from poseidon.tools.netns.ranks import role_of
+
 from ..dist.helpers import assert_params_close, fc_net, reference, solver_param
-from . import network as net
+from . import REPORT
 from .jobs import BATCH, Job, assert_bitwise_equal, wait_for
 
 PS_ITERS = 100                  # one-off messages stay within about 2% of the syncs' bytes
@@ -31,18 +34,8 @@ CAP = "100mbit"
 SLACK = 0.05
 
 
-def role_of(job, rank):
-    return ("worker", rank) if rank < job.workers else ("server", rank - job.workers)
-
-
 def label(job, rank):
-    return "%s %d" % role_of(job, rank)
-
-
-def counted(job, rank, way):
-    """What the job's --stats say rank sent ('sent') or received ('recv'): payload + headers."""
-    role, index = role_of(job, rank)
-    return sum(rec[f"{way}_payload"] + rec[f"{way}_header"] for rec in job.stats(role, index))
+    return "%s %d" % role_of(rank, job.workers)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +86,7 @@ def test_a_four_hosts_train_like_one_process_each_over_its_own_link(ps_run):
         assert sent >= must and received >= must, (rank, sent, received, must)
         lines.append(f"{label(job, rank)}: {sent / 1e6:.2f} MB out, "
                      f"{received / 1e6:.2f} MB in (at least {must / 1e6:.2f} MB each way)")
-    net.REPORT.append(f"(a) {PS_ITERS} iterations, --sync ps, float64, each rank in its own "
+    REPORT.append(f"(a) {PS_ITERS} iterations, --sync ps, float64, each rank in its own "
                       f"namespace; TCP payload per link: " + "; ".join(lines))
 
 
@@ -104,13 +97,13 @@ def test_b_tc_bytes_match_the_jobs_own_counters_within_5_percent(ps_run):
     for rank in range(job.size):
         for way, key in (("sent", "sent"), ("received", "recv")):
             wire = net.tcp_payload(links[rank][way], header)
-            mine = counted(job, rank, key)
+            mine = job.counted(rank, key)
             assert mine <= wire <= (1 + SLACK) * mine, \
                 (f"{label(job, rank)} {way}: tc {wire} bytes of TCP payload, the job counted "
                  f"{mine}: {wire / mine - 1:+.2%}")
             lines.append(f"{label(job, rank)} {way} {wire / mine - 1:+.1%}")
     resent = sum(ps_run["resent"].values())
-    net.REPORT.append(f"(b) at {CAP}: tc's TCP payload over the job's --stats bytes: "
+    REPORT.append(f"(b) at {CAP}: tc's TCP payload over the job's --stats bytes: "
                       + ", ".join(lines) + f"; tbf drops 0, TCP segments sent again: {resent}")
 
 
@@ -130,7 +123,7 @@ def test_d_loss_delay_and_reordering_leave_the_result_bitwise_unchanged(data, re
         assert counts["dropped"] > 0 and counts["reordered"] > 0, counts
         seen.append(f"{counts['frames']} frames, {counts['dropped']} dropped, "
                     f"{counts['reordered']} overtaken, {resent} TCP segments sent again")
-    net.REPORT.append(f"(d) {IMPAIRED.loss:.0%} loss, {IMPAIRED.delay_ms:g} ms delay, "
+    REPORT.append(f"(d) {IMPAIRED.loss:.0%} loss, {IMPAIRED.delay_ms:g} ms delay, "
                       f"{IMPAIRED.reorder:.0%} held {IMPAIRED.hold_ms:g} ms, on worker 1's and "
                       f"server 0's links: " + "; ".join(seen) + "; bitwise equal")
 
@@ -172,5 +165,5 @@ def test_g_mpirun_starts_the_job_one_rank_per_host(data, reference, networks, tm
     assert "on this host: Unix sockets" not in out, out[-3000:]
     assert_bitwise_equal(job.final_params(), reference, "mpirun")
     assert not network.leftover(), network.leftover()
-    net.REPORT.append("(g) mpirun -np 4 --map-by node over the 4 namespaces (rsh agent: ip netns "
+    REPORT.append("(g) mpirun -np 4 --map-by node over the 4 namespaces (rsh agent: ip netns "
                       "exec): bitwise equal")

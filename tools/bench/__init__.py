@@ -7,7 +7,10 @@ Parts (each a module here, each a function that returns a JSON-able dict):
   b. layers      - per-layer forward/backward times and, for Convolution and InnerProduct, the share
                    of the machine's GEMM peak measured in the same run (gemm.py);
   c-e. dist_parts - single-node overhead of the distributed path, KV-store push+pull versus raw
-                   ZeroMQ, scaling under a bandwidth cap (through `poseidon train --workers ...`).
-report.py writes results.json, results.md and the PNG plots. env.py records the machine, the BLAS
+                   ZeroMQ, scaling under a bandwidth cap (through `poseidon train --workers ...`);
+  f. model_ref   - the real networks of prototxt/, forward and backward beside PyTorch;
+  g. hosts_part  - part e's jobs with each rank in a network namespace of its own, links capped by
+                   tbf (poseidon.tools.netns), beside part e's in-process token bucket.
+report.py writes results.json, results.md and the PNG plots (part g's section: report_hosts.py). env.py records the machine, the BLAS
 kernel and threads, and the environment variables that change them.
 """

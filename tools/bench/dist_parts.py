@@ -490,8 +490,8 @@ def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), itera
                         extra=extra, timeout=420, threads=1)
                     jobs[mode].append((records, timeline, seconds, error))
             for mode, _ in MODES:
-                results.append(_scaling_row(bench_net.key, p1, mode, bandwidth, jobs[mode], skip))
-    ratios = _per_round_ratios(results)
+                results.append(scaling_row(bench_net.key, p1, mode, bandwidth, jobs[mode], skip))
+    ratios = per_round_ratios(results)
     rounds = ", ".join(f"{k} {n}" for k, n in all_rounds.items())
     return {"status": "measured", "rows": results, "rounds": all_rounds,
             "hybrid_over_no_overlap": ratios,
@@ -506,7 +506,7 @@ def scaling(workdir, quick=False, bandwidth="1Gbit", worker_counts=(2, 4), itera
                     f"backward (timeline)"}
 
 
-def _scaling_row(net, p1, mode, bandwidth, jobs, skip):
+def scaling_row(net, p1, mode, bandwidth, jobs, skip):
     row = {"net": net, "workers": p1, "servers": p1, "mode": mode, "bandwidth": bandwidth,
            "job_seconds": [j[2] for j in jobs]}
     errors = [j[3] for j in jobs if j[3]]
@@ -536,7 +536,7 @@ def _scaling_row(net, p1, mode, bandwidth, jobs, skip):
     return row
 
 
-def _per_round_ratios(rows):
+def per_round_ratios(rows):
     """{"<net>-<P1>": stats of hybrid / no-overlap ps per round} where both were measured."""
     out = {}
     by_key = {(r["net"], r["workers"], r["mode"]): r for r in rows}

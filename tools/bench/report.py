@@ -6,6 +6,8 @@ written, and its absence is a clear error that names the fix (or run with --no-p
 import json
 from pathlib import Path
 
+from . import report_hosts
+
 TARGETS = (
     ("cifar10_quick training vs PyTorch CPU", ">= 1.0x"),
     ("fc_heavy training vs PyTorch CPU", ">= 1.2x"),
@@ -313,7 +315,7 @@ def markdown(results):
                       "Caffe's are. `python -m poseidon.tools.bench.model_ref MODEL --profile` gives one "
                       "net's per-type times beside PyTorch's own profile.", ""]
     d = results.get("distributed") or {}
-    lines += ["## c–e. Distributed path", ""]
+    lines += ["## c–e, g. Distributed path", ""]
     c = d.get("single_node_overhead") or {}
     if c.get("status") == "measured":
         lines += [f"**c. Single-node overhead** ({c['net']}): plain engine "
@@ -392,6 +394,7 @@ def markdown(results):
         lines += ["", s["note"] + ".", ""]
     else:
         lines += [f"**e. Scaling under a bandwidth cap**: {_why(s)}", ""]
+    lines += report_hosts.markdown_lines(d.get("emulated_hosts"))
     unpinned = results.get("unpinned")
     if unpinned:
         lines += ["## Unpinned OpenBLAS (OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset)", ""]

@@ -1,7 +1,8 @@
 """`poseidon bench`: the engine's speed beside PyTorch CPU and the distributed path's costs, in one
 command that writes results.json, results.md and PNG plots into --out (default bench-results/).
 
-    poseidon bench                      # everything (about 10-15 minutes on a 2-core machine)
+    poseidon bench                      # everything (about 13-19 minutes on a 2-core machine)
+    poseidon bench --parts g            # part g alone (root): each job beside a loopback twin
     poseidon bench --quick              # a one-minute smoke run (small batches, 2 runs, no jobs)
     poseidon bench --parts a,b          # only throughput and per-layer times
     poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
@@ -9,7 +10,8 @@ command that writes results.json, results.md and PNG plots into --out (default b
 
 Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
 path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth, f the real networks of prototxt/
-(--real-nets) forward and backward beside PyTorch (see tools/bench/). PyTorch is a
+(--real-nets) forward and backward beside PyTorch, g part e's jobs across hosts emulated in
+network namespaces (root only) beside the token bucket (see tools/bench/). PyTorch is a
 benchmark-only reference: without it the PyTorch columns say so; matplotlib comes with the bench
 extra (pip install -e '.[bench]'), or pass --no-plots.
 """
@@ -24,7 +26,7 @@ from poseidon.engine.errors import PoseidonError
 
 from .common import out, positive_int
 
-PARTS = ("a", "b", "c", "d", "e", "f")
+PARTS = ("a", "b", "c", "d", "e", "f", "g")
 REAL_NETS = "alexnet:32,googlenet:16,vgg19:4,resnet50:8,inception_v3:8"
 
 
@@ -41,10 +43,12 @@ def add(sub):
                    help="BLAS / PyTorch threads (default: the cores this process may use)")
     p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated parts to run: a throughput, b per-layer, c single-node "
-                        "overhead, d transport, e scaling, f real networks (default all)")
-    p.add_argument("--bandwidth", default="1Gbit", help="send cap per process for part e")
+                        "overhead, d transport, e scaling, f real networks, g scaling across "
+                        "emulated hosts (default all)")
+    p.add_argument("--bandwidth", default="1Gbit",
+                   help="send cap per process for part e; part g's link rate")
     p.add_argument("--scaling-nets", default="fc_heavy,cifar10_quick",
-                   help="nets of part e, comma-separated (default fc_heavy,cifar10_quick)")
+                   help="nets of parts e and g, comma-separated (default fc_heavy,cifar10_quick)")
     p.add_argument("--real-nets", default=REAL_NETS,
                    help="part f: folders of prototxt/ (or deploy files) with their batch, "
                         f"comma-separated (default {REAL_NETS}; --quick alexnet:2)")
@@ -139,7 +143,7 @@ def run(args):
             with_torch=not args.no_torch, log=out)
         part_done("f")
     dist_results = {}
-    need_dist = [p for p in ("c", "d", "e") if p in parts]
+    need_dist = [p for p in ("c", "d", "e", "g") if p in parts]
     if need_dist:
         from poseidon.tools.bench import dist_parts
         work = Path(args.out) / "jobs"
@@ -180,7 +184,16 @@ def run(args):
                 + (f": {dist_results['scaling'].get('reason')}"
                    if dist_results['scaling'].get('reason') else ""))
             part_done("e")
-    for key in ("single_node_overhead", "transport", "scaling"):
+        if "g" in parts:
+            out(f"g. scaling across emulated hosts, links at {args.bandwidth} (tbf)")
+            dist_results["emulated_hosts"] = _part_g(args, work, dist_results.get("scaling"))
+            g = dist_results["emulated_hosts"]
+            figure = (g.get("target_figure") or {}).get("netns")
+            out(f"  {g['status']}" + (f": {g.get('reason')}" if g.get("reason") else "")
+                + (f"; hybrid / no-overlap ps, fc_heavy at 4 workers: {figure:.2f}"
+                   if figure is not None else ""))
+            part_done("g")
+    for key in ("single_node_overhead", "transport", "scaling", "emulated_hosts"):
         dist_results.setdefault(key, {"status": "not measured",
                                       "reason": "part not selected (--parts)"})
     results["distributed"] = dist_results
@@ -198,6 +211,18 @@ def run(args):
         + f" in {results['runtime_s']:.0f} s"
         + (f" ({report.part_times_text(seconds)})" if seconds else ""))
     return 0
+
+
+def _part_g(args, work, part_e):
+    """Part g (tools/bench/hosts_part.py): skipped in --quick; its token-bucket side from part e
+    of this run where part e measured the row."""
+    from poseidon.tools.bench import dist_parts, hosts_part
+    if args.quick:
+        return dist_parts.not_measured("skipped in --quick (it starts jobs of up to 8 processes "
+                                       "across network namespaces)")
+    return hosts_part.emulated_hosts(
+        work, bandwidth=args.bandwidth, part_e=part_e, log=out,
+        net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
 
 
 def _log_peaks(out, results, how):

@@ -1,11 +1,16 @@
 """Hosts emulated in network namespaces on one Linux bridge, and everything started in them.
 
+Why: processes of one machine share one network stack, so a job on loopback never crosses a link.
+Here each host is a namespace of its own whose traffic crosses a veth pair that can be capped,
+counted, cut or impaired, with no second machine: the emulated-host tests (tests/hosts/) and
+`poseidon bench`'s part g (tools/bench/hosts_part.py) run their jobs on it.
+
 Layout: one namespace holds the bridge; each host is a namespace with one interface, `eth0`, at
 10.77.0.(i+1)/24, joined to the bridge by a veth pair, or (an impaired host) by two tap devices
 that forwarder.py copies frames between, dropping, delaying and reordering them. Nothing is
 configured in the machine's own network namespace beyond creating these: the addresses and routes
-exist only inside them, so no traffic of a test can leave them. IPv6 is off on every link, so the
-counters see the job's IPv4 traffic and nothing else.
+exist only inside them, so no traffic started here can leave them. IPv6 is off on every link, so
+the counters see the job's IPv4 traffic and nothing else.
 
 Counters: every link has a root qdisc on both ends, `pfifo` (counting only) or `tbf` (a rate cap),
 so `tc -s` gives what a host sent (its eth0) and what it received (the bridge port's egress) in
@@ -13,15 +18,17 @@ bytes and packets. tc counts a segmentation-offloaded skb as its segments, with 
 headers, so bytes minus packets times the per-packet headers is the TCP payload that crossed
 (`ip -s link` counts such an skb as one packet, which is why its counts are not used).
 
-Clean-up (close(), a fixture finaliser, and atexit as a last resort): every process started here
-is killed by process group, then anything still inside a namespace of this network (mpirun's
+Clean-up (close(), the `with` block's end, and atexit as a last resort): every process started
+here is killed by process group, then anything still inside a namespace of this network (mpirun's
 daemons, a child that left its group) by pid, the forwarders are told to stop, and every
 namespace is deleted, which deletes its links and the bridge. Namespaces left by a run that was
 itself killed are swept at the next start (their names carry the pid that made them).
 
-Every wait here is bounded in time; every loop in count or time.
+Needs root and iproute2 (`why_unavailable()` says what is missing). Every wait here is bounded in
+time; every loop in count or time.
 """
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -31,18 +38,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PREFIX = "pzh"                 # namespaces of these tests: pzh<pid>n<k>-..., swept when pid is dead
+PREFIX = "pzh"                 # namespaces made here: pzh<pid>n<k>-..., swept when pid is dead
 SUBNET = "10.77.0"             # a /24 that exists only inside the namespaces
 DEV = "eth0"                   # each host's one interface
 COMMAND_TIMEOUT_S = 20.0       # one ip / tc command
 READY_TIMEOUT_S = 20.0         # a forwarder creating its tap devices
 STOP_TIMEOUT_S = 10.0          # a process told to stop
 FORWARDER = Path(__file__).with_name("forwarder.py")
-REPORT = []                    # lines for the session summary (conftest.py prints them)
 _counter = itertools.count()
 _open = set()                  # networks not yet closed (atexit closes them)
 
@@ -75,7 +82,7 @@ def why_unavailable():
 
 
 def sweep_stale():
-    """Delete namespaces (and kill what runs in them) left by test runs whose process is gone."""
+    """Delete namespaces (and kill what runs in them) left by runs whose process is gone."""
     for name in _namespaces():
         m = re.match(rf"{PREFIX}(\d+)", name)
         if m and not _alive(int(m.group(1))):
@@ -126,6 +133,12 @@ def tcp_payload(counter, header):
     headers each (Network.tcp_header_bytes); pure ACKs count as headers alone."""
     total, segments = counter
     return total - segments * header
+
+
+def tbf_rate(bytes_per_second):
+    """tc's text for a rate given in bytes per second ('125000000bit' for 1 Gbit/s): whole bits,
+    so that a cap read by dist/transport/bandwidth.parse_bandwidth reaches tc unchanged."""
+    return f"{int(round(bytes_per_second * 8))}bit"
 
 
 def available_qdiscs(namespace, dev):
@@ -284,6 +297,12 @@ class Network:
             got["drops"] += root.get("drops", 0)
         return got
 
+    def payload(self, host):
+        """The TCP payload that crossed a host's link each way since its qdiscs were set:
+        {'sent': bytes, 'received': bytes} (counters() less every segment's headers)."""
+        got, header = self.counters(host), self.tcp_header_bytes(host)
+        return {way: tcp_payload(got[way], header) for way in ("sent", "received")}
+
     def tcp_retransmits(self, host):
         """Segments the host's TCP sent again (RetransSegs of its namespace's /proc/net/snmp)."""
         rows = [line.split() for line in sh(["ip", "netns", "exec", host.name, "cat",
@@ -367,6 +386,25 @@ class Network:
         _kill_inside(self.bridge_ns)
         for name in [h.name for h in self.hosts] + [self.bridge_ns]:
             sh(["ip", "netns", "del", name], check=False)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """Inside the block, SIGTERM (what `kill` and a CI's timeout send) raises SystemExit in the
+    main thread, so the `with Network(...)` blocks it unwinds close their networks and atexit
+    runs; its default action would end the process with no clean-up at all. A no-op off the
+    main thread, where Python cannot set a handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @atexit.register

@@ -4,7 +4,8 @@ Why: this kernel has no netem, and loss below TCP is what a lossy link does to a
 TCP sees its segments vanish and overtake each other and recovers (duplicate ACKs, SACK, fast
 retransmit, timeouts). A relay above TCP could only delay bytes.
 
-Run by tests/hosts/network.py in the bridge's namespace:
+Run by network.py (beside it) in the bridge's namespace, as a script (it imports nothing of
+the package, so it starts fast and needs no install):
     python forwarder.py --outer PORT --inner DEV --loss 0.03 --delay-ms 3 --jitter-ms 1 \
         --reorder 0.05 --hold-ms 6 --seconds 300 --seed 1
 It creates both taps (they vanish when it exits), prints `ready`, and copies frames both ways:
