@@ -2,6 +2,7 @@
 matplotlib) the plots, with the keys the docs rely on and positive figures. No timing assertions."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -311,3 +312,20 @@ def test_model_ref_torch_graph_computes_the_engine_nets_function(tmp_path):
     with torch.no_grad():
         out = graph({"data": torch.from_numpy(net.blobs["data"].data.copy())})
     numpy.testing.assert_allclose(out.numpy(), net.blobs["prob"].data, rtol=1e-4, atol=1e-6)
+
+
+def test_install_ab_alternates_two_installs(tmp_path):
+    """tools/bench/install_ab: two interpreters (here the same install twice) take turns on part a's
+    nets; one JSON line per net with both sides' img/s and the per-round ratios."""
+    import json
+    proc = subprocess.run([sys.executable, "-m", "poseidon.tools.bench.install_ab", sys.executable,
+                           sys.executable, "2", "0.05", "cifar10_quick,vgg_block"],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, POSEIDON_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert set(rows) == {"cifar10_quick", "vgg_block"}
+    for row in map(json.loads, rows.values()):
+        assert row["old_img_s"] > 0 and row["new_img_s"] > 0 and row["rounds"] == 2
+        low, high = row["new_over_old_range"]
+        assert low <= row["new_over_old_median"] <= high
