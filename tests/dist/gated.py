@@ -64,3 +64,62 @@ def run_gated(param, workers, servers, chunks, gate=None, keys=None, weights=Non
         for a, b in zip(got, results[0]):
             numpy.testing.assert_array_equal(a, b)
     return results[0], sessions
+
+
+class FuzzRun:
+    """A fuzzer thread paced against a gated job (run_gated): started at chunk 1, it must have sent
+    (chunk / (chunks - 2)) of its frames before chunk `chunk` runs, and the last chunk runs once
+    every frame has been dropped somewhere. `send(i)` sends frame i; `dropped()` counts drops."""
+
+    def __init__(self, frames, chunks, send, dropped):
+        import threading
+        self.frames, self.chunks = frames, chunks
+        self._send, self.dropped = send, dropped
+        self.sent = 0
+        self.errors = []
+        self.progress = threading.Condition()
+
+    def _run(self, before, after):
+        try:
+            before()
+            for i in range(self.frames):
+                self._send(i)
+                with self.progress:
+                    self.sent = i + 1
+                    self.progress.notify_all()
+            after()
+        except BaseException as e:     # reported by the gate and the test
+            self.errors.append(e)
+            with self.progress:
+                self.progress.notify_all()
+
+    def pace(self, chunk, start, before=lambda: None, after=lambda: None):
+        """Call from the gate of worker 0: `start()` at chunk 1, then the thread, then the waits."""
+        import threading
+        import time
+        if chunk == 1:          # the job is running: start the fuzzer
+            start()
+            threading.Thread(target=self._run, args=(before, after), daemon=True).start()
+        if chunk >= 1:          # let it get (chunk / (chunks - 2)) of the way before going on
+            need = min(self.frames, self.frames * chunk // (self.chunks - 2))
+            with self.progress:
+                self.progress.wait_for(lambda: self.sent >= need or self.errors, timeout=120)
+        if chunk == self.chunks - 1:   # the last chunk runs once every frame has been dropped
+            deadline = time.monotonic() + 60
+            while (self.dropped() < self.frames and time.monotonic() < deadline
+                   and not self.errors):
+                time.sleep(0.05)
+
+
+def member_sockets(ctx, keys, sessions, targets):
+    """PUSH sockets holding the job's keys (a member), one per {name: rank} of `targets`."""
+    import zmq
+    from poseidon.dist import security
+    socks = {}
+    for name, rank in targets.items():
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        security.secure_client(s, keys)
+        s.connect(sessions[rank].transport.address)
+        socks[name] = s
+    return socks

@@ -175,3 +175,18 @@ def assert_params_close(got, want, rtol=1e-5, label=""):
         scale = max(numpy.abs(w).max(), 1e-12)
         err = numpy.abs(g - w).max() / scale
         assert err <= rtol, f"{label} param {i}: max relative error {err:.3g} > {rtol}"
+
+
+def transport_pair(roles, ranks, **options):
+    """Two started ZmqTransports of `ranks` (two ranks of `roles`) on loopback, connected both ways;
+    a generator for fixtures: yields them, then closes them."""
+    from poseidon.dist.transport import ZmqTransport
+    a, b = (ZmqTransport(rank, namer=roles.name, **options) for rank in ranks)
+    for t in (a, b):
+        t.bind("127.0.0.1")
+        t.start()
+    a.connect(ranks[1], b.address)
+    b.connect(ranks[0], a.address)
+    yield a, b
+    a.close(0)
+    b.close(0)

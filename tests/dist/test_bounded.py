@@ -15,15 +15,14 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import numpy
 import pytest
 
 from poseidon.dist.roles import Roles
-from poseidon.dist.transport import Msg, ZmqTransport
+from poseidon.dist.transport import Msg
 
-from .helpers import fc_net, make_lmdb
+from .helpers import fc_net, make_lmdb, transport_pair
 from .test_processes import alive, cli, env, write_solver
 from .test_signals_dist import Output
 
@@ -91,17 +90,7 @@ def test_a_stopped_worker_does_not_stop_the_server(tmp_path):
 
 @pytest.fixture
 def pair():
-    roles = Roles(1, 1)
-    worker = ZmqTransport(0, namer=roles.name, timeout=10.0)
-    server = ZmqTransport(1, namer=roles.name, timeout=10.0)
-    for t in (worker, server):
-        t.bind("127.0.0.1")
-        t.start()
-    worker.connect(1, server.address)
-    server.connect(0, worker.address)
-    yield worker, server
-    worker.close(0)
-    server.close(0)
+    yield from transport_pair(Roles(1, 1), (0, 1), timeout=10.0)
 
 
 def _settle(t, n, limit=30.0):

@@ -26,7 +26,7 @@ from poseidon.dist import security
 from poseidon.dist.book import InformationBook
 from poseidon.dist.transport import Msg, encode_header
 
-from .gated import run_gated
+from .gated import FuzzRun, member_sockets, run_gated
 from .helpers import conv_net, make_lmdb, solver_param
 from .test_security import initial_weights
 
@@ -166,64 +166,45 @@ def test_ten_thousand_bad_frames_change_nothing(data, tmp_path):
     book = InformationBook(quiet[0].book.data)
     assert any(r["scheme"] == "sfb" for r in book.layers) and book.pairs, "need PS and SFB"
 
-    sent = {"n": 0}
-    progress = threading.Condition()
     targets = {}
-    fuzz_error = []
+    fuzzer = Fuzzer(book)
+    order = ["server", 1, 0]
+    live = {}
 
-    def fuzz(sessions):
-        try:
-            ctx = zmq.Context()
-            socks = {}
-            for name, rank in (("server", P1), (0, 0), (1, 1)):
-                s = ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                security.secure_client(s, keys)          # a member: it holds the job's keys
-                s.connect(sessions[rank].transport.address)
-                socks[name] = s
-                targets[rank] = sessions[rank]
-            fuzzer = Fuzzer(book)
-            order = ["server", 1, 0]
-            for i in range(FRAMES):
-                target = order[i % 3]
-                socks[target].send_multipart(fuzzer.make(target))
-                with progress:
-                    sent["n"] = i + 1
-                    progress.notify_all()
-            test_ten_thousand_bad_frames_change_nothing.kinds = fuzzer.kinds
-            for s in socks.values():
-                s.close(linger=5000)
-            ctx.term()
-        except BaseException as e:     # reported by the gate
-            fuzz_error.append(e)
-            with progress:
-                progress.notify_all()
+    def connect():
+        live["ctx"] = zmq.Context()
+        live["socks"] = member_sockets(live["ctx"], keys, live["sessions"],
+                                       {"server": P1, 0: 0, 1: 1})
 
-    def dropped():
-        return sum(s.transport.counters()["dropped_messages"] for s in targets.values())
+    def send(i):
+        target = order[i % 3]
+        live["socks"][target].send_multipart(fuzzer.make(target))
 
+    def close():
+        test_ten_thousand_bad_frames_change_nothing.kinds = fuzzer.kinds
+        for s in live["socks"].values():
+            s.close(linger=5000)
+        live["ctx"].term()
+
+    run = FuzzRun(FRAMES, CHUNKS, send,
+                  lambda: sum(s.transport.counters()["dropped_messages"]
+                              for s in targets.values()))
     started = threading.Event()
 
+    def start(sessions):
+        started.set()
+        live["sessions"] = sessions
+        targets.update({rank: sessions[rank] for rank in (P1, 0, 1)})
+
     def gate(chunk, sessions):
-        if threading.current_thread().name != "role-0":
-            return
-        if chunk == 1:          # the job is running: start the fuzzer
-            started.set()
-            threading.Thread(target=fuzz, args=(sessions,), daemon=True).start()
-        if chunk >= 1:          # let it get (chunk / (CHUNKS - 2)) of the way before going on
-            need = min(FRAMES, FRAMES * chunk // (CHUNKS - 2))
-            with progress:
-                progress.wait_for(lambda: sent["n"] >= need or fuzz_error, timeout=120)
-        if chunk == CHUNKS - 1:  # the last chunk runs once every frame has been dropped
-            deadline = time.monotonic() + 60
-            while dropped() < FRAMES and time.monotonic() < deadline and not fuzz_error:
-                time.sleep(0.05)
+        if threading.current_thread().name == "role-0":
+            run.pace(chunk, lambda: start(sessions), before=connect, after=close)
 
     t0 = time.monotonic()
     got, sessions = run_gated(param, P1, P2, CHUNKS, gate=gate, keys=keys, weights=weights)
     elapsed = time.monotonic() - t0
-    assert not fuzz_error, fuzz_error
-    assert started.is_set() and sent["n"] == FRAMES
+    assert not run.errors, run.errors
+    assert started.is_set() and run.sent == FRAMES
     counts = {r: s.transport.counters() for r, s in sessions.items()}
     total_dropped = sum(c["dropped_messages"] for c in counts.values())
     assert total_dropped == FRAMES, {r: c["dropped_messages"] for r, c in counts.items()}

@@ -29,7 +29,7 @@ from poseidon.dist import security
 from poseidon.dist.roles import COORDINATOR
 from poseidon.dist.transport import Msg, encode_header
 
-from .gated import run_gated
+from .gated import FuzzRun, member_sockets, run_gated
 from .helpers import fc_net, make_lmdb, solver_param
 from .test_security import initial_weights
 
@@ -172,71 +172,51 @@ def test_ten_thousand_bad_control_messages_change_nothing(data, tmp_path):
     keys = security.make_keys()
     want, _ = run_gated(param, P1, P2, CHUNKS, keys=keys, weights=weights)
 
-    sent = {"n": 0}
-    progress = threading.Condition()
-    fuzz_error = []
     fuzzer = ControlFuzzer()
     receivers = {}
+    live = {}
 
-    def fuzz(sessions):
-        try:
-            ctx = zmq.Context()
-            pushes = {}
-            for name, rank in ((0, 0), ("server", SERVER)):
-                s = ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                security.secure_client(s, keys)      # a member: it holds the job's keys
-                s.connect(sessions[rank].transport.address)
-                pushes[name] = s
-            # to the coordinator over the members' own connections (identity = their rank)
-            dealers = {"coordinator": sessions[1].transport._out[COORDINATOR],
-                       "coordinator-via-server": sessions[SERVER].transport._out[COORDINATOR]}
-            for i in range(FRAMES):
-                target, frames = fuzzer.make(i)
-                if target in dealers:
-                    if (target == "coordinator" and
-                            fuzzer.templates[i % len(fuzzer.templates)][2] == SERVER):
-                        target = "coordinator-via-server"
-                    sock, lock = dealers[target]
-                    with lock:
-                        sock.send_multipart(frames)
-                else:
-                    pushes[target].send_multipart(frames)
-                with progress:
-                    sent["n"] = i + 1
-                    progress.notify_all()
-            for s in pushes.values():
-                s.close(linger=5000)
-            ctx.term()
-        except BaseException as e:     # reported by the gate
-            fuzz_error.append(e)
-            with progress:
-                progress.notify_all()
+    def connect():
+        sessions = live["sessions"]
+        live["ctx"] = zmq.Context()
+        live["pushes"] = member_sockets(live["ctx"], keys, sessions, {0: 0, "server": SERVER})
+        # to the coordinator over the members' own connections (identity = their rank)
+        live["dealers"] = {"coordinator": sessions[1].transport._out[COORDINATOR],
+                           "coordinator-via-server": sessions[SERVER].transport._out[COORDINATOR]}
 
-    def dropped():
-        return sum(t.counters()["dropped_messages"] for t in receivers.values())
+    def send(i):
+        target, frames = fuzzer.make(i)
+        if target in live["dealers"]:
+            if target == "coordinator" and fuzzer.templates[i % len(fuzzer.templates)][2] == SERVER:
+                target = "coordinator-via-server"
+            sock, lock = live["dealers"][target]
+            with lock:
+                sock.send_multipart(frames)
+        else:
+            live["pushes"][target].send_multipart(frames)
+
+    def close():
+        for s in live["pushes"].values():
+            s.close(linger=5000)
+        live["ctx"].term()
+
+    run = FuzzRun(FRAMES, CHUNKS, send,
+                  lambda: sum(t.counters()["dropped_messages"] for t in receivers.values()))
+
+    def start(sessions):
+        live["sessions"] = sessions
+        receivers.update({"coordinator": sessions[0].coordinator.transport,
+                          0: sessions[0].transport, "server": sessions[SERVER].transport})
 
     def gate(chunk, sessions):
-        if threading.current_thread().name != "role-0":
-            return
-        if chunk == 1:          # the job is running: start the fuzzer
-            receivers.update({"coordinator": sessions[0].coordinator.transport,
-                              0: sessions[0].transport, "server": sessions[SERVER].transport})
-            threading.Thread(target=fuzz, args=(sessions,), daemon=True).start()
-        if chunk >= 1:          # let it get (chunk / (CHUNKS - 2)) of the way before going on
-            need = min(FRAMES, FRAMES * chunk // (CHUNKS - 2))
-            with progress:
-                progress.wait_for(lambda: sent["n"] >= need or fuzz_error, timeout=120)
-        if chunk == CHUNKS - 1:  # the last chunk runs once every frame has been dropped
-            deadline = time.monotonic() + 60
-            while dropped() < FRAMES and time.monotonic() < deadline and not fuzz_error:
-                time.sleep(0.05)
+        if threading.current_thread().name == "role-0":
+            run.pace(chunk, lambda: start(sessions), before=connect, after=close)
 
     t0 = time.monotonic()
     got, sessions = run_gated(param, P1, P2, CHUNKS, gate=gate, keys=keys, weights=weights)
     elapsed = time.monotonic() - t0
-    assert not fuzz_error, fuzz_error
-    assert sent["n"] == FRAMES
+    assert not run.errors, run.errors
+    assert run.sent == FRAMES
     coordinator = sessions[0].coordinator
     assert coordinator.aborted_reason is None and coordinator.error is None
     counts = {name: t.counters()["dropped_messages"] for name, t in receivers.items()}

@@ -23,30 +23,20 @@ import pytest
 
 from poseidon.dist import security
 from poseidon.dist.roles import Roles
-from poseidon.dist.transport import FIXED_HEADER_BYTES, Msg, ZmqTransport, encode_header
+from poseidon.dist.transport import FIXED_HEADER_BYTES, Msg, encode_header
 from poseidon.dist.transport.slices import cut
 from poseidon.dist.transport.wire import encode_slice
 
 from .gated import run_gated
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
-                      solver_param)
+                      solver_param, transport_pair)
 
 SLICE = 8192
 
 
 @pytest.fixture
 def pair():
-    roles = Roles(2, 1)
-    a = ZmqTransport(0, namer=roles.name, timeout=5.0, slice_bytes=SLICE)
-    b = ZmqTransport(2, namer=roles.name, timeout=5.0, slice_bytes=SLICE)
-    for t in (a, b):
-        t.bind("127.0.0.1")
-        t.start()
-    a.connect(2, b.address)
-    b.connect(0, a.address)
-    yield a, b
-    a.close(0)
-    b.close(0)
+    yield from transport_pair(Roles(2, 1), (0, 2), timeout=5.0, slice_bytes=SLICE)
 
 
 def test_a_message_larger_than_a_slice_arrives_whole_and_is_counted_once(pair):

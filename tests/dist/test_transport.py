@@ -13,20 +13,12 @@ from poseidon.dist.roles import Roles
 from poseidon.dist.transport import (FIXED_HEADER_BYTES, Msg, TokenBucket, ZmqTransport, decode_header,
                             encode_header, parse_bandwidth)
 
+from .helpers import transport_pair
+
 
 @pytest.fixture
 def pair():
-    roles = Roles(2, 1)
-    a = ZmqTransport(0, namer=roles.name, timeout=2.0)
-    b = ZmqTransport(2, namer=roles.name, timeout=2.0)
-    for t in (a, b):
-        t.bind("127.0.0.1")
-        t.start()
-    a.connect(2, b.address)
-    b.connect(0, a.address)
-    yield a, b
-    a.close(0)
-    b.close(0)
+    yield from transport_pair(Roles(2, 1), (0, 2), timeout=2.0)
 
 
 def test_header_round_trip():
