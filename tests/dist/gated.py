@@ -111,6 +111,25 @@ class FuzzRun:
                 time.sleep(0.05)
 
 
+    def train(self, param, workers, servers, start, before, after, **job):
+        """run_gated with this fuzzer paced in worker 0's gate; `start(sessions)` runs at chunk 1
+        before the fuzzer thread. Returns (worker 0's parameters, sessions, seconds) once the
+        fuzzer sent every frame without an error."""
+        import threading
+        import time
+
+        def gate(chunk, sessions):
+            if threading.current_thread().name == "role-0":
+                self.pace(chunk, lambda: start(sessions), before=before, after=after)
+
+        t0 = time.monotonic()
+        got, sessions = run_gated(param, workers, servers, self.chunks, gate=gate, **job)
+        elapsed = time.monotonic() - t0
+        assert not self.errors, self.errors
+        assert self.sent == self.frames
+        return got, sessions, elapsed
+
+
 def member_sockets(ctx, keys, sessions, targets):
     """PUSH sockets holding the job's keys (a member), one per {name: rank} of `targets`."""
     import zmq

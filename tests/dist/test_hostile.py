@@ -196,15 +196,9 @@ def test_ten_thousand_bad_frames_change_nothing(data, tmp_path):
         live["sessions"] = sessions
         targets.update({rank: sessions[rank] for rank in (P1, 0, 1)})
 
-    def gate(chunk, sessions):
-        if threading.current_thread().name == "role-0":
-            run.pace(chunk, lambda: start(sessions), before=connect, after=close)
-
-    t0 = time.monotonic()
-    got, sessions = run_gated(param, P1, P2, CHUNKS, gate=gate, keys=keys, weights=weights)
-    elapsed = time.monotonic() - t0
-    assert not run.errors, run.errors
-    assert started.is_set() and run.sent == FRAMES
+    got, sessions, elapsed = run.train(param, P1, P2, start, connect, close, keys=keys,
+                                       weights=weights)
+    assert started.is_set()
     counts = {r: s.transport.counters() for r, s in sessions.items()}
     total_dropped = sum(c["dropped_messages"] for c in counts.values())
     assert total_dropped == FRAMES, {r: c["dropped_messages"] for r, c in counts.items()}

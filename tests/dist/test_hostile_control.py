@@ -18,8 +18,6 @@ Run: python -m pytest tests/dist/test_hostile_control.py -q -s
 """
 import json
 import struct
-import threading
-import time
 
 import numpy
 import pytest
@@ -208,15 +206,8 @@ def test_ten_thousand_bad_control_messages_change_nothing(data, tmp_path):
         receivers.update({"coordinator": sessions[0].coordinator.transport,
                           0: sessions[0].transport, "server": sessions[SERVER].transport})
 
-    def gate(chunk, sessions):
-        if threading.current_thread().name == "role-0":
-            run.pace(chunk, lambda: start(sessions), before=connect, after=close)
-
-    t0 = time.monotonic()
-    got, sessions = run_gated(param, P1, P2, CHUNKS, gate=gate, keys=keys, weights=weights)
-    elapsed = time.monotonic() - t0
-    assert not run.errors, run.errors
-    assert run.sent == FRAMES
+    got, sessions, elapsed = run.train(param, P1, P2, start, connect, close, keys=keys,
+                                       weights=weights)
     coordinator = sessions[0].coordinator
     assert coordinator.aborted_reason is None and coordinator.error is None
     counts = {name: t.counters()["dropped_messages"] for name, t in receivers.items()}
