@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 from poseidon.engine.errors import PoseidonError
 

@@ -47,11 +47,11 @@ from .book import describe_net, relaxed_consistency
 from .errors import DistError
 from .kvclient import KVClient
 from .session import current, make_current
-from .snapshots import JobSnapshots, worker_cursor_path  # noqa: F401  (part of the worker's API)
+from .snapshots import JobSnapshots
 from .syncer import StreamPool, SyncContext, Syncer
 from .timeline import Timeline, role_path, write_trace
 from .transport import onehost
-from .verdicts import NonFiniteGradient, Verdicts  # noqa: F401
+from .verdicts import Verdicts
 
 log = logging.getLogger("poseidon")
 

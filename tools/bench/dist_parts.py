@@ -15,7 +15,6 @@ fed from Input layers that nobody fills (zeros): compute and message sizes do no
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
