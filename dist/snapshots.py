@@ -108,7 +108,8 @@ class JobSnapshots:
         if self.rank == 0:
             read(path)
             for r in self.roles.worker_ranks()[1:]:
-                self.transport.send(r, Msg.CURSOR, obj=self._cursor_of(path, r))
+                self.transport.send(r, Msg.CURSOR, obj=dict(self._cursor_of(path, r),
+                                                            snapshot=os.fspath(path)))
         else:
             state = self.transport.receive(
                 Msg.CURSOR, 0, 0, timeout=self.slow, senders=[0],
@@ -116,4 +117,5 @@ class JobSnapshots:
             if state.get("fresh"):                 # --resume auto found no snapshot
                 return
             solver.load_cursor_state(state)
+            path = state.get("snapshot") or path   # worker 0's file ('auto' names none)
         self.verdicts.last_snapshot = os.fspath(path)

@@ -279,8 +279,10 @@ class WorkerHooks(SolverHooks):
         return loss
 
     def _drain(self):
-        """After a failure: cancel the syncs not yet started, so the pool is not left blocked."""
-        for f in self._pending:
+        """After a failure: cancel the syncs not yet started, so the pool is not left blocked, and
+        forget them (a later iteration waits for its own syncs only)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
             f.cancel()
 
     def before_update(self, solver, it, loss):

@@ -143,7 +143,10 @@ class BatchNormScalePair:
             scale.blobs[-1].diff.reshape(-1)[...] += sum_dy
         if scale.param_propagate_down[0]:
             scale.blobs[0].diff.reshape(-1)[...] += sum_dy_x
-        self.sums = (scale.blobs[0].data, sum_dy, sum_dy_x)
+        # k = scale / sqrt(var + eps) is taken now, not at the BatchNorm's step: between the two, a
+        # caller acting after this layer's backward (a synchronisation) may update the scale in place
+        k = scale.blobs[0].data.reshape(-1) * self.norm.inv_std
+        self.sums = (k, sum_dy, sum_dy_x)
 
     def norm_backward(self, top, propagate_down, bottom):
         """The BatchNorm's step: the pair's input gradient from the Scale's sums, or the
@@ -157,7 +160,7 @@ class BatchNormScalePair:
             return
         self._pair_input_gradient(top[0].diff, bottom[0].diff, *sums)
 
-    def _pair_input_gradient(self, dy, out, scale, sum_dy, sum_dy_xn):
+    def _pair_input_gradient(self, dy, out, k, sum_dy, sum_dy_xn):
         """The pair's input gradient from the Scale's top gradient dy: with k = scale /
         sqrt(var + eps) per channel, the Scale's dx = scale * dy makes Caffe's BatchNorm formula
         dx = k * (dy - mean(dy) - mean(dy * xn) * xn), whose two means are the Scale's sums: two
@@ -167,7 +170,6 @@ class BatchNormScalePair:
         n, c, s = norm.shape3
         dy = dy.reshape(norm.shape3)
         out = out.reshape(norm.shape3)             # may be dy itself (in place)
-        k = scale.reshape(-1) * norm.inv_std
         if norm.use_global_stats:            # dx = scale * dy / sqrt(var + eps)
             split_range(lambda lo, hi: xp.multiply(dy[:, lo:hi], k[lo:hi, None],
                                                    out=out[:, lo:hi]), c, dy.size, xp)

@@ -90,3 +90,21 @@ def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
     ds.solver._begin_iteration(ds.solver.iter)
     for b in params:
         assert b.diff.any() == (b in weights)
+
+
+def test_an_inner_product_off_the_loss_path_is_not_rebuilt_from_factors(data, tmp_path):
+    """An InnerProduct whose output only feeds an Accuracy runs no backward, so it has no factors:
+    it is not SFB-capable, and the job trains as one process on the combined batch does."""
+    def with_aux(batch):
+        return fc_net(data, batch).replace(
+            'layer { name: "loss"',
+            'layer { name: "aux" type: "InnerProduct" bottom: "ip2" top: "aux"\n'
+            '  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }\n'
+            'layer { name: "aux_accuracy" type: "Accuracy" bottom: "aux" bottom: "label" '
+            'top: "aux_accuracy" }\nlayer { name: "loss"')
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(with_aux(2 * K), max_iter=3), weights_out=weights)
+    solvers = run_threads(solver_param(with_aux(K), max_iter=3), 2, 1, sync="sfb", weights=weights)
+    schemes = {rec["name"]: (rec["sfb"], rec["scheme"]) for rec in solvers[0].book.layers}
+    assert schemes["aux"] == (False, "ps") and schemes["ip1"] == (True, "sfb")
+    assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="aux")

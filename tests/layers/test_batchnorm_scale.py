@@ -144,3 +144,45 @@ def test_a_forward_to_the_batchnorm_of_a_pair_gives_x_hat(monkeypatch):
     numpy.testing.assert_allclose(folded, gamma * x_hat + beta, rtol=1e-12, atol=1e-13)
     net.ForwardLayer(scale)
     numpy.testing.assert_array_equal(net.blobs["conv"].data, folded)
+
+
+PAIR_NET = """
+name: "pair"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 8 dim: 12 } shape { dim: 8 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 6 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "ip1" top: "ip1" }
+layer { name: "sc1" type: "Scale" bottom: "ip1" top: "ip1"
+        scale_param { bias_term: true filler { type: "uniform" min: 0.5 max: 2 } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+
+def test_the_pairs_input_gradient_uses_the_scale_of_its_own_forward():
+    """A caller acting right after the Scale's backward (a distributed sync writing the layer's
+    new values in place) must not change the gradient the BatchNorm's step then makes below."""
+    from google.protobuf import text_format
+    from poseidon.engine import rng
+    from poseidon.engine.net import Net
+    from poseidon.engine.proto import caffe_pb2
+    rs = numpy.random.RandomState(4)
+    data, label = rs.standard_normal((8, 12)), rs.randint(0, 4, 8).astype(numpy.float64)
+    grads = []
+    for bump in (False, True):
+        rng.seed(11)                                   # the same weights both times
+        net = Net(text_format.Parse(PAIR_NET, caffe_pb2.NetParameter()), dtype=numpy.float64)
+        assert isinstance(net.layer_dict["bn1"], PairedBatchNorm)
+        net.blobs["data"].data[...] = data
+        net.blobs["label"].data[...] = label
+        sc = net.layer_names.index("sc1")
+        if bump:   # the scale's new values arrive right after its backward
+            net.after_backward.append(
+                lambda li: li == sc and net.params["sc1"][0].data.__imul__(3.0))
+        net.Forward()
+        net.ClearParamDiffs()
+        net.Backward()
+        grads.append(numpy.array(net.params["ip1"][0].diff))
+    numpy.testing.assert_array_equal(grads[1], grads[0])
