@@ -72,12 +72,14 @@ def describe_net(net, iter_size=1):
             K = int(bottoms[0].shape[0]) if bottoms and bottoms[0].shape else 1
         own = [params[p] for p in pids]
         weight_ok = any(p["owner"] == [li, 0] and not p["shared"] for p in own)
-        # the factors exist only where the layer runs backward and makes its weight gradient
-        makes_grad = net.layer_need_backward[li] and layer.param_propagate_down[0]
         sfb = bool(getattr(layer, "has_sufficient_factors", False) and iter_size == 1 and weight_ok
-                   and makes_grad and all(p["owner"][0] == li and not p["shared"] for p in own))
+                   and all(p["owner"][0] == li and not p["shared"] for p in own))
         layers.append({"index": li, "name": net.layer_names[li], "type": layer.type, "M": M,
                        "N": N, "K": K, "sfb": sfb, "params": pids,
+                       # whether this net's backward makes the layer's weight gradient (and so
+                       # its factors): not for a layer off the loss path
+                       "weight_grad": bool(net.layer_need_backward[li]
+                                           and layer.param_propagate_down[0]),
                        "shapes": [params[p]["shape"] for p in pids]})
     return {"net": net.name, "dtype": str(net.dtype), "iter_size": int(iter_size),
             "layers": layers, "params": params}

@@ -39,7 +39,7 @@ class SFBScheme(Scheme):
     def applies_to(rec):
         """InnerProduct layers that alone own a learned weight, with iter_size 1 (the book's 'sfb'
         flag: the factors of one pass are the iteration's gradient)."""
-        return bool(rec["sfb"])
+        return bool(rec["sfb"]) and rec.get("weight_grad", True)
 
     @staticmethod
     def peer_arrays(rec, arrays):

@@ -105,6 +105,6 @@ def test_an_inner_product_off_the_loss_path_is_not_rebuilt_from_factors(data, tm
     weights = str(tmp_path / "init.caffemodel")
     want = reference(solver_param(with_aux(2 * K), max_iter=3), weights_out=weights)
     solvers = run_threads(solver_param(with_aux(K), max_iter=3), 2, 1, sync="sfb", weights=weights)
-    schemes = {rec["name"]: (rec["sfb"], rec["scheme"]) for rec in solvers[0].book.layers}
+    schemes = {rec["name"]: (rec["weight_grad"], rec["scheme"]) for rec in solvers[0].book.layers}
     assert schemes["aux"] == (False, "ps") and schemes["ip1"] == (True, "sfb")
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="aux")
