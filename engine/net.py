@@ -488,20 +488,16 @@ class Net:
             raise ModelError(f"{path}: weights file does not exist; check the path")
         if os.path.isdir(path):
             raise ModelError(f"{path}: is a folder; give a .caffemodel (or .caffemodel.h5) file")
-        try:
+        def read():
             if caffemodel.is_hdf5(path):
-                source = [(name, arrays) for name, arrays in caffemodel.read_net_hdf5(path).items()]
-            else:
-                proto = prototxt.upgrade_net(caffemodel.read_net_proto(path))
-                source = [(lp.name, list(lp.blobs)) for lp in proto.layer]
-        except ImportError:
-            raise ModelError(f"{path}: is an HDF5 weights file and reading it needs h5py: "
-                             f"pip install h5py (or use a binary .caffemodel)") from None
-        except (ValueError, OSError, KeyError) as e:
-            reason = caffemodel.unreadable_reason(e, "NetParameter")
-            raise ModelError(f"{path}: not a readable weights file ({reason}); give a "
-                             f"binary .caffemodel or .caffemodel.h5 (a torn copy or download "
-                             f"also gives this: copy it again)") from None
+                return list(caffemodel.read_net_hdf5(path).items())
+            proto = prototxt.upgrade_net(caffemodel.read_net_proto(path))
+            return [(lp.name, list(lp.blobs)) for lp in proto.layer]
+
+        source = caffemodel.read_or_refuse(
+            path, read, "NetParameter", "weights file",
+            "give a binary .caffemodel or .caffemodel.h5 (a torn copy or download also gives "
+            "this: copy it again)", hdf5_fix=" (or use a binary .caffemodel)")
         return self._copy_arrays(path, source, report_missing)
 
     def _copy_arrays(self, path, source, report_missing=True):

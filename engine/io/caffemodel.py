@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from poseidon.engine.errors import DiskFullError
+from poseidon.engine.errors import DiskFullError, ModelError
 from poseidon.engine.proto import caffe_pb2
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -201,6 +201,19 @@ def unreadable_reason(error, message):
     if "Error parsing message" in str(error):
         return f"protobuf cannot parse it as a Caffe {message}"
     return str(error)[:120]
+
+
+def read_or_refuse(path, read, message, what, fix, hdf5_fix=""):
+    """read()'s result; a damaged file (or an HDF5 one without h5py) as one ModelError line naming
+    `path`, what it should be (`what`), the protobuf `message` that failed, and `fix`."""
+    try:
+        return read()
+    except ImportError:
+        raise ModelError(f"{path}: is an HDF5 {what} and reading it needs h5py: pip install "
+                         f"h5py{hdf5_fix}") from None
+    except (ValueError, OSError, KeyError) as e:
+        raise ModelError(f"{path}: not a readable {what} ({unreadable_reason(e, message)}); "
+                         f"{fix}") from None
 
 
 def read_net_proto(path):

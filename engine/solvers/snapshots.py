@@ -79,17 +79,11 @@ def write(solver):
 
 
 def _read_state(path):
-    try:
-        return (caffemodel.read_solverstate_hdf5(path) if path.endswith(".h5")
-                else caffemodel.read_solverstate(path))
-    except ImportError:
-        raise ModelError(f"{path}: is an HDF5 solver state and reading it needs h5py: pip "
-                         f"install h5py") from None
-    except (ValueError, OSError, KeyError) as e:
-        reason = caffemodel.unreadable_reason(e, "SolverState")
-        raise ModelError(f"{path}: not a readable solver state ({reason}); give the "
-                         f".solverstate a snapshot wrote (a torn copy also gives this: resume "
-                         f"from an earlier snapshot)") from None
+    read = caffemodel.read_solverstate_hdf5 if path.endswith(".h5") else caffemodel.read_solverstate
+    return caffemodel.read_or_refuse(
+        path, lambda: read(path), "SolverState", "solver state",
+        "give the .solverstate a snapshot wrote (a torn copy also gives this: resume from an "
+        "earlier snapshot)")
 
 
 def learned_net_path(name, state_path):
