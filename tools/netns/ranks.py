@@ -63,8 +63,9 @@ class HostJob:
     file to use (jobs run one after another may share one); by default a new one in `folder`."""
 
     def __init__(self, folder, solver, workers, servers, flags=(), paths=(), threads=None,
-                 keys=None):
+                 keys=None, colocate=False):
         self.folder = Path(folder)
+        self.colocate = colocate
         self.folder.mkdir(parents=True, exist_ok=True)
         self.solver = solver
         self.workers, self.servers = workers, servers
@@ -76,6 +77,19 @@ class HostJob:
     @property
     def size(self):
         return self.workers + self.servers
+
+    @property
+    def hosts(self):
+        """Hosts the job needs: one a rank, or with `colocate` one a worker, server j sharing
+        worker j's host (every node both a worker and a server, as the paper's cost model has
+        it)."""
+        return max(self.workers, self.servers) if self.colocate else self.size
+
+    def host_of(self, rank):
+        if not self.colocate:
+            return rank
+        role, index = role_of(rank, self.workers)
+        return index
 
     def coordinator(self, network):
         return f"tcp://{network.hosts[0].address}:{PORT}"
@@ -91,8 +105,8 @@ class HostJob:
         return self.folder / "logs" / f"rank-{rank}{attempt}.log"
 
     def start(self, network, extra=(), attempt=""):
-        """Every rank on its own host (rank r on host r); {rank: Popen}."""
-        return {r: network.spawn(network.hosts[r], cli(*self.args(network, extra), "--rank", r),
+        """Every rank on its host (host_of: rank r on host r unless colocated); {rank: Popen}."""
+        return {r: network.spawn(network.hosts[self.host_of(r)], cli(*self.args(network, extra), "--rank", r),
                                  self.log(r, attempt), env=self.env, cwd=self.folder)
                 for r in range(self.size)}
 
