@@ -6,7 +6,7 @@ written, and its absence is a clear error that names the fix (or run with --no-p
 import json
 from pathlib import Path
 
-from . import report_hosts
+from . import report_hosts, report_schemes
 
 TARGETS = (
     ("cifar10_quick training vs PyTorch CPU", ">= 1.0x"),
@@ -395,6 +395,7 @@ def markdown(results):
     else:
         lines += [f"**e. Scaling under a bandwidth cap**: {_why(s)}", ""]
     lines += report_hosts.markdown_lines(d.get("emulated_hosts"))
+    lines += report_schemes.markdown_lines(d.get("schemes_across_hosts"))
     unpinned = results.get("unpinned")
     if unpinned:
         lines += ["## Unpinned OpenBLAS (OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset)", ""]

@@ -143,7 +143,8 @@ def _poseidon_job(folder, solver, hosts, caps, flags):
     return {"iteration_s": dist_parts.iteration_times(records, SKIP), "seconds": seconds,
             "bytes_sent": [r.get("sent_payload", 0) + r.get("sent_header", 0)
                            for r in records[SKIP:]],
-            "schemes": records[-1].get("schemes") if records else None}
+            "schemes": {name: layer.get("scheme") for name, layer in
+                        records[-1].get("layers", {}).items()} if records else None}
 
 
 def _ddp_job(folder, bench_net, hosts, caps, total):

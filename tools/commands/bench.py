@@ -11,7 +11,8 @@ command that writes results.json, results.md and PNG plots into --out (default b
 Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
 path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth, f the real networks of prototxt/
 (--real-nets) forward and backward beside PyTorch, g part e's jobs across hosts emulated in
-network namespaces (root only) beside the token bucket (see tools/bench/). PyTorch is a
+network namespaces (root only) beside the token bucket, h the synchronisation schemes across 4
+emulated hosts beside PyTorch DDP over gloo (root only; see tools/bench/). PyTorch is a
 benchmark-only reference: without it the PyTorch columns say so; matplotlib comes with the bench
 extra (pip install -e '.[bench]'), or pass --no-plots.
 """
@@ -26,7 +27,7 @@ from poseidon.engine.errors import PoseidonError
 
 from .common import out, positive_int
 
-PARTS = ("a", "b", "c", "d", "e", "f", "g")
+PARTS = ("a", "b", "c", "d", "e", "f", "g", "h")
 REAL_NETS = "alexnet:32,googlenet:16,vgg19:4,resnet50:8,inception_v3:8"
 
 
@@ -44,9 +45,13 @@ def add(sub):
     p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated parts to run: a throughput, b per-layer, c single-node "
                         "overhead, d transport, e scaling, f real networks, g scaling across "
-                        "emulated hosts (default all)")
+                        "emulated hosts, h schemes across emulated hosts beside DDP (default all)")
     p.add_argument("--bandwidth", default="1Gbit",
                    help="send cap per process for part e; part g's link rate")
+    p.add_argument("--slow-bandwidth", default="100Mbit",
+                   help="part h: the one slow host's link rate (the others at --bandwidth)")
+    p.add_argument("--scheme-nets", default="fc_heavy,vgg_block",
+                   help="nets of part h, comma-separated (default fc_heavy,vgg_block)")
     p.add_argument("--scaling-nets", default="fc_heavy,cifar10_quick",
                    help="nets of parts e and g, comma-separated (default fc_heavy,cifar10_quick)")
     p.add_argument("--real-nets", default=REAL_NETS,
@@ -143,7 +148,7 @@ def run(args):
             with_torch=not args.no_torch, log=out)
         part_done("f")
     dist_results = {}
-    need_dist = [p for p in ("c", "d", "e", "g") if p in parts]
+    need_dist = [p for p in ("c", "d", "e", "g", "h") if p in parts]
     if need_dist:
         from poseidon.tools.bench import dist_parts
         work = Path(args.out) / "jobs"
@@ -193,7 +198,17 @@ def run(args):
                 + (f"; hybrid / no-overlap ps, fc_heavy at 4 workers: {figure:.2f}"
                    if figure is not None else ""))
             part_done("g")
-    for key in ("single_node_overhead", "transport", "scaling", "emulated_hosts"):
+        if "h" in parts:
+            out(f"h. schemes across {_hosts()} emulated hosts at {args.bandwidth}, beside DDP")
+            dist_results["schemes_across_hosts"] = _part_h(args, work)
+            h = dist_results["schemes_across_hosts"]
+            out(f"  {h['status']}" + (f": {h.get('reason')}" if h.get("reason") else ""))
+            for net, v in (h.get("verdicts") or {}).items():
+                out(f"  {net}: " + ", ".join(f"{k} {x:.2f}" for k, x in v.items()
+                                              if isinstance(x, float)))
+            part_done("h")
+    for key in ("single_node_overhead", "transport", "scaling", "emulated_hosts",
+                "schemes_across_hosts"):
         dist_results.setdefault(key, {"status": "not measured",
                                       "reason": "part not selected (--parts)"})
     results["distributed"] = dist_results
@@ -223,6 +238,22 @@ def _part_g(args, work, part_e):
     return hosts_part.emulated_hosts(
         work, bandwidth=args.bandwidth, part_e=part_e, log=out,
         net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
+
+
+def _hosts():
+    from poseidon.tools.bench.schemes_part import HOSTS
+    return HOSTS
+
+
+def _part_h(args, work):
+    """Part h (tools/bench/schemes_part.py): skipped in --quick."""
+    from poseidon.tools.bench import dist_parts, schemes_part
+    if args.quick:
+        return dist_parts.not_measured("skipped in --quick (it starts jobs of 8 processes "
+                                       "across network namespaces)")
+    return schemes_part.schemes_across_hosts(
+        work, bandwidth=args.bandwidth, slow=args.slow_bandwidth, runs=min(args.runs or 1, 3),
+        net_keys=[k.strip() for k in args.scheme_nets.split(",") if k.strip()], log=out)
 
 
 def _log_peaks(out, results, how):
