@@ -20,7 +20,7 @@ def test_a_tiny_hybrid_job_across_two_colocated_hosts(tmp_path):
     row, = out["rows"]
     assert (row["net"], row["mode"], row["status"]) == ("fc_heavy", "hybrid", "measured")
     assert row["iteration_s"]["median"] > 0 and row["bytes_sent_per_iter"] > 0
-    assert set(row["schemes"]) == {"ip1", "ip2", "ip3"}           # every synced layer named
+    assert set(row["schemes"]) == {"fc6", "fc7", "fc8"}           # every synced layer named
     assert [n for n in netns.network.sh(["ip", "netns", "list"], check=False).split()
             if n.startswith(f"{netns.network.PREFIX}{os.getpid()}n")] == []
 
