@@ -25,6 +25,11 @@ save. The Solver's loop drives the group layer by layer:
 Why the mean: each replica's loss is normalised over its own batch, so the mean of the G gradients
 is the gradient of one net on the G batches together (Caffe's P2PSync scales its sum by 1/G too).
 
+A layer whose forward draws from the process's random stream (Dropout: `draws_random`) runs on
+the replicas one after the other, in replica order, so a run draws the same numbers every time.
+The other replicas take the leader's convolution routes before their first forward, so no two
+replicas time routes at once, and all compute alike.
+
 Why threads only on the CPU: numpy blocks the calling thread for each op but releases the GIL in
 BLAS, copies and ufuncs, so the other replicas' work for a layer runs on threads of their own
 while the calling thread runs the leader's. On GPUs the calling thread launches each replica's
@@ -122,9 +127,10 @@ class ReplicaGroup:
                 done.setdefault(min(users[spec.name]), []).append(pid)
         return done
 
-    def _each(self, work):
-        """work(g, net) for every replica in its device's scope; the leader's on this thread."""
-        if self._threads is None:
+    def _each(self, work, ordered=False):
+        """work(g, net) for every replica in its device's scope; the leader's on this thread.
+        `ordered`: one after the other in replica order (work that draws random numbers)."""
+        if self._threads is None or ordered:
             for g, net in enumerate(self.nets):
                 with backend.device_scope(self.devices[g]):
                     work(g, net)
@@ -172,7 +178,7 @@ class ReplicaGroup:
                 for mine, theirs in zip(net.layers[li].blobs, leader_blobs):
                     mine.data[...] = backend.on_device_of(theirs.data, mine.data)
             net.ForwardLayer(li, alone)
-        self._each(forward)
+        self._each(forward, ordered=getattr(self.leader.layers[li], "draws_random", False))
 
     def loss(self):
         """The mean of the replicas' losses (seeding each loss top's diff, as Net.loss does)."""
