@@ -24,6 +24,9 @@ calls its hooks at fixed points (engine/solvers/hooks.py). WorkerHooks fills the
     snapshot/restore  one snapshot of the job on worker 0's disk (dist/snapshots.py)
     begin             the replicas start from worker 0's state (dist/replicas.py)
 
+With --devices-per-node G the solver's net is the leader of G replicas (engine/replicas.py): the
+loop has put the replicas' mean gradient of layer l in it before after_backward(l), and SFB sends
+the replicas' factors stacked (SyncContext.factors), so these hooks see one net per worker.
 BatchNorm's stored statistics are averaged over the workers before testing and snapshotting.
 Under --straggler-timeout / --staleness (dist/consistency.py does the servers' side) every layer
 goes by PS, and the displayed loss is worker 0's own (a mean over workers would wait for the
