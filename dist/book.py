@@ -33,10 +33,11 @@ def relaxed_consistency(options):
 # ------------------------------------------------------------------------------------------------
 # describing a worker's net
 # ------------------------------------------------------------------------------------------------
-def describe_net(net, iter_size=1):
+def describe_net(net, iter_size=1, replicas=1):
     """A JSON-able description of the net's synchronised parameters, from which the coordinator
     builds the book and which it compares between workers. Parameter ids are indexes into
-    net.learnable_params (the solver's history order)."""
+    net.learnable_params (the solver's history order). `replicas`: the worker runs the net as
+    that many replicas (engine/replicas.py), so a layer's sufficient factors have K·replicas rows."""
     stats_layers = {li for li, layer in enumerate(net.layers)
                     if getattr(layer, "stores_statistics", False)}
     users = {}
@@ -70,6 +71,7 @@ def describe_net(net, iter_size=1):
         else:
             bottoms = net.bottom_vecs[li]
             K = int(bottoms[0].shape[0]) if bottoms and bottoms[0].shape else 1
+        K *= int(replicas)
         own = [params[p] for p in pids]
         weight_ok = any(p["owner"] == [li, 0] and not p["shared"] for p in own)
         sfb = bool(getattr(layer, "has_sufficient_factors", False) and iter_size == 1 and weight_ok
@@ -81,8 +83,11 @@ def describe_net(net, iter_size=1):
                        "weight_grad": bool(net.layer_need_backward[li]
                                            and layer.param_propagate_down[0]),
                        "shapes": [params[p]["shape"] for p in pids]})
-    return {"net": net.name, "dtype": str(net.dtype), "iter_size": int(iter_size),
-            "layers": layers, "params": params}
+    described = {"net": net.name, "dtype": str(net.dtype), "iter_size": int(iter_size),
+                 "layers": layers, "params": params}
+    if replicas != 1:
+        described["replicas"] = int(replicas)
+    return described
 
 
 def digest(obj):

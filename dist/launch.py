@@ -60,7 +60,12 @@ def job_from_args(args, options):
 
 def launch(args):
     """Entry from `poseidon train` when distributed flags are given; returns the exit status."""
+    from poseidon.engine.replicas import plan_devices
+    # G from --devices-per-node, or from a --gpu list's length (Caffe's meaning); one line if
+    # the two disagree
+    G = len(plan_devices(getattr(args, "gpu", None), getattr(args, "devices_per_node", None)))
     options = DistOptions.from_args(args)
+    options.devices_per_node = G
     rank = options.rank
     if rank is None and options.coordinator:
         rank, _ = rank_from_environment()

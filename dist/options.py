@@ -214,6 +214,14 @@ def check_consistency(opts):
                         f"server's answer)")
 
 
+def check_devices_per_node(value):
+    """G, the replicas (devices) of each worker: a whole number >= 1 (engine/replicas.py)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        from .errors import DistError
+        raise DistError(f"--devices-per-node {value}: give a whole number of replicas per node, "
+                        f"at least 1")
+
+
 class DistOptions:
     """Everything a role needs besides its rank. Build from parsed args or keywords."""
 
@@ -225,7 +233,8 @@ class DistOptions:
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "trusted_network": False,
-              "straggler_timeout": None, "staleness": 0, "ipc": "auto"}
+              "straggler_timeout": None, "staleness": 0, "ipc": "auto",
+              "devices_per_node": 1}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -247,6 +256,7 @@ class DistOptions:
             raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "
                             f"{', '.join(sync_choices())}")
         check_consistency(self)
+        check_devices_per_node(self.devices_per_node)
         if self.ipc not in IPC_CHOICES:
             from .errors import DistError
             raise DistError(f"ipc={self.ipc!r}: use {' or '.join(map(repr, IPC_CHOICES))}")
@@ -283,7 +293,8 @@ class DistOptions:
                 "fusion_bytes": self.fusion_bytes,
                 "bucket_bytes": self.bucket_bytes, "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
-                "staleness": int(self.staleness or 0)}
+                "staleness": int(self.staleness or 0),
+                "devices_per_node": int(self.devices_per_node)}
 
     def bandwidth_bytes(self):
         return parse_bandwidth(self.bandwidth) if self.bandwidth else None

@@ -31,7 +31,8 @@ ABORT_GRACE_S = 15.0
 
 def _build_solver(job, session):
     from poseidon.engine.solvers import get_solver
-    solver = get_solver(job["solver"], progress=False, **session.solver_kwargs())
+    solver = get_solver(job["solver"], progress=False, devices=job.get("devices"),
+                        **session.solver_kwargs())
     if job.get("weights") and session.rank == 0:      # the others get worker 0's weights
         for path in str(job["weights"]).split(","):
             solver.net.copy_from(path)
@@ -173,7 +174,8 @@ def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
     keys: the job's JobKeys when the launcher handed them over (else options name a file)."""
     from poseidon.engine import backend
     from poseidon.engine.solvers import final_accuracy_lines, log_to_stderr
-    from .roles import Roles, local_rank_from_environment
+    from poseidon.engine.replicas import plan_devices
+    from .roles import Roles
     if keys is not None:
         job = dict(job, options=dict(job["options"], keys=keys))
     options = DistOptions(**job["options"])
@@ -189,10 +191,10 @@ def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
         logging.getLogger("poseidon").setLevel(logging.WARNING)   # worker 0 speaks for the job
     try:
         if roles.is_worker(rank) and job.get("gpu") is not None:
-            local = job.get("local_rank")          # set by the local launcher
-            if local is None:
-                local = local_rank_from_environment(rank)
-            backend.set_mode_from_flag(job["gpu"], local)
+            # Caffe's meaning: every worker (node) runs one replica on each GPU of the list
+            devices = plan_devices(job["gpu"], options.devices_per_node)
+            backend.set_mode_from_flag(devices[0])
+            job = dict(job, devices=devices)
         faults.arm(roles.role(rank), roles.index(rank))
         ds = run_role(job, rank, on_session=_signal_requests(job))
         if ds is not None and rank == 0:

@@ -115,10 +115,12 @@ class Session:
         return (self.rank, self.roles.workers)
 
     def solver_kwargs(self):
-        """Keywords for engine.solvers.get_solver so its nets read this worker's share."""
+        """Keywords for engine.solvers.get_solver so its nets read this worker's share, as
+        --devices-per-node replicas (engine/replicas.py)."""
         import numpy
         return {"shard": self.shard(), "test_shard": self.shard(),
-                "dtype": numpy.dtype(self.options.dtype)}
+                "dtype": numpy.dtype(self.options.dtype),
+                "replicas": int(self.options.devices_per_node)}
 
     def register(self, info):
         """Register with the coordinator, wait for the book, connect to the peers that matter."""

@@ -121,14 +121,18 @@ class Stage:
 class SyncContext:
     """What a sync may use of its worker: the replica (net, rule, history, grad_scale), the job
     (name, rank, roles, book), the wire (transport, kv: the KV client), the CUDA streams, the
-    parameters kept in a server's shared memory (`placed`), and the verdicts on NaN/Inf."""
+    parameters kept in a server's shared memory (`placed`), and the verdicts on NaN/Inf.
+    factors(li, layer): a layer's sufficient factors for the worker as a whole (with several
+    replicas, theirs stacked: engine/replicas.py); None: the net's own."""
 
     def __init__(self, *, name, rank, roles, book, net, rule, history, grad_scale, transport, kv,
-                 streams, placed, verdicts):
+                 streams, placed, verdicts, factors=None):
         self.name, self.rank, self.roles, self.book = name, rank, roles, book
         self.net, self.rule, self.history, self.grad_scale = net, rule, history, grad_scale
         self.transport, self.kv, self.streams = transport, kv, streams
         self.placed, self.verdicts = placed, verdicts
+        self.factors = factors or (lambda li, layer: layer.sufficient_factors(
+            net.bottom_vecs[li], net.top_vecs[li]))
 
 
 class Syncer:

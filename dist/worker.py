@@ -24,6 +24,9 @@ calls its hooks at fixed points (engine/solvers/hooks.py). WorkerHooks fills the
     snapshot/restore  one snapshot of the job on worker 0's disk (dist/snapshots.py)
     begin             the replicas start from worker 0's state (dist/replicas.py)
 
+With --devices-per-node G the solver's net is the leader of G replicas (engine/replicas.py): the
+loop has put the replicas' mean gradient of layer l in it before after_backward(l), and SFB sends
+the replicas' factors stacked (SyncContext.factors), so these hooks see one net per worker.
 BatchNorm's stored statistics are averaged over the workers before testing and snapshotting.
 Under --straggler-timeout / --staleness (dist/consistency.py does the servers' side) every layer
 goes by PS, and the displayed loss is worker 0's own (a mean over workers would wait for the
@@ -115,6 +118,11 @@ class WorkerHooks(SolverHooks):
             raise DistError(f"{session.name}: the solver's train net reads data shard "
                             f"{tuple(solver.shard)}, not {session.shard()}: build it with "
                             f"get_solver(path, **session.solver_kwargs())")
+        replicas = session.solver_kwargs()["replicas"]
+        if solver.replicas.count != replicas:
+            raise DistError(f"{session.name}: the solver runs {solver.replicas.count} replica(s) "
+                            f"of the train net, but the job has {replicas} devices per node: "
+                            f"build it with get_solver(path, **session.solver_kwargs())")
         if solver.param.clip_gradients >= 0:
             raise ModelError("clip_gradients is not supported in distributed training yet (it "
                              "needs the global gradient norm over every KV pair and every SFB "
@@ -123,7 +131,8 @@ class WorkerHooks(SolverHooks):
         self.solver, self.net = solver, solver.net
         self.book = session.register({"role": "worker",
                                       "description": describe_net(solver.net,
-                                                                  solver.param.iter_size),
+                                                                  solver.param.iter_size,
+                                                                  solver.replicas.count),
                                       "solver": solver_text(solver.param)})
         self.relaxed = relaxed_consistency(self.book.options)
         # one worker: the mean loss is its own, and the coordinator shares this process (it runs
@@ -138,7 +147,7 @@ class WorkerHooks(SolverHooks):
                           net=self.net, rule=solver.rule, history=solver.history,
                           grad_scale=self.book.data["grad_scale"], transport=self.transport,
                           kv=self.kv, streams=self.streams, placed=self.placed,
-                          verdicts=self.verdicts)
+                          verdicts=self.verdicts, factors=solver.factored.factors)
         self.syncers = {li: Syncer(ctx, li) for li in self.book.synced_layers()}
         self.snapshots = JobSnapshots(session.name, self.rank, self.roles, self.client, self.kv,
                                       self.transport, self.verdicts, opts.staleness,
@@ -173,7 +182,9 @@ class WorkerHooks(SolverHooks):
         opts = self.options
         batch = next((layer.batch_size for layer in self.net.layers
                       if hasattr(layer, "batch_size")), "?")
-        log.info(f"Distributed: {self.roles.workers} workers x batch {batch} , "
+        per_node = self.solver.replicas.count
+        devices = f" x {per_node} devices" if per_node > 1 else ""
+        log.info(f"Distributed: {self.roles.workers} workers{devices} x batch {batch} , "
                  f"{self.roles.servers} servers, --sync {opts.sync}"
                  f"{', no overlap' if opts.no_overlap else ''}")
         for line in self.book.summary_lines():

@@ -3,6 +3,8 @@
 Every layer asks `get_array_module(array)` once per method and then writes one code path for both,
 as Chainer does. Only this module imports CuPy, so a machine without it never sees an ImportError.
 """
+import contextlib
+
 import numpy
 
 try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
@@ -69,6 +71,23 @@ def set_mode_from_flag(gpu, local_rank=0):
         set_mode_gpu(ids[local_rank % len(ids)])
     except RuntimeError as e:   # no CuPy, no CUDA device, or no device of that id
         raise PoseidonError(f"--gpu {gpu}: {e}") from None
+
+
+def device_scope(device):
+    """A context in which CuPy allocates and launches on GPU `device`; nothing for None (the CPU,
+    or the current device)."""
+    if device is None or cupy is None:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(int(device))
+
+
+def on_device_of(array, like):
+    """`array` where `like` lives: itself when they share a device (or are numpy), else a copy
+    onto like's GPU (CuPy copies between devices, peer to peer where the GPUs allow it)."""
+    if cupy is None or not isinstance(like, cupy.ndarray) or array.device == like.device:
+        return array
+    with like.device:
+        return array.copy()
 
 
 def record_event(xp):

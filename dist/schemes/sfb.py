@@ -4,7 +4,8 @@ Why: an M×N fully connected weight gradient on K samples is Gᵀ·X, with G the
 the K×N input. Sending (G, X) — K·(M + N) floats — to each peer instead of M·N floats through a
 server is much cheaper when K is small against M and N (Algorithm 1 decides).
 
-How: each worker sends its (G, X) and its bias gradient (M floats) to every peer, zero-copy, and
+How: each worker sends its (G, X) and its bias gradient (M floats) to every peer, zero-copy (a
+worker of several replicas sends theirs stacked, K·G rows, with G scaled by 1/G: engine/replicas.py), and
 gathers theirs. It stacks all P1 factor sets IN RANK ORDER and rebuilds the combined weight gradient
 with GEMMs on the stacked factors (`layer.weight_grad_from_factors(G_all, X_all)`; the released
 Poseidon applied each peer's factors as a separate SGD step), sums the bias gradients in rank order,
@@ -81,7 +82,7 @@ class SFBScheme(Scheme):
 
     def _factors(self):
         net, li = self.ctx.net, self.syncer.li
-        G, X = self.layer.sufficient_factors(net.bottom_vecs[li], net.top_vecs[li])
+        G, X = self.ctx.factors(li, self.layer)         # K·G rows on a worker of G replicas
         arrays = [G, X]
         if self.bias is not None:
             arrays.append(net.learnable_params[self.bias].diff)

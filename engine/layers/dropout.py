@@ -9,6 +9,9 @@ from ..layer import TRAIN, Layer, register
 class DropoutLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
+    #: its forward draws from the process's random stream: replicas of the net run it one after
+    #: the other, in replica order, so the draws do not depend on thread timing (engine/replicas.py)
+    draws_random = True
 
     def layer_setup(self, bottom, top):
         ratio = float(self.param.dropout_param.dropout_ratio)

@@ -62,8 +62,9 @@ class FactoredWeights:
     needs every gradient before any update), and none on a GPU, where there is no cache to keep
     the blocks in."""
 
-    def __init__(self, net):
+    def __init__(self, net, replicas=None):
         self.net = net
+        self.replicas = replicas              # a ReplicaGroup: its factors are all replicas' 
         self.entries = []                     # (param id, layer index, layer)
         index = {id(blob): pid for pid, blob in enumerate(net.learnable_params)}
         sole = net.sole_params()
@@ -96,5 +97,8 @@ class FactoredWeights:
         return self.entries
 
     def factors(self, li, layer):
+        """(G, X) of layer li: the net's own, or every replica's stacked (engine/replicas.py)."""
+        if self.replicas is not None:
+            return self.replicas.factors(li, layer)
         net = self.net
         return layer.sufficient_factors(net.bottom_vecs[li], net.top_vecs[li])

@@ -30,6 +30,7 @@ from ..errors import ModelError, PoseidonError
 from ..layer import TEST, TRAIN
 from ..io import manifest
 from ..proto import caffe_pb2
+from ..replicas import ReplicaGroup, check_replicas, replica_shard
 from . import rules
 from .factored import FactoredWeights, update_from_factors
 from . import snapshots, solverfile
@@ -66,12 +67,14 @@ class Solver:
     --stage). weights: extra .caffemodel paths to initialise from (like the solver's `weights`).
     progress: show a tqdm bar when stderr is a terminal. solver_type: the update rule to use whatever
     the file says (pycaffe's SGDSolver, AdamSolver, ...). hooks: a SolverHooks (engine/solvers/hooks.py)
-    the loop calls at fixed points; none for a solver that trains alone.
+    the loop calls at fixed points; none for a solver that trains alone. replicas/devices: the
+    train net runs as that many replicas (one per device, a GPU id each, in GPU mode), each on
+    batch_size, their gradients averaged into `net`'s layer by layer (engine/replicas.py).
     """
 
     def __init__(self, solver_param_or_path, dtype=numpy.float32, xp=None, shard=(0, 1),
                  level=None, stages=None, weights=None, progress=False, test_shard=(0, 1),
-                 solver_type=None, hooks=None):
+                 solver_type=None, hooks=None, replicas=1, devices=None):
         if isinstance(solver_param_or_path, (str, os.PathLike)):
             self.source = os.fspath(solver_param_or_path)
             param = solverfile.read_solver(self.source)
@@ -97,6 +100,7 @@ class Solver:
         self.hooks = hooks if hooks is not None else SolverHooks()
         if not logging_configured():
             log_to_stderr()
+        check_replicas(replicas, devices, self.xp)
         try:
             self._check_param()
             self.rule = rules.make_rule(param)
@@ -104,12 +108,15 @@ class Solver:
             raise self._at_key(e) from None
         if param.random_seed >= 0:
             rng.seed(param.random_seed)          # before the nets: fillers draw from it
-        self.net = self._init_train_net()
-        self.test_nets = self._init_test_nets()
+        with backend.device_scope(devices[0] if devices else None):
+            self.net, build_replica = self._init_train_net(replicas)
+            self.test_nets = self._init_test_nets()
+            # after the test nets, so that a solver of one replica draws the same numbers
+            self.replicas = ReplicaGroup(self.net, build_replica, replicas, devices, self.shard)
         self.iter = 0
         self.history = [self.rule.init_state(p.data.shape, backend.get_array_module(p.data),
                                              p.data.dtype) for p in self.net.learnable_params]
-        self.factored = FactoredWeights(self.net)
+        self.factored = FactoredWeights(self.net, self.replicas)
         self._factored = {}                 # this iteration's weights updated from factors
         # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
         # factors leaves its diff alone, which then need not be cleared again
@@ -146,7 +153,9 @@ class Solver:
         return Net(model, phase, level=merged.level, stages=list(merged.stage), dtype=self.dtype,
                    xp=self.xp, shard=shard, state=merged)
 
-    def _init_train_net(self):
+    def _init_train_net(self, replicas=1):
+        """The train net (the leader of `replicas`), and a function that builds another replica
+        of it on a given data shard."""
         p = self.param
         fields = ("net", "net_param", "train_net", "train_net_param")
         given = [f for f in fields if p.HasField(f)]
@@ -160,15 +169,15 @@ class Solver:
         else:
             model = self._resolve(getattr(p, source), "net file")
             log.info(f"Creating training net from {source} file: {model}")
-        net = self._build_net(model, TRAIN, p.train_state if p.HasField("train_state") else None,
-                              self.shard)
+        state = p.train_state if p.HasField("train_state") else None
+        net = self._build_net(model, TRAIN, state, replica_shard(self.shard, 0, replicas))
         for entry in p.weights:
             for path in entry.split(","):
                 if path:
                     path = self._resolve(path, "weights file")
                     log.info(f"Finetuning from {path}")
                     net.copy_from(path)
-        return net
+        return net, lambda shard: self._build_net(model, TRAIN, state, shard)
 
     def _init_test_nets(self):
         p = self.param
@@ -322,6 +331,7 @@ class Solver:
                 self._zeroed.discard(pid)        # its backward writes it
             to_clear.append(blob)
         self.net.clear_diffs(to_clear)
+        self.replicas.begin_iteration(self._factored)
 
     def clear_param_diffs(self):
         """Zero every parameter gradient (Caffe's ClearParamDiffs)."""
@@ -330,8 +340,9 @@ class Solver:
 
     def forward_backward(self):
         """iter_size forward and backward passes of the train net (gradients accumulate), with the
-        hooks called between layers; the mean loss."""
-        net, hooks, it = self.net, self.hooks, self.iter
+        hooks called between layers; the mean loss. With several replicas each step runs on all
+        of them, and the leader's diffs hold their mean gradient before after_backward."""
+        net, hooks, it, group = self.net, self.hooks, self.iter, self.replicas
         factored = {li for li, _ in self._factored.values()}
         events = hooks.wants_backward_events
         n = self.param.iter_size
@@ -339,12 +350,12 @@ class Solver:
         for pass_index in range(n):
             for li in range(len(net.layers)):
                 hooks.before_forward(self, it, li)
-                net.ForwardLayer(li, alone=li == len(net.layers) - 1)
-            pass_loss = net.loss()
+                group.forward_layer(li, alone=li == len(net.layers) - 1)
+            pass_loss = group.loss()
             hooks.after_forward(self, it, pass_index, pass_loss)
             loss += pass_loss
             for li in range(len(net.layers) - 1, -1, -1):
-                net.BackwardThrough(li, li in factored)
+                group.backward_layer(li, li in factored, reduce=pass_index == n - 1)
                 for callback in net.after_backward:
                     callback(li)
                 hooks.after_backward(self, it, li, pass_index,
@@ -549,9 +560,12 @@ class Solver:
     def cursor_state(self):
         """Where this process's data and random streams stand, and the convolution routes its
         train net runs (saved beside each snapshot, so a resume computes the same numbers)."""
-        return {"iter": self.iter, "rng": rng.get_state(), "train": self.net.data_cursors(),
-                "test": [t.data_cursors() for t in self.test_nets],
-                "conv_routes": self.net.conv_routes()}
+        state = {"iter": self.iter, "rng": rng.get_state(), "train": self.net.data_cursors(),
+                 "test": [t.data_cursors() for t in self.test_nets],
+                 "conv_routes": self.net.conv_routes()}
+        if self.replicas.count > 1:
+            state["replicas"] = self.replicas.data_cursors()
+        return state
 
     def load_cursor_state(self, state):
         """Put the data and random streams (and, when given, the iteration) where `state` says."""
@@ -560,6 +574,7 @@ class Solver:
         if state.get("rng") is not None:
             rng.set_state(state["rng"])
         self.net.set_data_cursors(state.get("train"))
+        self.replicas.set_data_cursors(state.get("replicas"))
         for net, cursors in zip(self.test_nets, state.get("test") or []):
             net.set_data_cursors(cursors)
         if state.get("conv_routes"):

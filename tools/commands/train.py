@@ -1,6 +1,8 @@
 """`poseidon train`: train from a solver file, on one process or on local/remote workers and servers.
 
     poseidon train --solver S [--weights W | --snapshot SS] [--gpu N]
+    poseidon train --solver S --gpu 0,1                           # one replica per GPU (Caffe's)
+    poseidon train --solver S --devices-per-node 2 --workers 2    # 2 workers x 2 CPU replicas
     poseidon train --solver S --workers 4 --servers 2            # all processes on this machine
     poseidon train --demo [--workers 2 --servers 1]                # the embedded digits demo
 
@@ -45,6 +47,11 @@ def add(sub):
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="float type of the nets (float64 for equivalence tests)")
     add_gpu_option(p)
+    p.add_argument("--devices-per-node", type=int, metavar="G",
+                   help="run the net as G replicas (batch_size each, gradients averaged layer "
+                        "by layer), one per GPU of a --gpu list (G is the list's length), or G "
+                        "on one --gpu id, or G on the CPU; with --workers each worker is a node "
+                        "of G replicas behind one leader (see docs/distributed.md)")
     add_dist_options(p)
     p.set_defaults(run=run)
 
@@ -86,9 +93,12 @@ def run(args):
         raise PoseidonError(f"{', '.join(given)} only apply to a distributed run: add --workers N "
                             f"(or --coordinator with --rank on each host), or drop them")
     setup_logging()
+    from poseidon.engine.replicas import plan_devices
+    devices = plan_devices(args.gpu, args.devices_per_node)
     apply_gpu(args)
     from poseidon.engine.solvers import get_solver
-    solver = get_solver(args.solver, dtype=args.dtype, progress=not args.no_progress)
+    solver = get_solver(args.solver, dtype=args.dtype, progress=not args.no_progress,
+                        replicas=len(devices), devices=None if devices[0] is None else devices)
     if args.resume == "auto":
         from poseidon.dist.resume import newest_complete
         args.snapshot = newest_complete(solver.param.snapshot_prefix,
