@@ -120,3 +120,53 @@ def runner(dtype):
     if dtype not in _runners:
         _runners[dtype] = HostRunner(dtype)
     return _runners[dtype]
+
+
+def run_layer(text, bottoms, n_tops=1, top_diffs=None, use_kernels=False, phase=None,
+              dtype=numpy.float32, propagate=None, prepare=None):
+    """Forward and backward of the layer made from prototxt `text` on copies of `bottoms`: its
+    numpy branch, or (use_kernels) its kernel branch through the host build. Returns (tops,
+    bottom diffs, forward launches, backward launches); top_diffs(top blobs) gives each top's
+    diff (default: fixed random numbers); prepare(layer) runs before setup."""
+    from contextlib import nullcontext
+
+    from poseidon.engine.layer import TRAIN
+    from tests.harness import make_layer, run_forward
+
+    layer = make_layer(text, TRAIN if phase is None else phase, dtype)
+    if prepare is not None:
+        prepare(layer)
+    host = runner(dtype)
+    with kernels.host_runner(runner) if use_kernels else nullcontext():
+        start = len(host.launches)
+        bottom, top = run_forward(layer, bottoms, n_tops, dtype)
+        middle = len(host.launches)
+        tops = [t.data.copy() for t in top]
+        rs = numpy.random.RandomState(7)
+        diffs = (top_diffs(top) if top_diffs is not None
+                 else [rs.standard_normal(t.shape) for t in top])
+        for t, d in zip(top, diffs):
+            t.diff[...] = d
+        for b in bottom:
+            b.diff[...] = numpy.nan   # a gradient the branch fails to write shows
+        layer.backward(top, propagate or [True] * len(bottom), bottom)
+        grads = [b.diff.copy() for b in bottom]
+    return (tops, grads, host.launches[start:middle], host.launches[middle:])
+
+
+def assert_branches_agree(text, bottoms, n_tops=1, exact_tops=False, exact_grads=False,
+                          launches=None, **kw):
+    """The kernel branch gives what the numpy branch gives (exactly where the kernel only picks
+    and moves numbers, else within float32 rounding) and launches what `launches` = (forward
+    kernels, backward kernels) says."""
+    want_tops, want_grads, _, _ = run_layer(text, bottoms, n_tops, **kw)
+    tops, grads, fwd, bwd = run_layer(text, bottoms, n_tops, use_kernels=True, **kw)
+    exact = [exact_tops] * len(tops) + [exact_grads] * len(grads)
+    for got, want, bitwise in zip(tops + grads, want_tops + want_grads, exact):
+        if bitwise:
+            numpy.testing.assert_array_equal(got, want)
+        else:
+            numpy.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if launches is not None:
+        assert (fwd, bwd) == (list(launches[0]), list(launches[1]))
+    return tops, grads

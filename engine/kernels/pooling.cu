@@ -101,7 +101,9 @@ extern "C" __global__ void ave_pool_forward(
         for (int h = h0; h < h1; ++h) {
             for (int w = w0; w < w1; ++w) sum += src[h * width + w];
         }
-        y[index] = sum / divisor;
+        // a window past the image and its padding (ceil rounding, no pad) has divisor 0 and no
+        // pixel: 0, where Caffe would divide 0 by 0
+        y[index] = divisor > 0 ? sum / divisor : (real_t)0;
     }
 }
 
