@@ -48,14 +48,18 @@ def test_im2col_matches_the_window_view(shape, geom, group):
 
 @pytest.mark.parametrize("shape,geom,group", CONVS)
 def test_col2im_is_the_adjoint(shape, geom, group):
+    """From the GEMM's group-first layout, against nhwc_col2im of the same columns."""
     n, c, h, w = shape
     cols = reference_columns(numpy.zeros(shape, F32), geom, group)
-    col = RS.standard_normal(cols.shape).astype(F32)
+    out_h, out_w = cols.shape[1:3]
+    gemm = RS.standard_normal((group, n * out_h * out_w, cols[0, 0, 0, 0].size)).astype(F32)
+    col = gemm.reshape((group, n) + cols.shape[1:3] + cols.shape[4:]).transpose(
+        1, 2, 3, 0, 4, 5, 6)
     padded = numpy.empty((n, h + 2 * geom.ph, w + 2 * geom.pw, c), F32)
     nhwc_col2im(col, padded, geom)
     want = padded[:, geom.ph:geom.ph + h, geom.pw:geom.pw + w].transpose(0, 3, 1, 2)
     dx = numpy.full(shape, numpy.nan, F32)
-    calls.col2im(kernel_host.runner(F32), col, dx, geom)
+    calls.col2im(kernel_host.runner(F32), gemm, dx, geom, out_h, out_w)
     numpy.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
 
 
@@ -89,11 +93,13 @@ def test_bias_relu_rows(relu):
 
 
 @pytest.mark.parametrize("bias", ["true", "false"])
-def test_convolution_epilogue_through_the_layer(bias, monkeypatch):
-    """A grouped convolution on the im2col route, its GEMM rows written to NCHW by the kernel."""
+@pytest.mark.parametrize("group", [1, 2])
+def test_convolution_through_the_layer(bias, group, monkeypatch):
+    """A strided convolution on the im2col route: its GEMM rows written to NCHW with the bias by
+    bias_relu_nchw, its input gradient gathered by col2im_nhwc."""
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
     text = (f'type: "Convolution" convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 '
-            f'stride: 2 group: 2 bias_term: {bias} weight_filler {{ type: "gaussian" }} '
+            f'stride: 2 group: {group} bias_term: {bias} weight_filler {{ type: "gaussian" }} '
             f'bias_filler {{ type: "gaussian" }} }}')
     seeded = []
 
@@ -101,14 +107,15 @@ def test_convolution_epilogue_through_the_layer(bias, monkeypatch):
         rng.seed(0)
         seeded.append(layer)
 
-    x = RS.standard_normal((2, 4, 7, 6))
+    x = RS.standard_normal((2, 12, 7, 6))   # 3 x 12 floats a window row: past the planar route
     want, want_grads, _, _ = run_layer(text, [x], prepare=prepare)
-    got, grads, fwd, _ = run_layer(text, [x], use_kernels=True, prepare=prepare)
+    got, grads, fwd, bwd = run_layer(text, [x], use_kernels=True, prepare=prepare)
     for a, b in zip(seeded[0].blobs, seeded[1].blobs):
         numpy.testing.assert_array_equal(a.data, b.data)
     numpy.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     numpy.testing.assert_allclose(grads[0], want_grads[0], rtol=1e-5, atol=1e-6)
-    assert "bias_relu_nchw" in fwd
+    # one launch a chunk of samples (on numpy one range per core; on CuPy the batch is one)
+    assert set(fwd) == {"bias_relu_nchw"} and set(bwd) == {"col2im_nhwc"}
 
 
 # ----- Eltwise ------------------------------------------------------------------------------------

@@ -92,12 +92,13 @@ def im2col(run, x, col, geom, first_row):
         i32(first_row), i32(rows), i32(out_w), i32(group), *_conv_geometry(geom))
 
 
-def col2im(run, col, dx, geom):
-    """dx (samples, C, H, W) = the adjoint of im2col over all output rows. 1 launch."""
+def col2im(run, col, dx, geom, out_h, out_w):
+    """dx (samples, C, H, W) = the adjoint of im2col over all output rows, from columns laid out
+    group first, (group, samples * out_h * out_w, kh * kw * C/group): the GEMM's output in the
+    input gradient. 1 launch."""
     c, h, w = dx.shape[1:]
-    out_h, out_w, group = col.shape[1:4]
     run("col2im_nhwc", dx.size, col, dx, i64(dx.size), i32(c), i32(h), i32(w), i32(out_h),
-        i32(out_w), i32(group), *_conv_geometry(geom))
+        i32(out_w), i32(col.shape[0]), *_conv_geometry(geom))
 
 
 def bias_relu_nchw(run, gemm, bias, out, cell_offset, relu=False, negative_slope=0.0):

@@ -31,14 +31,17 @@ extern "C" __global__ void im2col_nhwc(
     }
 }
 
-// dx (samples, channels, height, width) = the sum of the columns that read each pixel (the
-// adjoint of im2col_nhwc over all output rows): one thread per pixel gathers from the kernel
-// offsets whose window cell lands on it, so there is no scatter and no atomic.
+// dx (samples, channels, height, width) = the sum of the column entries that read each pixel
+// (the adjoint of im2col_nhwc over all output rows), from columns laid out group first,
+// (group, samples, out_h, out_w, kernel_h, kernel_w, channels / group): the GEMM's output when
+// the input gradient is made as top gradient x weight per group. One thread per pixel gathers
+// from the kernel offsets whose window cell lands on it, so there is no scatter and no atomic.
 extern "C" __global__ void col2im_nhwc(
         const real_t* col, real_t* dx, long long count, int channels, int height, int width,
         int out_h, int out_w, int group, int kernel_h, int kernel_w, int stride_h, int stride_w,
         int pad_h, int pad_w, int dilation_h, int dilation_w) {
     int per_group = channels / group;
+    long long cells = count / ((long long)channels * height * width) * out_h * out_w;
     GRID_LOOP(index, count) {
         int w = (int)(index % width);
         int h = (int)((index / width) % height);
@@ -56,8 +59,8 @@ extern "C" __global__ void col2im_nhwc(
                 if (ws < 0 || ws % stride_w) continue;
                 int ow = ws / stride_w;
                 if (ow >= out_w) continue;
-                long long cell = (n * out_h + oh) * out_w + ow;
-                sum += col[(((cell * group + g) * kernel_h + i) * kernel_w + j) * per_group + cg];
+                long long cell = g * cells + (n * out_h + oh) * out_w + ow;
+                sum += col[((cell * kernel_h + i) * kernel_w + j) * per_group + cg];
             }
         }
         dx[index] = sum;

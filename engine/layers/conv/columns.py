@@ -473,6 +473,10 @@ class Im2colConvCore(PlanarColumns, Pointwise):
                 dy[s0:s0 + m].reshape(m, grp, og, plane).transpose(1, 0, 3, 2)
             dcol = buf.get(f"dcolg{m}", (grp, cells, kg), dy.dtype, xp)
             matmul(xp, dyc, data["wmat"], out=dcol)
+            run = kernels.runner_for(dcol)
+            if run is not None:   # fused: a gather per input pixel straight into NCHW
+                kernels.calls.col2im(run, dcol, dx[s0:s0 + m], g, out_h, out_w)
+                continue
             cols = dcol.reshape(grp, m, out_h, out_w, g.kh, g.kw, kg // (g.kh * g.kw)
                                 ).transpose(1, 2, 3, 0, 4, 5, 6)
             dpad = buf.get(f"dxpad{m}", (m, h + 2 * g.ph, w + 2 * g.pw, c), dy.dtype, xp)
