@@ -95,11 +95,14 @@ def test_softmax_loss_bad_label_makes_the_loss_nan():
     loss NaN (the numpy branch raises), and its position gets no gradient."""
     scores, labels = loss_case((3, 4), (3,), 4)
     labels[1] = 7
+    labels[2] = -1
+    layers = []
     tops, grads, _, _ = run_layer('type: "SoftmaxWithLoss"', [scores, labels], use_kernels=True,
                                   top_diffs=lambda top: [numpy.float32(1)],
-                                  propagate=[True, False])
+                                  propagate=[True, False], prepare=layers.append)
     assert numpy.isnan(tops[0])
-    assert not grads[0][1].any() and grads[0][0].any()
+    assert not grads[0][1:].any() and grads[0][0].any()
+    assert layers[0].bad_labels() == 2
 
 
 # ----- LRN ----------------------------------------------------------------------------------------

@@ -170,6 +170,13 @@ class SoftmaxWithLossLayer(Layer):
         if len(top) > 1:
             top[1].data[...] = self.prob
 
+    def bad_labels(self):
+        """How many labels of the last kernel forward were no class index (what made its loss
+        NaN): for whoever finds the NaN to name the cause. Reads the device; 0 after an array
+        forward, which raises on such a label instead."""
+        sums = getattr(self, "_sums_buf", None)
+        return 0 if sums is None else int(sums[2])
+
     def backward(self, top, propagate_down, bottom):
         if propagate_down[1]:
             raise self.error("cannot backpropagate to the label bottom (bottom 1): set "
