@@ -10,8 +10,8 @@ from poseidon.engine.layer import TRAIN
 from tests.harness import make_layer, run_forward
 from tests.test_kernels_host import LOSSES, POOLS, loss_case
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.gpu_available(),
+                                                 reason="needs CuPy and a CUDA device")]
 
 
 def both_modules(text, arrays, n_tops=1, propagate=None, dtype=numpy.float32):
