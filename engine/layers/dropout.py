@@ -4,9 +4,9 @@ from engine.rng each forward; in TEST the identity. Runs in place; backward reus
 On CuPy the mask comes from the counter-based generator of engine/kernels/dropout.cu: each forward
 draws a seed from engine.rng (so snapshots still replay it) and one launch draws and applies the
 mask; backward recomputes it from the same (seed, iteration) instead of keeping it. The CPU keeps
-its own draw: the same generator in numpy (engine/kernels/counter_rng.py) takes several times as
-long as numpy's own uniform numbers, and the masks differ between the two paths only in which
-units they drop.
+its own draw: the same generator in numpy (engine/kernels/counter_rng.py) is a dozen passes over
+64-bit integers, several times the cost of numpy's own uniform numbers, so a CPU and a GPU run of
+one seed drop different units (with the same probability).
 """
 from .. import kernels, rng
 from ..kernels import counter_rng
