@@ -64,12 +64,14 @@ def build(real):
     folder.mkdir(exist_ok=True)
     lib = folder / f"kernels-{real}-{digest}.so"
     if not lib.exists():
-        src = folder / f"kernels-{real}-{digest}.cpp"
+        # per-process names until the rename: two sessions building at once never share a file
+        src = folder / f"kernels-{real}-{digest}.{os.getpid()}.cpp"
         src.write_text(unit)
         partial = folder / f"{lib.name}.{os.getpid()}"
         subprocess.run([compiler(), "-O1", "-shared", "-fPIC", "-include", str(SHIM), "-o",
                         str(partial), str(src)], check=True, capture_output=True, text=True)
-        os.replace(partial, lib)   # atomic: a concurrent build never sees half a library
+        src.unlink()
+        os.replace(partial, lib)   # atomic: a reader never sees half a library
     return lib
 
 
