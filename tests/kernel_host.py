@@ -68,8 +68,9 @@ def build(real):
         src = folder / f"kernels-{real}-{digest}.{os.getpid()}.cpp"
         src.write_text(unit)
         partial = folder / f"{lib.name}.{os.getpid()}"
-        subprocess.run([compiler(), "-O1", "-shared", "-fPIC", "-include", str(SHIM), "-o",
-                        str(partial), str(src)], check=True, capture_output=True, text=True)
+        done = subprocess.run([compiler(), "-O1", "-shared", "-fPIC", "-include", str(SHIM),
+                               "-o", str(partial), str(src)], capture_output=True, text=True)
+        assert done.returncode == 0, f"the host build of the kernels failed:\n{done.stderr}"
         src.unlink()
         os.replace(partial, lib)   # atomic: a reader never sees half a library
     return lib
