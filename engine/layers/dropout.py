@@ -1,8 +1,18 @@
 """Dropout, Caffe's inverted form: in TRAIN y = x·mask/(1 − ratio) with mask ~ Bernoulli(1 − ratio) drawn
 from engine.rng each forward; in TEST the identity. Runs in place; backward reuses the forward's mask.
+
+On CuPy the mask comes from the counter-based generator of engine/kernels/dropout.cu: each forward
+draws a seed from engine.rng (so snapshots still replay it) and one launch draws and applies the
+mask; backward recomputes it from the same (seed, iteration) instead of keeping it. The CPU keeps
+its own draw: the same generator in numpy (engine/kernels/counter_rng.py) is a dozen passes over
+64-bit integers, several times the cost of numpy's own uniform numbers, so a CPU and a GPU run of
+one seed drop different units (with the same probability).
 """
-from .. import rng
+from .. import kernels, rng
+from ..kernels import counter_rng
 from ..layer import TRAIN, Layer, register
+
+SEED_LIMIT = 1 << 63
 
 
 @register("Dropout")
@@ -21,6 +31,8 @@ class DropoutLayer(Layer):
         self.ratio = ratio
         self.scale = 1.0 / (1.0 - ratio)
         self.mask = None   # the scaled mask of the last TRAIN forward: 0 or 1/(1 − ratio) per element
+        self.draws = 0     # TRAIN forwards so far: the iteration of the counter-based draw
+        self.draw = None   # (seed, iteration) of the last counter-based draw, for backward
 
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape)
@@ -31,6 +43,13 @@ class DropoutLayer(Layer):
         if self.phase != TRAIN:
             if y is not x:
                 y[...] = x
+            return
+        run = kernels.runner_for(x)
+        if run is not None:
+            self.draw = (int(rng.generator().integers(SEED_LIMIT)), self.draws)
+            self.draws += 1
+            kernels.calls.dropout(run, x, y, *self.draw, counter_rng.threshold(self.ratio),
+                                  self.scale)
             return
         u = rng.uniform(x.shape, xp, self.dtype)               # U[0, 1)
         xp.greater_equal(u, self.dtype.type(self.ratio), out=u)  # 1 with probability 1 − ratio
@@ -45,5 +64,10 @@ class DropoutLayer(Layer):
         if self.phase != TRAIN:
             if dx is not dy:
                 dx[...] = dy
+            return
+        run = kernels.runner_for(dy)
+        if run is not None:
+            kernels.calls.dropout(run, dy, dx, *self.draw, counter_rng.threshold(self.ratio),
+                                  self.scale, backward=True)
             return
         self.xp.multiply(dy, self.mask, out=dx)

@@ -7,7 +7,9 @@ top[0].diff (the loss weight the net put there).
 """
 import numpy
 
+from .. import kernels
 from ..layer import Layer, register
+from .normalization import reuse_buffer
 
 FLT_MIN = float(numpy.finfo(numpy.float32).tiny)   # Caffe clamps p to FLT_MIN before log, any dtype
 FULL, VALID, BATCH_SIZE, NONE = 0, 1, 2, 3          # LossParameter.NormalizationMode
@@ -135,6 +137,10 @@ class SoftmaxWithLossLayer(Layer):
     def forward(self, bottom, top):
         xp = self.xp
         shape3 = (self.outer, self.classes, self.inner)
+        run = kernels.runner_for(bottom[0].data)
+        if run is not None:
+            self._forward_kernels(run, bottom, top, shape3)
+            return
         p3 = self.prob.reshape(shape3)
         _softmax(xp, bottom[0].data.reshape(shape3), p3)
         _, valid, safe = _read_labels(self, bottom[1], self.outer, self.inner, self.classes,
@@ -149,11 +155,39 @@ class SoftmaxWithLossLayer(Layer):
         if len(top) > 1:
             top[1].data[...] = self.prob
 
+    def _forward_kernels(self, run, bottom, top, shape3):
+        """The fused kernels (CuPy): softmax, per-position loss, their sum and the division in 3
+        launches, nothing read back. A label that is no class index makes the loss NaN (the
+        array path raises instead, which needs the labels on the host)."""
+        xp = self.xp
+        positions = self.outer * self.inner
+        terms = reuse_buffer(self, "_terms_buf", (3, positions), self.dtype, xp)
+        sums = reuse_buffer(self, "_sums_buf", (3,), self.dtype, xp)
+        self._norm_device = reuse_buffer(self, "_norm_buf", (1,), self.dtype, xp)
+        kernels.calls.softmax_loss_forward(run, bottom[0].data, bottom[1].data, self.prob,
+                                           terms, sums, top[0].data, self._norm_device, shape3,
+                                           self.ignore, self.normalization)
+        if len(top) > 1:
+            top[1].data[...] = self.prob
+
+    def bad_labels(self):
+        """How many labels of the last kernel forward were no class index (what made its loss
+        NaN): for whoever finds the NaN to name the cause. Reads the device; 0 after an array
+        forward, which raises on such a label instead."""
+        sums = getattr(self, "_sums_buf", None)
+        return 0 if sums is None else int(sums[2])
+
     def backward(self, top, propagate_down, bottom):
         if propagate_down[1]:
             raise self.error("cannot backpropagate to the label bottom (bottom 1): set "
                              "propagate_down: false for it")
         if not propagate_down[0]:
+            return
+        run = kernels.runner_for(bottom[0].diff)
+        if run is not None:
+            kernels.calls.softmax_loss_backward(
+                run, self.prob, bottom[1].data, top[0].diff, self._norm_device, bottom[0].diff,
+                (self.outer, self.classes, self.inner), self.ignore)
             return
         dx = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
         dx[...] = self.prob.reshape(dx.shape)

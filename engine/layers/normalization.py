@@ -19,6 +19,7 @@ others; it is a learned blob (one bottom) or bottom[1] (two bottoms, whose shape
 """
 import numpy
 
+from .. import kernels
 from ..layer import Layer, register
 from ..parallel import split_range, split_rows
 
@@ -134,6 +135,11 @@ class LRNLayer(Layer):
         """Samples are independent: one range of them per core (split_rows), taken a run of
         samples at a time (RUN_BYTES)."""
         x = bottom[0].data
+        run = None if self.within else kernels.runner_for(x)
+        if run is not None:   # across channels on CuPy: one fused launch
+            kernels.calls.lrn_forward(run, x, self._scale, top[0].data, self.size, self.alpha,
+                                      self.beta, self.k)
+            return
         split_rows(self._forward_rows, [x, top[0].data] + self._scratch(), self.xp,
                    _run_of(x[:1].nbytes))
 
@@ -163,6 +169,11 @@ class LRNLayer(Layer):
         if not propagate_down[0]:
             return
         x = bottom[0].data
+        run = None if self.within else kernels.runner_for(x)
+        if run is not None:
+            kernels.calls.lrn_backward(run, x, top[0].data, self._scale, top[0].diff,
+                                       bottom[0].diff, self.size, self.alpha, self.beta)
+            return
         split_rows(self._backward_rows, [x, top[0].diff, bottom[0].diff] + self._scratch(),
                    self.xp, _run_of(x[:1].nbytes))
 

@@ -29,6 +29,7 @@ kh + kw offsets instead of kh * kw.
 """
 import numpy
 
+from .. import kernels
 from ..backend import get_array_module
 from ..layer import Layer, register
 from ..parallel import BufferCache, WorkerBuffers, parallel
@@ -343,6 +344,14 @@ class PoolingLayer(Layer):
         plan = self._plan
         y = top[0].data
         n, c = x.shape[:2]
+        run = kernels.runner_for(x)
+        if run is not None:   # the fused kernels (CuPy): one launch, global pooling included
+            if self.method == MAX:
+                kernels.calls.max_pool_forward(run, x, y, self._kernel_mask(y, xp),
+                                               top[1].data if len(top) > 1 else None, self.geom)
+            else:
+                kernels.calls.ave_pool_forward(run, x, y, self.geom)
+            return
         if plan.global_reduce:
             flat = x.reshape(n, c, -1)
             if self.method == AVE:
@@ -375,6 +384,11 @@ class PoolingLayer(Layer):
             return
         parallel().run(lambda worker, lo, hi: self._forward_grid(
             x[lo:hi], y[lo:hi], plan, self._wbuf(worker), xp), n, xp, min_per_worker=4)
+
+    def _kernel_mask(self, y, xp):
+        """The fused MAX kernels' argmax per window (int32, the flat index in the input plane),
+        written by forward for backward."""
+        return self.buffers.get("kernel_mask", y.shape, numpy.int32, xp)
 
     def _between_passes(self, x, xp, name):
         """The (N, C, H, out_w) array between the two passes of a separable MAX: the row maxima
@@ -433,6 +447,14 @@ class PoolingLayer(Layer):
         xp = get_array_module(dy)
         plan = self._plan
         n, c = dy.shape[:2]
+        run = kernels.runner_for(dy)
+        if run is not None:   # one launch: a gather per input pixel
+            if self.method == MAX:
+                kernels.calls.max_pool_backward(run, dy, self._kernel_mask(dy, xp), dx,
+                                                self.geom)
+            else:
+                kernels.calls.ave_pool_backward(run, dy, dx, self.geom)
+            return
         if plan.global_reduce:
             if self.method == AVE:
                 xp.multiply(dy.reshape(n, c, 1), plan.inv_divisor, out=dx.reshape(n, c, -1))

@@ -18,6 +18,7 @@ reshape_layer.cpp, crop_layer.cpp, eltwise_layer.cpp):
 """
 import numpy
 
+from .. import kernels
 from ..layer import Layer, register
 from ..parallel import split_rows
 
@@ -87,15 +88,22 @@ class ConcatLayer(Layer):
         if len(bottom) == 1:
             return
         y = top[0].data
+        run = kernels.runner_for(y)
         for b, sl in zip(bottom, self._slices):
-            y[sl] = b.data
+            if run is not None:
+                kernels.calls.concat_copy(run, b.data, y, self.axis, sl[-1].start, True)
+            else:
+                y[sl] = b.data
 
     def backward(self, top, propagate_down, bottom):
         if len(bottom) == 1:
             return
         dy = top[0].diff
+        run = kernels.runner_for(dy)
         for b, sl, down in zip(bottom, self._slices, propagate_down):
-            if down:
+            if down and run is not None:
+                kernels.calls.concat_copy(run, b.diff, dy, self.axis, sl[-1].start, False)
+            elif down:
                 b.diff[...] = dy[sl]
 
 
@@ -152,15 +160,23 @@ class SliceLayer(Layer):
         if len(top) == 1:
             return
         x = bottom[0].data
+        run = kernels.runner_for(x)
         for t, sl in zip(top, self._slices):
-            t.data[...] = x[sl]
+            if run is not None:
+                kernels.calls.concat_copy(run, t.data, x, self.axis, sl[-1].start, False)
+            else:
+                t.data[...] = x[sl]
 
     def backward(self, top, propagate_down, bottom):
         if len(top) == 1 or not propagate_down[0]:
             return
         dx = bottom[0].diff
+        run = kernels.runner_for(dx)
         for t, sl in zip(top, self._slices):
-            dx[sl] = t.diff
+            if run is not None:
+                kernels.calls.concat_copy(run, t.diff, dx, self.axis, sl[-1].start, True)
+            else:
+                dx[sl] = t.diff
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,13 +380,25 @@ class EltwiseLayer(Layer):
             raise self.error("does not work in place: give the top its own name")
         top[0].reshape(b0.shape)
         if self.op == self.MAX:
-            dt = numpy.uint8 if len(bottom) < 256 else numpy.int32
+            # the fused kernels write an int32 mask; the array path's takes the fewest bytes
+            dt = (numpy.uint8 if len(bottom) < 256 and kernels.runner_for(b0.data) is None
+                  else numpy.int32)
             m = getattr(self, "_mask", None)
             if m is None or m.shape != b0.shape or m.dtype != dt:
                 self._mask = self.xp.empty(b0.shape, dt)
 
     def forward(self, bottom, top):
         """One range of samples per core (split_rows)."""
+        run = kernels.runner_for(top[0].data)
+        if run is not None:   # fused: one launch per four bottoms
+            y, xs = top[0].data, [b.data for b in bottom]
+            if self.op == self.SUM:
+                kernels.calls.eltwise_sum(run, y, xs, self.coeffs)
+            elif self.op == self.PROD:
+                kernels.calls.eltwise_prod(run, y, xs)
+            else:
+                kernels.calls.eltwise_max(run, y, self._mask, xs)
+            return
         arrays = [top[0].data] + [b.data for b in bottom]
         if self.op == self.MAX:
             arrays.append(self._mask)
@@ -405,8 +433,12 @@ class EltwiseLayer(Layer):
                 xp.maximum(y, d, out=y)
 
     def backward(self, top, propagate_down, bottom):
+        run = kernels.runner_for(top[0].diff)
         for i, b in enumerate(bottom):
             if not propagate_down[i]:
+                continue
+            if run is not None:
+                self._backward_kernel(run, i, b.diff, top[0].diff, bottom)
                 continue
             if self.op == self.SUM:
                 arrays = [b.diff, top[0].diff]
@@ -416,6 +448,16 @@ class EltwiseLayer(Layer):
                 arrays = [b.diff, top[0].diff, self._mask]
             split_rows(lambda dx, dy, *rest, i=i: self._backward_rows(i, dx, dy, rest), arrays,
                        self.xp)
+
+    def _backward_kernel(self, run, i, dx, dy, bottom):
+        """Bottom i's gradient with the fused kernels: one launch (PROD: per four others)."""
+        if self.op == self.SUM:
+            kernels.calls.eltwise_sum_backward(run, dy, dx, self.coeffs[i])
+        elif self.op == self.PROD:
+            kernels.calls.eltwise_prod_backward(run, dy, dx,
+                                                [o.data for j, o in enumerate(bottom) if j != i])
+        else:
+            kernels.calls.eltwise_max_backward(run, dy, self._mask, dx, i)
 
     def _backward_rows(self, i, dx, dy, rest):
         xp = self.xp

@@ -33,6 +33,7 @@ whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
 """
 import numpy
 
+from ... import kernels
 from ...backend import get_array_module as _xp
 from ...gemm import matmul
 from ...parallel import BufferCache, WorkerBuffers, parallel
@@ -179,9 +180,12 @@ class Im2colConvCore(PlanarColumns, Pointwise):
             cmat = col.reshape(cells, grp, kg)
             y = buf.get(f"{name}y{cells}", (grp, cells, og), out.dtype, xp)
             matmul(xp, cmat.transpose(1, 0, 2), wt, out=y)
+            run = kernels.runner_for(out)
             ynchw = y.reshape(grp, m, cells // m, og).transpose(1, 0, 3, 2)
             dst = out[s0:s0 + m].reshape(m, grp, og, plane)[..., r0 * out_w:r1 * out_w]
-            if bias is None:
+            if run is not None:   # the fused epilogue: the GEMM's rows to NCHW, bias added
+                kernels.calls.bias_relu_nchw(run, y, bias, out[s0:s0 + m], r0 * out_w)
+            elif bias is None:
                 dst[...] = ynchw
             else:
                 xp.add(ynchw, bias.reshape(grp, og, 1), out=dst)
@@ -469,6 +473,10 @@ class Im2colConvCore(PlanarColumns, Pointwise):
                 dy[s0:s0 + m].reshape(m, grp, og, plane).transpose(1, 0, 3, 2)
             dcol = buf.get(f"dcolg{m}", (grp, cells, kg), dy.dtype, xp)
             matmul(xp, dyc, data["wmat"], out=dcol)
+            run = kernels.runner_for(dcol)
+            if run is not None:   # fused: a gather per input pixel straight into NCHW
+                kernels.calls.col2im(run, dcol, dx[s0:s0 + m], g, out_h, out_w)
+                continue
             cols = dcol.reshape(grp, m, out_h, out_w, g.kh, g.kw, kg // (g.kh * g.kw)
                                 ).transpose(1, 2, 3, 0, 4, 5, 6)
             dpad = buf.get(f"dxpad{m}", (m, h + 2 * g.ph, w + 2 * g.pw, c), dy.dtype, xp)
