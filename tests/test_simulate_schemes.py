@@ -38,11 +38,11 @@ def net_at(bandwidth, **kw):
 # ------------------------------------------------------------------------------------------------
 # the choice by predicted time
 # ------------------------------------------------------------------------------------------------
-# (nodes, bandwidth): a fast and a slow network at small and larger scale; 32 nodes for the two
-# VGGs, whose FC layers are where the schemes part
-GRID = {"vgg19": ((4, "1Gbit"), (16, "10GbE"), (32, "40Gbit")),
+# (nodes, bandwidth): slow and fast networks at small and larger node counts; 32 nodes at 40 GbE
+# for VGG19-22K, the case where Algorithm 1's float count loses to PS alone
+GRID = {"vgg19": ((4, "1Gbit"), (16, "10GbE")),
         "vgg19_22k": ((8, "10GbE"), (32, "40Gbit")),
-        "googlenet": ((2, "1Gbit"), (8, "10GbE"), (16, "40Gbit")),
+        "googlenet": ((2, "1Gbit"), (8, "40Gbit")),
         "resnet152": ((4, "2.5Gbit"), (8, "40Gbit"))}
 
 
@@ -140,7 +140,7 @@ def test_allreduce_takes_its_bytes_and_2_p1_minus_1_latencies_by_hand():
 # priority
 # ------------------------------------------------------------------------------------------------
 def test_priority_never_slower_than_fifo(profiles):
-    for model, nodes, bandwidth in (("vgg19", 8, "10GbE"), ("vgg19_22k", 16, "10GbE"),
+    for model, nodes, bandwidth in (("vgg19", 8, "10GbE"), ("vgg19_22k", 8, "2.5Gbit"),
                                     ("googlenet", 8, "2.5Gbit"), ("resnet152", 4, "10GbE")):
         net = net_at(bandwidth)
         fifo = simulate(profiles[model], nodes, "ps-sfb-ar", net).iteration_s
