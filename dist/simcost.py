@@ -1,4 +1,5 @@
-"""Predicted time of one layer's sync under each scheme, and the per-layer plan built from it.
+"""Predicted time of one layer's sync under each scheme, the per-layer plan built from it, and the
+other whole plans `poseidon simulate` runs (one scheme everywhere, the paper's Algorithm 1).
 
 Why: Algorithm 1 (dist/schemes/best.py) compares float counts on the busiest node, which ignores
 what a scheme costs besides the wire: SFB's rebuild GEMM (2·M·N·K per peer, on every worker),
@@ -19,6 +20,11 @@ discrete-event model's own: it calls these same functions.
 from dataclasses import dataclass
 
 SCHEMES = ("ps", "sfb", "allreduce")
+# the plans a by-time choice is checked against: one scheme everywhere it applies
+SINGLE_SCHEME_PLANS = ("ps", "allreduce", "sfb")
+# The SFB rebuild's FLOP rate for a profile that states no FLOPs (a measured one): a Titan X's
+# fp32 peak is 6.6 TFLOP/s, and big GEMMs come close to it.
+DEFAULT_GEMM_RATE = 6e12
 # FLOPs a worker spends per parameter applying momentum SGD (scale, add, scale, add): all-reduce
 # updates on every worker instead of on the servers.
 UPDATE_FLOPS = 4
@@ -185,3 +191,68 @@ def plan_by_time(records, times, backward_end, compute_end):
         link_free = start + t.link
         gpu_extra += t.gpu
     return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# whole plans: {layer index: scheme}
+# ------------------------------------------------------------------------------------------------
+def compute_seconds(profile):
+    """One device's step: every layer's forward and backward."""
+    return sum(r["forward_ms"] + r["backward_ms"] for r in profile["layers"]) / 1e3
+
+
+def profile_flop_rate(profile):
+    """FLOP/s the profile's device reaches on average: its FLOPs over its step time."""
+    flops = sum(r.get("flops_forward", 0) + r.get("flops_backward", 0) for r in profile["layers"])
+    step = compute_seconds(profile)
+    return flops / step if flops > 0 and step > 0 else DEFAULT_GEMM_RATE
+
+
+def algorithm1_plan(profile, workers, servers, devices=1):
+    """{layer index: scheme} by the paper's Algorithm 1, PS or SFB (dist/simcost.paper_scheme)."""
+    return {rec["index"]: paper_scheme(rec, workers, servers, devices)
+            for rec in profile["description"]["layers"]}
+
+
+def single_scheme_plan(profile, scheme):
+    """{layer index: scheme} with `scheme` wherever it applies (SFB: InnerProducts) and PS
+    elsewhere."""
+    return {rec["index"]: scheme if scheme != "sfb" or rec["sfb"] else "ps"
+            for rec in profile["description"]["layers"]}
+
+
+def predicted_plan(profile, workers, net, servers=None, devices=1):
+    """{layer index: scheme} chosen per layer by predicted time (layer_times, plan_by_time)."""
+    P2 = workers if servers is None else servers
+    shape = Shape(workers, P2, devices, net.separate_servers)
+    rate = net.gemm_rate if net.gemm_rate is not None else profile_flop_rate(profile)
+    desc = profile["description"]
+    itemsize = 8 if desc.get("dtype") == "float64" else 4
+    count = {p["id"]: p["count"] for p in desc["params"]}
+    times = {}
+    for rec in desc["layers"]:
+        n = sum(count[p] for p in rec["params"])
+        times[rec["index"]] = layer_times(rec, n * itemsize, n, shape, net, rate, itemsize)
+    layers = profile["layers"]
+    t = sum(r["forward_ms"] for r in layers) / 1e3
+    backward_end = {}
+    for li in range(len(layers) - 1, -1, -1):
+        t += layers[li]["backward_ms"] / 1e3
+        backward_end[li] = t
+    return plan_by_time(desc["layers"], times, backward_end, t)
+
+
+def candidate_plans(profile, workers, net, servers=None, devices=1):
+    """The plans a by-time mode tries, the per-layer prediction first, without repeats."""
+    P2 = workers if servers is None else servers
+    named = [("by predicted time", predicted_plan(profile, workers, net, servers, devices))]
+    named += [(f"all {s}" if s != "sfb" else "SFB for FC", single_scheme_plan(profile, s))
+              for s in SINGLE_SCHEME_PLANS]
+    named.append(("Algorithm 1", algorithm1_plan(profile, workers, P2, devices)))
+    seen, out = set(), []
+    for name, plan in named:
+        key = tuple(sorted(plan.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append((name, plan))
+    return out

@@ -39,6 +39,7 @@ class Fifo:
         self.events, self.name, self.prioritized = events, name, prioritized
         self._waiting = []
         self._seq = 0
+        self._done = None
         self.busy = False
 
     def submit(self, finish, done, on_start=None, priority=0):
@@ -58,11 +59,13 @@ class Fifo:
         end = finish(start)
         if on_start:
             on_start(start, end)
+        self._done = done
+        self.events.at(end, self._complete)
 
-        def complete():
-            done()
-            self._next()
-        self.events.at(end, complete)
+    def _complete(self):
+        done, self._done = self._done, None
+        done()
+        self._next()
 
 
 def after(seconds):

@@ -36,14 +36,10 @@ from dataclasses import dataclass, field
 from .book import InformationBook
 from .placement import DEFAULT_PAIR_BYTES
 from .schemes import best_scheme
-from .simcost import (Shape, factor_bytes, intra_bytes, layer_times, paper_scheme, plan_by_time,
-                      rebuild_flops, reduction_flops, ring_bytes, ring_steps)
+from .simcost import (Shape, algorithm1_plan, candidate_plans, compute_seconds, factor_bytes,
+                      intra_bytes, profile_flop_rate, rebuild_flops, reduction_flops, ring_bytes,
+                      ring_steps, single_scheme_plan)
 from .simengine import EventQueue, Fifo, after, seconds
-
-# The SFB rebuild's FLOP rate for a profile that states no FLOPs (a measured one): a Titan X's
-# fp32 peak is 6.6 TFLOP/s, and big GEMMs come close to it.
-DEFAULT_GEMM_RATE = 6e12
-
 
 @dataclass(frozen=True)
 class Mode:
@@ -69,10 +65,6 @@ MODES = {
     "ps-sfb-ar-priority": Mode("timed", True, priority=True, layerwise=True,
                                label="PS+SFB+all-reduce, priority"),
 }
-# the plans a by-time choice is checked against: one scheme everywhere it applies
-SINGLE_SCHEME_PLANS = ("ps", "allreduce", "sfb")
-
-
 @dataclass
 class Network:
     """Link and host figures; rates in bytes/s (math.inf for 'free'), latency in seconds."""
@@ -117,17 +109,6 @@ class Result:
         return dict(self.__dict__)
 
 
-def compute_seconds(profile):
-    return sum(r["forward_ms"] + r["backward_ms"] for r in profile["layers"]) / 1e3
-
-
-def profile_flop_rate(profile):
-    """FLOP/s the profile's device reaches on average: its FLOPs over its step time."""
-    flops = sum(r.get("flops_forward", 0) + r.get("flops_backward", 0) for r in profile["layers"])
-    step = compute_seconds(profile)
-    return flops / step if flops > 0 and step > 0 else DEFAULT_GEMM_RATE
-
-
 def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES, layers=None):
     """The real information book (schemes by Algorithm 1, KV pairs placed by LPT) for a profile;
     `layers`: only these synced layers (the others sync without servers)."""
@@ -136,19 +117,6 @@ def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES
         desc = dict(desc, layers=layers)
     options = {"sync": sync, "kv_pair_bytes": kv_pair_bytes, "sum_gradients": False}
     return InformationBook.build(desc, workers, servers, options)
-
-
-def algorithm1_plan(profile, workers, servers, devices=1):
-    """{layer index: scheme} by the paper's Algorithm 1, PS or SFB (dist/simcost.paper_scheme)."""
-    return {rec["index"]: paper_scheme(rec, workers, servers, devices)
-            for rec in profile["description"]["layers"]}
-
-
-def single_scheme_plan(profile, scheme):
-    """{layer index: scheme} with `scheme` wherever it applies (SFB: InnerProducts) and PS
-    elsewhere."""
-    return {rec["index"]: scheme if scheme != "sfb" or rec["sfb"] else "ps"
-            for rec in profile["description"]["layers"]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,43 +416,6 @@ class _Iteration:
 # ------------------------------------------------------------------------------------------------
 # modes, plans and tables
 # ------------------------------------------------------------------------------------------------
-def predicted_plan(profile, workers, net, servers=None, devices=1):
-    """{layer index: scheme} chosen per layer by predicted time (dist/simcost.py)."""
-    P2 = workers if servers is None else servers
-    shape = Shape(workers, P2, devices, net.separate_servers)
-    rate = net.gemm_rate if net.gemm_rate is not None else profile_flop_rate(profile)
-    desc = profile["description"]
-    itemsize = 8 if desc.get("dtype") == "float64" else 4
-    count = {p["id"]: p["count"] for p in desc["params"]}
-    times = {}
-    for rec in desc["layers"]:
-        n = sum(count[p] for p in rec["params"])
-        times[rec["index"]] = layer_times(rec, n * itemsize, n, shape, net, rate, itemsize)
-    layers = profile["layers"]
-    t = sum(r["forward_ms"] for r in layers) / 1e3
-    backward_end = {}
-    for li in range(len(layers) - 1, -1, -1):
-        t += layers[li]["backward_ms"] / 1e3
-        backward_end[li] = t
-    return plan_by_time(desc["layers"], times, backward_end, t)
-
-
-def candidate_plans(profile, workers, net, servers=None, devices=1):
-    """The plans a by-time mode tries, the per-layer prediction first, without repeats."""
-    P2 = workers if servers is None else servers
-    named = [("by predicted time", predicted_plan(profile, workers, net, servers, devices))]
-    named += [(f"all {s}" if s != "sfb" else "SFB for FC", single_scheme_plan(profile, s))
-              for s in SINGLE_SCHEME_PLANS]
-    named.append(("Algorithm 1", algorithm1_plan(profile, workers, P2, devices)))
-    seen, out = set(), []
-    for name, plan in named:
-        key = tuple(sorted(plan.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append((name, plan))
-    return out
-
-
 def mode_plan(profile, workers, mode, servers=None, devices=1):
     """{layer index: scheme} of a mode that does not choose by time."""
     kind = MODES[mode].plan

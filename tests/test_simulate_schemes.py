@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from poseidon.dist import simprofile
-from poseidon.dist.simcost import Shape, layer_times, paper_scheme
-from poseidon.dist.simulate import (MODES, Network, algorithm1_plan, parse_bandwidth,
-                                    predicted_plan, simulate)
+from poseidon.dist.simcost import (Shape, algorithm1_plan, layer_times, paper_scheme,
+                                   predicted_plan)
+from poseidon.dist.simulate import MODES, Network, parse_bandwidth, simulate
 
 from .test_simulate import one_layer_profile, poseidon
 
