@@ -41,6 +41,7 @@ from .simcost import (Shape, algorithm1_plan, candidate_plans, compute_seconds, 
                       ring_steps, single_scheme_plan)
 from .simengine import EventQueue, Fifo, after, seconds
 
+
 @dataclass(frozen=True)
 class Mode:
     """How one mode syncs: `plan` is ps, sfb (every FC layer), hybrid (Algorithm 1), allreduce or
@@ -65,6 +66,8 @@ MODES = {
     "ps-sfb-ar-priority": Mode("timed", True, priority=True, layerwise=True,
                                label="PS+SFB+all-reduce, priority"),
 }
+
+
 @dataclass
 class Network:
     """Link and host figures; rates in bytes/s (math.inf for 'free'), latency in seconds."""
