@@ -454,7 +454,8 @@ def simulate(profile, workers, mode="poseidon", net=None, servers=None, devices=
 
 # A by-time mode runs the single-scheme plans again, and a table asks for them as modes too: one
 # run of each (profile, shape, network, plan, queueing) is enough. The profile is kept with its
-# result so that its id cannot be reused while the entry lives.
+# result so that its id cannot be reused while the entry lives; profiles are read, never changed,
+# once loaded.
 _RUNS = {}
 _RUNS_KEPT = 512
 
