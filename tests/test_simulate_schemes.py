@@ -78,6 +78,7 @@ def test_the_prediction_counts_the_sfb_rebuild(profiles):
     wfbp = simulate(prof, 32, "wfbp", fast).speedup
     by_time = simulate(prof, 32, "ps-sfb-ar", fast)
     assert paper < wfbp <= by_time.speedup
+    assert by_time.plan == "by predicted time"          # the prediction alone, not the check
     slow = predicted_plan(prof, 32, net_at("10GbE"))
     assert slow[min(fc, key=lambda li: -rec_size(prof, li))] == "sfb"     # fc6, 103 M weights
 
