@@ -7,8 +7,8 @@ A profile is a JSON file that describes one training step of a model on one devi
      "description": <dist.book.describe_net format: synced layers with M, N, K, sfb, params>}
 
 Why a file: the paper's figures were taken on a Titan X we do not have, so the profiles shipped in
-dist/profiles/ take the paper's single-GPU throughput (img/s) and apportion the step time over the
-layers by their FLOPs. The shapes come from walking the prototxt (no arrays are allocated, so
+dist/profiles/ take a single-GPU throughput (img/s: the paper's for its models, a stated published
+figure for ResNet-152) and apportion the step time over the layers by their FLOPs. The shapes come from walking the prototxt (no arrays are allocated, so
 VGG19-22K costs nothing to describe); a profile measured with the engine on this machine
 (`poseidon simulate --measure`) uses the real Net and `describe_net` instead.
 """
@@ -25,6 +25,16 @@ PROFILE_DIR = str(resources.files(__package__) / "profiles")   # package data; w
 # The paper's single-GPU Caffe figures (Titan X, as the Poseidon paper reports them):
 # model -> (batch per node, img/s).
 PAPER_SINGLE_GPU = {"vgg19": (32, 35.5), "vgg19_22k": (32, 34.2), "googlenet": (128, 257.0)}
+
+# Models the paper did not time in Caffe: model -> (batch per node, img/s, where the rate is from).
+# ResNet-152: 16 images forward and backward in 366.97 ms on a Maxwell GTX Titan X (Torch with
+# cuDNN 5; the cnn-benchmarks tables of J. Johnson), taken as the same rate at batch 32. The
+# same tables have VGG19 at 49.5 img/s where the paper's Caffe had 35.5, so Caffe may have been
+# slower here too: a slower device only makes the network matter less.
+OTHER_SINGLE_GPU = {
+    "resnet152": (32, 16 / 0.36697, "GTX Titan X (Maxwell), Torch + cuDNN 5, 366.97 ms for "
+                                    "forward and backward of 16 images (cnn-benchmarks)"),
+}
 
 _SAME_SHAPE = {"ReLU", "Dropout", "LRN", "Softmax", "Sigmoid", "TanH", "BatchNorm", "Scale",
                "Split", "PReLU", "ELU", "Power", "AbsVal", "BNLL", "Exp", "Log"}
@@ -208,6 +218,18 @@ def paper_profile(name, prototxt_root):
     batch, rate = PAPER_SINGLE_GPU[name]
     note = (f"paper's single-GPU Caffe figure ({rate} img/s at batch {batch}, Titan X); per-layer "
             f"times apportioned by FLOPs (GEMM layers 2 per multiply-add, others 1 per element)")
+    path = os.path.join(prototxt_root, name, "deploy.prototxt")
+    return profile_from_throughput(path, rate, note, model=name)
+
+
+def shipped_profile(name, prototxt_root):
+    """The shipped profile of `name`, rebuilt from its deploy file: the paper's figure when the
+    paper has one, else the rate OTHER_SINGLE_GPU states with its source."""
+    if name in PAPER_SINGLE_GPU:
+        return paper_profile(name, prototxt_root)
+    batch, rate, where = OTHER_SINGLE_GPU[name]
+    note = (f"{rate:.1f} img/s ({where}); per-layer times apportioned by FLOPs (GEMM layers 2 "
+            f"per multiply-add, others 1 per element)")
     path = os.path.join(prototxt_root, name, "deploy.prototxt")
     return profile_from_throughput(path, rate, note, model=name)
 

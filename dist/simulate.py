@@ -1,14 +1,18 @@
-"""A discrete-event model of one BSP iteration of Poseidon on P1 workers and P2 servers.
+"""A discrete-event model of one BSP iteration of Poseidon on P1 nodes and P2 servers.
 
 Why: the paper's scaling figures were taken on 32 Titan X nodes over 40 GbE; we cannot rerun them,
 but we can replay one iteration with the same layer sizes, the same KV pairs and placement
 (dist.book / dist.placement), the same scheme choice (Algorithm 1) and the paper's compute times,
-and see where the time goes. Everything is an event in one priority queue; every resource is a
-first-come-first-served queue:
+and see where the time goes; and we can try what the paper did not (ring all-reduce, a choice by
+predicted time, priority, several devices per node). Everything is an event in one priority
+queue; every resource is a queue (dist/simengine.py):
 
   gpu[w]            forward and backward of each layer (one after the other), and the SFB rebuild
-                    GEMMs, which slot in between backward layers as a CUDA stream would
+                    and all-reduce's reduction GEMMs, which slot in between backward layers as a
+                    CUDA stream would
   d2h[w], h2d[w]    PCIe copies of gradients / factors to the host and of new values back
+  intra[w]          with G devices per node, the link the G replicas reduce over into the node's
+                    leader (and the leader broadcasts back over); the leader is the node's worker
   up[n], down[n]    each node's NIC, full duplex: a chunk occupies the sender's uplink for
                     bytes/bandwidth; its first bit reaches the receiver's downlink one latency
                     later (cut-through), where it waits its turn and cannot finish before the last
@@ -17,26 +21,50 @@ first-come-first-served queue:
                     when all P1 pushes are in (the BSP counter), then pulls go out to every worker
 
 Sync of a layer starts when its backward is done (WFBP) or when the whole backward pass is done
-(no overlap, the paper's Caffe+PS); the iteration ends when every worker has every layer back.
-A server on the same node as a worker exchanges with it without touching the NIC. Speedup is
-P1 * t_1 / t_P1 with t_1 the one-node compute time (plain Caffe, no sync), as in the paper.
+(no overlap, the paper's Caffe+PS). The iteration ends when every worker has every layer back;
+with priority (ps-sfb-ar-priority) the next forward instead runs layer by layer, each layer as
+soon as its own sync is in, and the iteration's time is when that forward ends less its own
+length: serving lower layers first is what lets it start early. A server on the same node as a worker exchanges with it without touching the NIC.
+Speedup is P1 * G * t_1 / t_P1 with t_1 the one-device compute time (plain Caffe, no sync), as in
+the paper.
 """
-import heapq
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 
 from .book import InformationBook
-from .schemes import best_scheme
 from .placement import DEFAULT_PAIR_BYTES
+from .schemes import best_scheme
+from .simcost import (Shape, algorithm1_plan, candidate_plans, compute_seconds, factor_bytes,
+                      intra_bytes, profile_flop_rate, rebuild_flops, reduction_flops, ring_bytes,
+                      ring_steps, single_scheme_plan)
+from .simengine import EventQueue, Fifo, after, seconds
 
-# mode -> (scheme override for the book, WFBP overlap)
+
+@dataclass(frozen=True)
+class Mode:
+    """How one mode syncs: `plan` is ps, sfb (every FC layer), hybrid (Algorithm 1), allreduce or
+    timed (per layer by predicted time, dist/simcost.py); `overlap` is WFBP; `priority` serves
+    lower layers first on every queue; `layerwise` lets the next forward start on a layer as soon
+    as that layer is synced."""
+    plan: str
+    overlap: bool
+    priority: bool = False
+    layerwise: bool = False
+    label: str = ""
+
+
 MODES = {
-    "ps-nooverlap": ("ps", False),       # Caffe+PS: sync after backward, everything through servers
-    "wfbp": ("ps", True),                # Caffe+WFBP: overlap, everything through servers
-    "poseidon": ("hybrid", True),        # WFBP + HybComm (Algorithm 1 per layer)
-    "sfb": ("sfb", True),                # WFBP, every FC layer by SFB
-    "hybrid-nooverlap": ("hybrid", False),
+    "ps-nooverlap": Mode("ps", False, label="PS, no overlap"),   # Caffe+PS
+    "wfbp": Mode("ps", True, label="WFBP (PS)"),                 # Caffe+WFBP
+    "poseidon": Mode("hybrid", True, label="Poseidon (paper)"),  # WFBP + Algorithm 1 per layer
+    "sfb": Mode("sfb", True, label="SFB for FC, PS elsewhere"),
+    "allreduce": Mode("allreduce", True, label="ring all-reduce"),
+    "hybrid-nooverlap": Mode("hybrid", False, label="Poseidon (paper), no overlap"),
+    "ps-sfb-ar": Mode("timed", True, label="PS+SFB+all-reduce"),
+    "ps-sfb-ar-priority": Mode("timed", True, priority=True, layerwise=True,
+                               label="PS+SFB+all-reduce, priority"),
 }
 
 
@@ -47,7 +75,9 @@ class Network:
     latency: float = 5e-6
     pcie: float = 12e9                 # PCIe 3.0 x16 as measured in practice, each direction
     update_rate: float = 10e9          # bytes/s a server adds or applies (16-core Xeon, memory bound)
-    gemm_rate: float = 6e12            # FLOP/s of the SFB rebuild GEMM (Titan X fp32 peak ~6.6 T)
+    gemm_rate: float = None            # FLOP/s of the SFB rebuild and all-reduce's reduction
+    #                                    (None: the profile's own rate, its FLOPs over its time)
+    intra_bandwidth: float = 12e9      # between the G devices of a node and their leader (PCIe)
     chunk_bytes: int = DEFAULT_PAIR_BYTES   # messages cross the wire in pieces of at most this
     kv_pair_bytes: int = DEFAULT_PAIR_BYTES
     separate_servers: bool = False     # servers on their own nodes instead of beside the workers
@@ -56,7 +86,7 @@ class Network:
     def ideal(cls, **kw):
         """Everything but compute free: the speedup must then be P1."""
         base = dict(bandwidth=math.inf, latency=0.0, pcie=math.inf, update_rate=math.inf,
-                    gemm_rate=math.inf)
+                    gemm_rate=math.inf, intra_bandwidth=math.inf)
         base.update(kw)
         return cls(**base)
 
@@ -70,6 +100,8 @@ class Result:
     compute_s: float
     speedup: float
     schemes: dict
+    devices: int = 1
+    plan: str = ""                     # for a by-time mode: which candidate plan ran
     node_bytes_sent: list = field(default_factory=list)
     node_bytes_received: list = field(default_factory=list)
     layer_done_s: dict = field(default_factory=dict)
@@ -80,106 +112,53 @@ class Result:
         return dict(self.__dict__)
 
 
-# ------------------------------------------------------------------------------------------------
-# the event engine and its queues
-# ------------------------------------------------------------------------------------------------
-class EventQueue:
-    def __init__(self):
-        self.now = 0.0
-        self._heap = []
-        self._seq = 0
-        self.count = 0
-
-    def at(self, t, action):
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, action))
-
-    def run(self):
-        while self._heap:
-            t, _, action = heapq.heappop(self._heap)
-            self.now = t
-            self.count += 1
-            action()
-
-
-class Fifo:
-    """One resource serving jobs in arrival order. A job gives finish(start) -> finish time."""
-
-    def __init__(self, events, name):
-        self.events, self.name = events, name
-        self.queue = []
-        self.head = 0
-        self.busy = False
-
-    def submit(self, finish, done, on_start=None):
-        self.queue.append((finish, done, on_start))
-        if not self.busy:
-            self._next()
-
-    def _next(self):
-        if self.head >= len(self.queue):
-            self.busy = False
-            return
-        finish, done, on_start = self.queue[self.head]
-        self.queue[self.head] = None
-        self.head += 1
-        self.busy = True
-        start = self.events.now
-        end = finish(start)
-        if on_start:
-            on_start(start, end)
-
-        def complete():
-            done()
-            self._next()
-        self.events.at(end, complete)
-
-
-def _after(seconds):
-    return lambda start: start + seconds
-
-
-def _seconds(nbytes, rate):
-    return 0.0 if nbytes == 0 or rate == math.inf else nbytes / rate
+def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES, layers=None):
+    """The real information book (schemes by Algorithm 1, KV pairs placed by LPT) for a profile;
+    `layers`: only these synced layers (the others sync without servers)."""
+    desc = profile["description"]
+    if layers is not None:
+        desc = dict(desc, layers=layers)
+    options = {"sync": sync, "kv_pair_bytes": kv_pair_bytes, "sum_gradients": False}
+    return InformationBook.build(desc, workers, servers, options)
 
 
 # ------------------------------------------------------------------------------------------------
 # one iteration
 # ------------------------------------------------------------------------------------------------
-def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES):
-    """The real information book (schemes by Algorithm 1, KV pairs placed by LPT) for a profile."""
-    options = {"sync": sync, "kv_pair_bytes": kv_pair_bytes, "sum_gradients": False}
-    return InformationBook.build(profile["description"], workers, servers, options)
-
-
 class _Iteration:
-    def __init__(self, profile, workers, mode, net, servers=None):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
-        self.sync, self.overlap = MODES[mode]
-        self.mode, self.net, self.P1 = mode, net, workers
+    def __init__(self, profile, workers, mode, net, servers, devices, plan):
+        self.mode, self.net, self.P1, self.G = mode, net, workers, devices
+        self.how = MODES[mode]
         self.P2 = workers if servers is None else servers
+        self.shape = Shape(workers, self.P2, devices, net.separate_servers)
         self.profile = profile
-        self.book = build_book(profile, workers, self.P2, self.sync, net.kv_pair_bytes)
+        self.flop_rate = net.gemm_rate if net.gemm_rate is not None else profile_flop_rate(profile)
+        self.plan = plan
+        records = profile["description"]["layers"]
+        ps_layers = [rec for rec in records if plan[rec["index"]] == "ps"]
+        self.book = build_book(profile, workers, self.P2, "ps", net.kv_pair_bytes, ps_layers)
         self.itemsize = self.book.data["itemsize"]
         nodes = workers + (self.P2 if net.separate_servers else 0)
         self.n_nodes = max(nodes, self.P2)
         ev = self.events = EventQueue()
-        self.gpu = [Fifo(ev, f"gpu{w}") for w in range(workers)]
-        self.d2h = [Fifo(ev, f"d2h{w}") for w in range(workers)]
-        self.h2d = [Fifo(ev, f"h2d{w}") for w in range(workers)]
-        self.up = [Fifo(ev, f"up{n}") for n in range(self.n_nodes)]
-        self.down = [Fifo(ev, f"down{n}") for n in range(self.n_nodes)]
-        self.cpu = [Fifo(ev, f"cpu{s}") for s in range(self.P2)]
+
+        def queues(name, n):
+            return [Fifo(ev, f"{name}{i}", self.how.priority) for i in range(n)]
+        self.gpu, self.d2h, self.h2d, self.intra = (queues(q, workers)
+                                                    for q in ("gpu", "d2h", "h2d", "intra"))
+        self.up, self.down = queues("up", self.n_nodes), queues("down", self.n_nodes)
+        self.cpu = queues("cpu", self.P2)
         self.sent = [0] * self.n_nodes
         self.received = [0] * self.n_nodes
-        self.synced = {rec["index"]: rec for rec in self.book.layers}
+        self.synced = {rec["index"]: rec for rec in records}
+        self.params = {p["id"]: p for p in profile["description"]["params"]}
         self.pending = [[] for _ in range(workers)]
         self.layer_done = [{} for _ in range(workers)]
-        self.backward_done = [0.0] * workers
+        self.backward_done = [None] * workers
+        self.next_forward = [[0, False, 0.0] for _ in range(workers)]   # layer, running, end
         self.pair_count = {}
+        self.ring_ready = {}
         self.got = [{} for _ in range(workers)]
-        self.params = {p["id"]: p for p in self.book.params}
 
     # nodes ------------------------------------------------------------------------------------
     def worker_node(self, w):
@@ -188,7 +167,7 @@ class _Iteration:
     def server_node(self, s):
         return self.P1 + s if self.net.separate_servers else s
 
-    def transfer(self, src, dst, nbytes, done):
+    def transfer(self, src, dst, nbytes, done, priority=0):
         """Send nbytes from node src to node dst in chunks; done() when the last one arrives."""
         if src == dst or nbytes == 0:
             done()
@@ -207,13 +186,14 @@ class _Iteration:
                 done()
 
         for size in sizes:
-            wire = _seconds(size, bw)
+            wire = seconds(size, bw)
 
             def on_up_start(start, end, wire=wire):
                 last_bit = end + lat
                 self.events.at(start + lat, lambda: self.down[dst].submit(
-                    lambda t0: max(t0 + wire, last_bit), chunk_arrived))
-            self.up[src].submit(_after(wire), lambda: None, on_start=on_up_start)
+                    lambda t0: max(t0 + wire, last_bit), chunk_arrived, priority=priority))
+            self.up[src].submit(after(wire), lambda: None, on_start=on_up_start,
+                                priority=priority)
 
     # compute ----------------------------------------------------------------------------------
     def start(self):
@@ -225,39 +205,72 @@ class _Iteration:
         if li == len(layers):
             self._backward(w, len(layers) - 1, layers)
             return
-        self.gpu[w].submit(_after(layers[li]["forward_ms"] / 1e3),
-                           lambda: self._forward(w, li + 1, layers))
+        self.gpu[w].submit(after(layers[li]["forward_ms"] / 1e3),
+                           lambda: self._forward(w, li + 1, layers), priority=li)
 
     def _backward(self, w, li, layers):
         if li < 0:
             self.backward_done[w] = self.events.now
-            if not self.overlap:
+            if not self.how.overlap:
                 for lj in self.pending[w]:
                     self._sync(w, lj)
+            self._forward_again(w)
             return
 
         def done():
             if li in self.synced:
-                if self.overlap:
+                if self.how.overlap:
                     self._sync(w, li)
                 else:
                     self.pending[w].append(li)
             self._backward(w, li - 1, layers)
-        self.gpu[w].submit(_after(layers[li]["backward_ms"] / 1e3), done)
+        self.gpu[w].submit(after(layers[li]["backward_ms"] / 1e3), done, priority=li)
+
+    def _forward_again(self, w):
+        """The next iteration's forward, layer by layer, each once its own sync is in (in a mode
+        with `layerwise`; the others end at the barrier)."""
+        state = self.next_forward[w]
+        layers = self.profile["layers"]
+        li, running = state[0], state[1]
+        if (not self.how.layerwise or running or li == len(layers)
+                or self.backward_done[w] is None
+                or (li in self.synced and li not in self.layer_done[w])):
+            return
+        state[1] = True
+
+        def done():
+            state[0], state[1], state[2] = li + 1, False, self.events.now
+            self._forward_again(w)
+        self.gpu[w].submit(after(layers[li]["forward_ms"] / 1e3), done, priority=li)
 
     # sync -------------------------------------------------------------------------------------
-    def _sync(self, w, li):
-        rec = self.synced[li]
-        if rec["scheme"] == "sfb":
-            self._sync_sfb(w, rec)
-        else:
-            self._sync_ps(w, rec)
-
     def _layer_bytes(self, rec):
         return sum(self.params[p]["count"] for p in rec["params"]) * self.itemsize
 
+    def _one_factor_bytes(self, rec):
+        return rec["K"] * (rec["M"] + rec["N"]) * self.itemsize
+
+    def _local(self, w, rec, which, then):
+        """The node-local step before (0) or after (1) a layer's sync, when G devices share it."""
+        nbytes = intra_bytes(self.plan[rec["index"]], self._layer_bytes(rec),
+                             self._one_factor_bytes(rec), self.shape)[which]
+        if nbytes == 0:
+            then()
+            return
+        self.intra[w].submit(after(seconds(nbytes, self.net.intra_bandwidth)), then,
+                             priority=rec["index"])
+
+    def _sync(self, w, li):
+        rec = self.synced[li]
+        go = {"ps": self._sync_ps, "sfb": self._sync_sfb,
+              "allreduce": self._sync_allreduce}[self.plan[li]]
+        self._local(w, rec, 0, lambda: go(w, rec))
+
     def _finish(self, w, li):
-        self.layer_done[w][li] = self.events.now
+        def record():
+            self.layer_done[w][li] = self.events.now
+            self._forward_again(w)
+        self._local(w, self.synced[li], 1, record)
 
     def _sync_ps(self, w, rec):
         li = rec["index"]
@@ -271,8 +284,9 @@ class _Iteration:
             for pair in pairs:
                 size = pair["length"] * self.itemsize
                 self.transfer(self.worker_node(w), self.server_node(pair["server"]), size,
-                              lambda pair=pair, size=size: self._server_add(pair, size, rec))
-        self.d2h[w].submit(_after(_seconds(nbytes, self.net.pcie)), push_all)
+                              lambda pair=pair, size=size: self._server_add(pair, size, rec),
+                              priority=li)
+        self.d2h[w].submit(after(seconds(nbytes, self.net.pcie)), push_all, priority=li)
 
     def _messages(self, rec):
         """The layer's KV messages (bundles of pairs, as the KV store sends them) as pseudo-pairs:
@@ -284,56 +298,95 @@ class _Iteration:
                 for b in self.book.bundles_of_layer(rec["index"])]
 
     def _server_add(self, pair, size, rec):
-        s = pair["server"]
+        s, li = pair["server"], rec["index"]
 
         def added():
             n = self.pair_count.get(pair["id"], 0) + 1
             self.pair_count[pair["id"]] = n
             if n == self.P1:
-                self.cpu[s].submit(_after(_seconds(size, self.net.update_rate)),
-                                   lambda: self._pull_all(pair, size, rec))
-        self.cpu[s].submit(_after(_seconds(size, self.net.update_rate)), added)
+                self.cpu[s].submit(after(seconds(size, self.net.update_rate)),
+                                   lambda: self._pull_all(pair, size, rec), priority=li)
+        self.cpu[s].submit(after(seconds(size, self.net.update_rate)), added, priority=li)
 
     def _pull_all(self, pair, size, rec):
         s = pair["server"]
         order = sorted(range(self.P1), key=lambda w: (w - pair["id"]) % self.P1)
         for w in order:
             self.transfer(self.server_node(s), self.worker_node(w), size,
-                          lambda w=w: self._worker_pulled(w, rec))
+                          lambda w=w: self._worker_pulled(w, rec), priority=rec["index"])
 
     def _worker_pulled(self, w, rec):
         li = rec["index"]
         self.got[w][li] += 1
         if self.got[w][li] == len(self.book.bundles_of_layer(li)):
-            self.h2d[w].submit(_after(_seconds(self._layer_bytes(rec), self.net.pcie)),
-                               lambda: self._finish(w, li))
+            self.h2d[w].submit(after(seconds(self._layer_bytes(rec), self.net.pcie)),
+                               lambda: self._finish(w, li), priority=li)
 
     def _sync_sfb(self, w, rec):
         li = rec["index"]
-        M, N, K = rec["M"], rec["N"], rec["K"]
-        bias = len(rec["params"]) > 1
-        factor_bytes = (K * (M + N) + (M if bias else 0)) * self.itemsize
+        fbytes = factor_bytes(rec, self.G, self.itemsize)
         peers = [(w + d) % self.P1 for d in range(1, self.P1)]
         self.got[w].setdefault(li, 0)
 
         def send_all():
             for q in peers:
-                self.transfer(self.worker_node(w), self.worker_node(q), factor_bytes,
-                              lambda q=q: self._factors_in(q, rec, factor_bytes))
-            self._factors_in(w, rec, factor_bytes, own=True)
-        self.d2h[w].submit(_after(_seconds(factor_bytes, self.net.pcie)), send_all)
+                self.transfer(self.worker_node(w), self.worker_node(q), fbytes,
+                              lambda q=q: self._factors_in(q, rec, fbytes), priority=li)
+            self._factors_in(w, rec, fbytes)
+        self.d2h[w].submit(after(seconds(fbytes, self.net.pcie)), send_all, priority=li)
 
-    def _factors_in(self, w, rec, factor_bytes, own=False):
+    def _factors_in(self, w, rec, fbytes):
         li = rec["index"]
         self.got[w][li] = self.got[w].get(li, 0) + 1
         if self.got[w][li] < self.P1:
             return
-        M, N, K = rec["M"], rec["N"], rec["K"]
-        # the peers' P1 - 1 rank-K products on top of the local gradient backward already made
-        rebuild = _seconds(2.0 * M * N * K * (self.P1 - 1), self.net.gemm_rate)
-        self.h2d[w].submit(_after(_seconds(factor_bytes * (self.P1 - 1), self.net.pcie)),
-                           lambda: self.gpu[w].submit(_after(rebuild),
-                                                      lambda: self._finish(w, li)))
+        # the other replicas' rank-K products on top of the local gradient backward already made
+        rebuild = seconds(rebuild_flops(rec, self.P1 * self.G), self.flop_rate)
+        self.h2d[w].submit(after(seconds(fbytes * (self.P1 - 1), self.net.pcie)),
+                           lambda: self.gpu[w].submit(after(rebuild), lambda: self._finish(w, li),
+                                                      priority=li), priority=li)
+
+    def _sync_allreduce(self, w, rec):
+        """Ring all-reduce: it starts when every node holds the layer's gradient; each node sends
+        2·(P1−1)/P1 of the layer to its right-hand neighbour. The 2·(P1−1) steps are one stream
+        per link here (the ring pipelines them), which keeps the bytes and the step count's
+        latencies but not each step's wait for the slowest link."""
+        li = rec["index"]
+        staged = min(self._layer_bytes(rec), self.net.chunk_bytes)
+
+        def ready():
+            self.ring_ready[li] = self.ring_ready.get(li, 0) + 1
+            if self.ring_ready[li] == self.P1:
+                self._ring(rec, staged)
+        # the ring streams through pinned host buffers: one chunk's copy is not hidden
+        self.d2h[w].submit(after(seconds(staged, self.net.pcie)), ready, priority=li)
+
+    def _ring(self, rec, staged):
+        li, P1 = rec["index"], self.P1
+        count = sum(self.params[p]["count"] for p in rec["params"])
+        reduce_s = seconds(reduction_flops(count, P1), self.flop_rate)
+        left = [P1]
+
+        def update_everywhere():
+            for v in range(P1):
+                self.h2d[v].submit(
+                    after(seconds(staged, self.net.pcie)),
+                    lambda v=v: self.gpu[v].submit(after(reduce_s), lambda v=v: self._finish(v, li),
+                                                   priority=li), priority=li)
+
+        def arrived():
+            left[0] -= 1
+            if left[0] == 0:
+                # the transfer carried one latency; the other steps each add theirs
+                extra = (ring_steps(P1) - 1) * self.net.latency
+                self.events.at(self.events.now + extra, update_everywhere)
+        if P1 < 2:
+            update_everywhere()
+            return
+        nbytes = ring_bytes(self._layer_bytes(rec), P1)
+        for v in range(P1):
+            self.transfer(self.worker_node(v), self.worker_node((v + 1) % P1), nbytes, arrived,
+                          priority=li)
 
     # result -----------------------------------------------------------------------------------
     def run(self):
@@ -344,35 +397,86 @@ class _Iteration:
             if missing:
                 raise RuntimeError(f"simulation ended with worker {w} still waiting for layers "
                                    f"{sorted(missing)} (a bug in dist/simulate.py)")
-        ends = [max([self.backward_done[w]] + list(self.layer_done[w].values()))
-                for w in range(self.P1)]
+        forward = sum(r["forward_ms"] for r in self.profile["layers"]) / 1e3
+        if self.how.layerwise:
+            ends = [state[2] - forward for state in self.next_forward]
+        else:
+            ends = [max([self.backward_done[w]] + list(self.layer_done[w].values()))
+                    for w in range(self.P1)]
         t = max(ends)
         compute = compute_seconds(self.profile)
+        replicas = self.P1 * self.G
+        names = {rec["index"]: rec["name"] for rec in self.synced.values()}
         return Result(mode=self.mode, workers=self.P1, servers=self.P2, iteration_s=t,
-                      compute_s=compute, speedup=self.P1 * compute / t if t > 0 else float(self.P1),
-                      schemes={rec["name"]: rec["scheme"] for rec in self.book.layers},
+                      compute_s=compute, devices=self.G,
+                      speedup=replicas * compute / t if t > 0 else float(replicas),
+                      schemes={names[li]: s for li, s in sorted(self.plan.items())},
                       node_bytes_sent=list(self.sent), node_bytes_received=list(self.received),
-                      layer_done_s={self.synced[li]["name"]: v
-                                    for li, v in self.layer_done[0].items()},
+                      layer_done_s={names[li]: v for li, v in self.layer_done[0].items()},
                       backward_done_s=self.backward_done[0], events=self.events.count)
 
 
-def compute_seconds(profile):
-    return sum(r["forward_ms"] + r["backward_ms"] for r in profile["layers"]) / 1e3
+# ------------------------------------------------------------------------------------------------
+# modes, plans and tables
+# ------------------------------------------------------------------------------------------------
+def mode_plan(profile, workers, mode, servers=None, devices=1):
+    """{layer index: scheme} of a mode that does not choose by time."""
+    kind = MODES[mode].plan
+    if kind == "hybrid":
+        return algorithm1_plan(profile, workers, workers if servers is None else servers, devices)
+    return single_scheme_plan(profile, kind)
 
 
-def simulate(profile, workers, mode="poseidon", net=None, servers=None):
-    """One iteration of `profile` on `workers` nodes in `mode`; returns a Result."""
-    if workers < 1:
-        raise ValueError(f"the number of workers must be at least 1, got {workers}")
+def simulate(profile, workers, mode="poseidon", net=None, servers=None, devices=1):
+    """One iteration of `profile` on `workers` nodes of `devices` devices each, in `mode`.
+
+    A by-time mode runs every candidate plan (candidate_plans) and keeps the fastest: the
+    per-layer prediction is coarse, and a plan the model shows slower than one scheme
+    everywhere must not be the one chosen (as a live job could time one iteration of each)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+    for what, value in (("workers", workers), ("devices per node", devices)):
+        if value < 1:
+            raise ValueError(f"the number of {what} must be at least 1, got {value}")
     if servers is not None and servers < 1:
         raise ValueError(f"the number of servers must be at least 1, got {servers}")
-    return _Iteration(profile, workers, mode, net or Network(), servers).run()
+    net = net or Network()
+    if MODES[mode].plan != "timed":
+        plan = mode_plan(profile, workers, mode, servers, devices)
+        return _run(profile, workers, mode, net, servers, devices, plan, "")
+    best = None
+    for name, plan in candidate_plans(profile, workers, net, servers, devices):
+        r = _run(profile, workers, mode, net, servers, devices, plan, name)
+        if best is None or r.iteration_s < best.iteration_s:
+            best = r
+    return best
 
 
-def scaling_table(profile, nodes, modes, net=None, servers=None):
+# A by-time mode runs the single-scheme plans again, and a table asks for them as modes too: one
+# run of each (profile, shape, network, plan, queueing) is enough. The profile is kept with its
+# result so that its id cannot be reused while the entry lives; profiles are read, never changed,
+# once loaded.
+_RUNS = {}
+_RUNS_KEPT = 512
+
+
+def _run(profile, workers, mode, net, servers, devices, plan, plan_name):
+    how = MODES[mode]
+    key = (id(profile), workers, how.overlap, how.priority, how.layerwise,
+           dataclasses.astuple(net), servers, devices, tuple(sorted(plan.items())))
+    hit = _RUNS.get(key)
+    if hit is None or hit[0] is not profile:
+        if len(_RUNS) >= _RUNS_KEPT:
+            _RUNS.clear()
+        hit = _RUNS[key] = (profile, _Iteration(profile, workers, mode, net, servers, devices,
+                                                plan).run())
+    return dataclasses.replace(hit[1], mode=mode, plan=plan_name)
+
+
+def scaling_table(profile, nodes, modes, net=None, servers=None, devices=1):
     """{mode: {P: Result}} for every mode and node count."""
-    return {mode: {p: simulate(profile, p, mode, net, servers) for p in nodes} for mode in modes}
+    return {mode: {p: simulate(profile, p, mode, net, servers, devices) for p in nodes}
+            for mode in modes}
 
 
 def algorithm1_schemes(profile, workers, servers, sync="hybrid"):

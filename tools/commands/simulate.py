@@ -3,6 +3,7 @@ discrete-event model of dist/simulate.py.
 
     poseidon simulate --model vgg19_22k --nodes 1,2,4,8,16,32 --bandwidth 40Gbit
     poseidon simulate --model googlenet --bandwidth 10GbE --modes wfbp,poseidon --json out.json
+    poseidon simulate --model resnet152 --modes wfbp,allreduce,ps-sfb-ar-priority --devices-per-node 4
     poseidon simulate --profile my.json ...            # a profile written by --write-profile
     poseidon simulate --model prototxt/cifar10_quick/train_val.prototxt --measure   # timed here
     poseidon simulate --model prototxt/vgg19/deploy.prototxt --img-per-s 35.5 --write-profile p.json
@@ -19,13 +20,16 @@ from poseidon.engine.errors import PoseidonError
 from .common import out
 
 DEFAULT_MODES = "ps-nooverlap,wfbp,poseidon"
+# the modes of dist/simulate.py (spelled out so that --help needs no import of dist)
+MODE_NAMES = ("ps-nooverlap", "wfbp", "poseidon", "sfb", "allreduce", "hybrid-nooverlap",
+              "ps-sfb-ar", "ps-sfb-ar-priority")
 
 
 def add(sub):
     p = sub.add_parser("simulate", help="speedup tables from a discrete-event model of one "
                                         "iteration (paper's models shipped as profiles)")
-    p.add_argument("--model", help="a shipped profile (vgg19, vgg19_22k, googlenet) or, with "
-                                   "--measure or --img-per-s, a prototxt file")
+    p.add_argument("--model", help="a shipped profile (vgg19, vgg19_22k, googlenet, resnet152) "
+                                   "or, with --measure or --img-per-s, a prototxt file")
     p.add_argument("--profile", help="a profile JSON file (from --write-profile)")
     p.add_argument("--measure", action="store_true",
                    help="time the model's layers with the engine on this machine")
@@ -49,12 +53,18 @@ def add(sub):
                                                     "no copies)")
     p.add_argument("--update-rate", default="10GB/s",
                    help="bytes/s a server adds or applies (KV-store CPU work)")
-    p.add_argument("--gemm-rate", default="6e12", help="FLOP/s of the SFB rebuild GEMM")
+    p.add_argument("--gemm-rate", default="profile",
+                   help="FLOP/s of the SFB rebuild and all-reduce's reduction (default: the "
+                        "profile's own rate, its FLOPs over its step time)")
+    p.add_argument("--devices-per-node", default="1",
+                   help="G replicas per node, reduced into one leader before the inter-node sync")
+    p.add_argument("--intra-bandwidth", default="12GB/s",
+                   help="between a node's devices and their leader (PCIe-like), e.g. 12GB/s")
     p.add_argument("--kv-pair", default="2MB",
                    help="KV pair size (as --kv-pair-bytes of train); a huge value (1GB) puts "
                         "each tensor whole on one server, as a PS without KV pairs does")
     p.add_argument("--modes", default=DEFAULT_MODES,
-                   help="comma-separated: ps-nooverlap, wfbp, poseidon, sfb, hybrid-nooverlap")
+                   help="comma-separated: " + ", ".join(MODE_NAMES))
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(run=run)
 
@@ -70,13 +80,15 @@ def _positive_ints(text, what):
 
 
 def _flops(text):
+    if str(text).strip().lower() == "profile":
+        return None
     s = str(text).strip().upper().replace("FLOPS", "").replace("FLOP/S", "")
     scale = {"G": 1e9, "T": 1e12, "P": 1e15}.get(s[-1:], 1.0)
     try:
         value = float(s[:-1] if s[-1:] in "GTP" and s else s) * scale
     except ValueError:
         raise PoseidonError(f"cannot read --gemm-rate '{text}': give FLOP/s, e.g. 6e12, 6T, "
-                            f"or inf") from None
+                            f"inf, or profile") from None
     if value <= 0:
         raise PoseidonError(f"--gemm-rate must be positive, got '{text}'")
     return value
@@ -92,11 +104,12 @@ def network_from_args(args):
         latency = parse_latency(args.latency)
         pcie = parse_bandwidth(args.pcie)
         update = parse_bandwidth(args.update_rate)
+        intra = parse_bandwidth(args.intra_bandwidth)
         pair = parse_bytes(args.kv_pair)
     except ValueError as e:
         raise PoseidonError(str(e)) from None
     return Network(bandwidth=bandwidth, latency=latency, pcie=pcie, update_rate=update,
-                   gemm_rate=_flops(args.gemm_rate), kv_pair_bytes=pair,
+                   gemm_rate=_flops(args.gemm_rate), intra_bandwidth=intra, kv_pair_bytes=pair,
                    chunk_bytes=min(pair, DEFAULT_PAIR_BYTES),
                    separate_servers=args.separate_servers)
 
@@ -115,8 +128,8 @@ def load_or_build_profile(args):
     if args.profile:
         return simprofile.load_profile(args.profile)
     if not args.model:
-        raise PoseidonError("give --model (vgg19, vgg19_22k, googlenet or a prototxt with "
-                            "--measure) or --profile FILE")
+        raise PoseidonError("give --model (vgg19, vgg19_22k, googlenet, resnet152 or a prototxt "
+                            "with --measure) or --profile FILE")
     if args.measure:
         iters = _positive_ints(args.iterations, "iterations")[0]
         return measure_profile(_prototxt_for(args.model), iters)
@@ -170,22 +183,34 @@ def _finite(value):
     return value
 
 
+def _plan_words(schemes):
+    """'SFB for fc6, fc7; 12 by all-reduce, 5 by PS' for one plan ({layer: scheme})."""
+    sfb = [k for k, v in schemes.items() if v == "sfb"]
+    counts = [(sum(v == s for v in schemes.values()), word)
+              for s, word in (("allreduce", "all-reduce"), ("ps", "PS"))]
+    counts = [(n, word) for n, word in counts if n]
+    if not sfb and len(counts) == 1:
+        return f"all {counts[0][0]} by {counts[0][1]}"
+    rest = ", ".join(f"{n} by {word}" for n, word in counts)
+    return f"SFB for {', '.join(sfb)}" + (f", {rest}" if rest else "") if sfb else rest
+
+
 def scheme_line(rows, nodes):
-    """Which layers go by SFB at each node count, e.g. '2-4 nodes: fc (SFB), 57 by PS'."""
+    """Which layers go by which scheme at each node count, e.g. '2-4 nodes: SFB for fc, 57 by
+    PS'; for a by-time mode also which candidate plan ran."""
     groups = []
     for p in nodes:
-        schemes = rows[p].schemes
-        sfb = tuple(k for k, v in schemes.items() if v == "sfb")
-        key = (sfb, len(schemes) - len(sfb))
+        r = rows[p]
+        key = (_plan_words(r.schemes), r.plan)
         if groups and groups[-1][1] == key:
             groups[-1][0].append(p)
         else:
             groups.append(([p], key))
     parts = []
-    for ps_, (sfb, n_ps) in groups:
+    for ps_, (what, plan) in groups:
         span = f"{ps_[0]}" if len(ps_) == 1 else f"{ps_[0]}-{ps_[-1]}"
-        what = f"SFB for {', '.join(sfb)}, {n_ps} by PS" if sfb else f"all {n_ps} by PS"
-        parts.append(f"{span} node{'s' if len(ps_) > 1 or ps_[0] > 1 else ''}: {what}")
+        how = f" ({plan})" if plan else ""
+        parts.append(f"{span} node{'s' if len(ps_) > 1 or ps_[0] > 1 else ''}: {what}{how}")
     return "; ".join(parts)
 
 
@@ -208,7 +233,8 @@ def run(args):
     if args.write_profile:
         simprofile.write_profile(profile, args.write_profile)
         out(f"profile written to {args.write_profile}")
-    table = scaling_table(profile, nodes, modes, net, servers)
+    devices = _positive_ints(args.devices_per_node, "devices-per-node")[0]
+    table = scaling_table(profile, nodes, modes, net, servers, devices)
     name = profile.get("model", "?")
     where = ("on their own nodes" if args.separate_servers else "beside the workers")
     out(f"{name}: batch {profile.get('batch')} per node, one-node step "
@@ -218,7 +244,11 @@ def run(args):
         f"PCIe {'unlimited' if net.pcie == math.inf else f'{net.pcie / 1e9:g} GB/s'}; "
         f"{servers or 'one'} server{'s' if servers and servers > 1 else ''} "
         f"{'in all' if servers else 'per node'}, {where}")
-    out("speedup = P1 * t_1 / t_P1 (t_1: one node, compute only); iteration ms in brackets")
+    if devices > 1:
+        out(f"{devices} devices per node reduce into one leader over {_rate(net.intra_bandwidth)} "
+            f"before the inter-node sync")
+    out("speedup = P1 * G * t_1 / t_P1 (t_1: one device, compute only; G devices per node); "
+        "iteration ms in brackets")
     out("")
     width = 20
     out(f"{'nodes':>5}  " + "".join(f"{m:>{width}}" for m in modes))
@@ -227,7 +257,7 @@ def run(args):
                  for m in modes]
         out(f"{p:>5}  " + "".join(f"{c:>{width}}" for c in cells))
     for m in modes:
-        out(f"{m}: " + scheme_line(table[m], nodes))
+        out(f"{m} ({MODES[m].label}): " + scheme_line(table[m], nodes))
     if args.json:
         payload = {"model": name, "profile_source": profile.get("source"),
                    "network": dict(net.__dict__), "servers": servers,
