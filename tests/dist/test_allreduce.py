@@ -157,6 +157,11 @@ def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path,
         assert costs[rec["scheme"]] == min(costs.values()), (rec["name"], costs)
 
 
+def test_no_servers_under_hybrid_sends_convolutions_by_the_ring(data, tmp_path):
+    _, schemes = run_and_compare(data, tmp_path, conv_net, 2, 2, 0)
+    assert schemes == {"conv1": "allreduce", "conv2": "allreduce", "ip1": "sfb", "ip2": "sfb"}
+
+
 # ----- bytes on the wire ---------------------------------------------------------------------------
 def test_bytes_per_layer_are_the_plan_and_the_cost_model(data, tmp_path, small_pieces):
     P1, K = 3, 4
