@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from .book import InformationBook
 from .schemes import best_scheme
+from .schemes.ring import ring_plan
 from .placement import DEFAULT_PAIR_BYTES
 
 # mode -> (scheme override for the book, WFBP overlap)
@@ -36,6 +37,7 @@ MODES = {
     "wfbp": ("ps", True),                # Caffe+WFBP: overlap, everything through servers
     "poseidon": ("hybrid", True),        # WFBP + HybComm (Algorithm 1 per layer)
     "sfb": ("sfb", True),                # WFBP, every FC layer by SFB
+    "allreduce": ("allreduce", True),    # WFBP, every layer by the ring all-reduce (no servers)
     "hybrid-nooverlap": ("hybrid", False),
 }
 
@@ -180,6 +182,7 @@ class _Iteration:
         self.pair_count = {}
         self.got = [{} for _ in range(workers)]
         self.params = {p["id"]: p for p in self.book.params}
+        self.ring = {}                       # layer -> each worker's ring progress
 
     # nodes ------------------------------------------------------------------------------------
     def worker_node(self, w):
@@ -250,6 +253,8 @@ class _Iteration:
         rec = self.synced[li]
         if rec["scheme"] == "sfb":
             self._sync_sfb(w, rec)
+        elif rec["scheme"] == "allreduce":
+            self._sync_ring(w, rec)
         else:
             self._sync_ps(w, rec)
 
@@ -334,6 +339,38 @@ class _Iteration:
         self.h2d[w].submit(_after(_seconds(factor_bytes * (self.P1 - 1), self.net.pcie)),
                            lambda: self.gpu[w].submit(_after(rebuild),
                                                       lambda: self._finish(w, li)))
+
+    def _sync_ring(self, w, rec):
+        """Ring all-reduce (dist/schemes/allreduce.py): 2·(P1 − 1) steps, each one chunk of the
+        layer to the right neighbour, sent once the gradient is on the host and the left
+        neighbour's chunk of the step before has come; the adds are not timed (memory speed, far
+        below the wire's)."""
+        li = rec["index"]
+        state = self.ring.setdefault(li, [{"ready": False, "got": 0, "sent": 0}
+                                          for _ in range(self.P1)])
+
+        def ready():
+            state[w]["ready"] = True
+            self._ring_advance(w, rec, state)
+        self.d2h[w].submit(_after(_seconds(self._layer_bytes(rec), self.net.pcie)), ready)
+
+    def _ring_advance(self, w, rec, state):
+        plan = ring_plan(self._layer_bytes(rec) // self.itemsize, self.P1, 1 << 62)
+        steps, me = 2 * (self.P1 - 1), state[w]
+        if me["ready"] and me["got"] == steps and "done" not in me:
+            me["done"] = True
+            self.h2d[w].submit(_after(_seconds(self._layer_bytes(rec), self.net.pcie)),
+                               lambda: self._finish(w, rec["index"]))
+        while me["ready"] and me["sent"] < steps and me["got"] >= me["sent"]:
+            phase, step = divmod(me["sent"], self.P1 - 1)
+            nbytes = plan.chunk_floats(plan.sent_chunk(phase, step, w)) * self.itemsize
+            right = (w + 1) % self.P1
+            me["sent"] += 1
+
+            def arrived(right=right):
+                state[right]["got"] += 1
+                self._ring_advance(right, rec, state)
+            self.transfer(self.worker_node(w), self.worker_node(right), nbytes, arrived)
 
     # result -----------------------------------------------------------------------------------
     def run(self):

@@ -282,3 +282,22 @@ def test_a_missing_peer_stops_the_job_within_the_deadline(data, monkeypatch):
     assert "layer 'ip2'" in text and "from worker 1" in text and "iteration 1" in text, text
     assert f"timed out after {timeout:g} s" in text, text
     assert took < 4 * timeout
+
+
+# ----- the simulator -------------------------------------------------------------------------------
+def test_the_simulator_moves_the_rings_bytes():
+    """`poseidon simulate --modes allreduce`: every node sends and receives 2·(P1 − 1)/P1 of the
+    layer, which is the cost model's figure, and with free communication the speedup is P1."""
+    from poseidon.dist.simulate import Network, simulate
+    M, N, P = 1000, 1024, 8
+    desc = _description([("InnerProduct", M, N, 32, True)])
+    profile = {"model": "one", "batch": 32, "description": desc,
+               "layers": [{"name": "l0", "type": "InnerProduct", "forward_ms": 10.0,
+                           "backward_ms": 20.0}]}
+    r = simulate(profile, P, "allreduce", Network())
+    assert r.schemes == {"l0": "allreduce"}
+    itemsize = 8                                        # the description's float64
+    for sent, got in zip(r.node_bytes_sent, r.node_bytes_received):
+        assert abs((sent + got) / itemsize - allreduce_cost(M * N + M, P)) < 4
+    assert simulate(profile, P, "allreduce", Network.ideal()).speedup == pytest.approx(P)
+    assert simulate(profile, 1, "allreduce", Network()).schemes == {"l0": "allreduce"}

@@ -171,20 +171,24 @@ def _finite(value):
 
 
 def scheme_line(rows, nodes):
-    """Which layers go by SFB at each node count, e.g. '2-4 nodes: fc (SFB), 57 by PS'."""
+    """Which layers go by SFB at each node count, and how many by the ring all-reduce and by PS,
+    e.g. '2-4 nodes: SFB for fc, 57 by PS'."""
     groups = []
     for p in nodes:
         schemes = rows[p].schemes
         sfb = tuple(k for k, v in schemes.items() if v == "sfb")
-        key = (sfb, len(schemes) - len(sfb))
+        ring = sum(v == "allreduce" for v in schemes.values())
+        key = (sfb, ring, len(schemes) - len(sfb) - ring)
         if groups and groups[-1][1] == key:
             groups[-1][0].append(p)
         else:
             groups.append(([p], key))
     parts = []
-    for ps_, (sfb, n_ps) in groups:
+    for ps_, (sfb, n_ring, n_ps) in groups:
         span = f"{ps_[0]}" if len(ps_) == 1 else f"{ps_[0]}-{ps_[-1]}"
-        what = f"SFB for {', '.join(sfb)}, {n_ps} by PS" if sfb else f"all {n_ps} by PS"
+        rest = [f"{n} by {how}" for n, how in ((n_ring, "the ring"), (n_ps, "PS")) if n]
+        what = (f"SFB for {', '.join(sfb)}" + "".join(f", {r}" for r in rest) if sfb else
+                f"all {rest[0]}" if len(rest) == 1 else ", ".join(rest) or "no layer synced")
         parts.append(f"{span} node{'s' if len(ps_) > 1 or ps_[0] > 1 else ''}: {what}")
     return "; ".join(parts)
 
