@@ -162,6 +162,23 @@ def test_no_servers_under_hybrid_sends_convolutions_by_the_ring(data, tmp_path):
     assert schemes == {"conv1": "allreduce", "conv2": "allreduce", "ip1": "sfb", "ip2": "sfb"}
 
 
+def test_resume_from_a_snapshot_is_bitwise(data, tmp_path):
+    """Worker 0's snapshot holds the ring layers' solver history (each worker keeps its own copy,
+    as for SFB); a resumed run hands it to every worker and ends with the uninterrupted run's
+    bits."""
+    def param(prefix):
+        p = solver_param(conv_net(data, 2), max_iter=8)
+        p.snapshot, p.snapshot_prefix = 4, str(prefix)
+        return p
+    full = run_threads(param(tmp_path / "a" / "run"), 3, 1, sync="allreduce", dtype="float32")
+    resumed = run_threads(param(tmp_path / "b" / "run"), 3, 1, sync="allreduce", dtype="float32",
+                          snapshot=str(tmp_path / "a" / "run_iter_4.solverstate"))
+    assert resumed[0].solver.iter == 8
+    for got, want in zip(resumed, full):
+        for a, b in zip(params_of(got), params_of(want)):
+            assert numpy.array_equal(a, b), "the resumed run differs from the uninterrupted one"
+
+
 # ----- bytes on the wire ---------------------------------------------------------------------------
 def test_bytes_per_layer_are_the_plan_and_the_cost_model(data, tmp_path, small_pieces):
     P1, K = 3, 4
