@@ -22,7 +22,6 @@ ends them as it ends any receive.
 import numpy
 
 from ..cost import allreduce_cost
-from ..errors import DistError
 from ..transport import Msg
 from .base import Scheme, register_scheme
 from .ring import ALL_GATHER, MAX_LAYERS, REDUCE_SCATTER, layer_floats, ring_key, ring_plan
@@ -45,8 +44,9 @@ class AllReduceScheme(Scheme):
 
     @staticmethod
     def applies_to(rec):
-        """Every layer with parameters: the ring moves the gradient, whatever made it."""
-        return True
+        """Every layer with parameters (the ring moves the gradient, whatever made it) whose index
+        a piece's key can carry (ring.MAX_LAYERS)."""
+        return rec.get("index", 0) < MAX_LAYERS
 
     @staticmethod
     def cost(rec, P1, P2):
@@ -70,9 +70,6 @@ class AllReduceScheme(Scheme):
     def __init__(self, syncer):
         super().__init__(syncer)
         ctx = self.ctx
-        if syncer.li >= MAX_LAYERS:
-            raise DistError(f"layer '{syncer.name}' is layer {syncer.li}; the all-reduce ring "
-                            f"names the layers below {MAX_LAYERS} only: give --sync ps or sfb")
         ring = ctx.roles.worker_ranks()
         self.position = ring.index(ctx.rank)
         self.left = ring[self.position - 1]

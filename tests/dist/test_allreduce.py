@@ -104,6 +104,10 @@ def test_cost_and_traffic_of_the_scheme():
     assert traffic["floats"] == cls.cost(rec, 4, 2) and traffic["flops"] == 3 / 4 * F
     assert traffic["messages"] == 2 * 2 * 3 * ring_plan(F, 4, allreduce.PIECE_FLOATS).pieces
     assert cls.cost(rec, 1, 1) == 0 and cls.traffic(rec, 1, 0)["messages"] == 0
+    # a layer index a piece's key cannot carry: the ring does not apply, BestScheme takes another
+    assert cls.applies_to(dict(rec, index=(1 << 15) - 1))
+    assert not cls.applies_to(dict(rec, index=1 << 15))
+    assert choose_scheme(dict(rec, index=1 << 15), 4, 1, sync="allreduce") == "ps"
     assert "allreduce" in sync_choices()
 
 
