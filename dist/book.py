@@ -15,7 +15,7 @@ import json
 
 from .errors import DistError
 from .placement import DEFAULT_PAIR_BYTES, MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, place_pairs
-from .schemes import choose_scheme, scheme_class
+from .schemes import SCHEMES, choose_scheme, scheme_class
 
 
 
@@ -290,9 +290,12 @@ class InformationBook:
             more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
             why = ("--sync ps sends every layer through the servers" if sync == "ps" else
                    f"{relaxed} sends every layer through the servers" if relaxed else
-                   "only InnerProduct layers (not shared, iter_size 1) can use SFB")
-            raise DistError(f"--servers 0 needs every layer with parameters to use SFB, but "
-                            f"{names}{more} can only be synced through a parameter server ({why}): "
+                   f"--sync {sync} applies to only some layers, the others go by PS; --sync "
+                   f"hybrid sends them by a scheme without servers")
+            serverless = ", ".join(n for n, c in SCHEMES.items() if not c.uses_servers)
+            raise DistError(f"--servers 0 needs every layer with parameters to go by a scheme "
+                            f"without servers ({serverless}), but "
+                            f"{names}{more} would be synced through a parameter server ({why}): "
                             f"give --servers 1 or more")
         params = []
         for p in description["params"]:
@@ -397,7 +400,10 @@ class InformationBook:
             return self.server_bytes()
         if what == "costs":
             rec = self.layer(int(kw["index"]))
-            return scheme_costs(rec["M"], rec["N"], rec["K"], self.workers, self.servers)
+            costs = scheme_costs(rec["M"], rec["N"], rec["K"], self.workers, self.servers)
+            costs.update((name, cls.cost(rec, self.workers, self.servers))
+                         for name, cls in SCHEMES.items())
+            return costs
         raise DistError(f"unknown query '{what}' (layer, best_scheme, pairs, cluster, "
                         f"server_bytes, costs)")
 

@@ -10,7 +10,7 @@ line, count it". The checks are cheap (no copy of the payload) and come in three
   job or the process itself is refused;
 - fields: the JSON object of a control message, field by field (dist/control.py);
 - the book (once the process has it): on a worker, the key, dtype and shape of KV values, snapshot
-  replies, sufficient factors and initial weights, and the server a KV pair lives on. Servers check
+  replies, sufficient factors, ring pieces and initial weights, and the server a KV pair lives on. Servers check
   their own pairs in dist/kvstore.py, where the pair state is.
 A transport made without the job's Roles (unit tests, tools) checks only the decoding.
 Message types that are in `Msg` but have no rule here pass the role and structure checks (a rule
@@ -22,6 +22,7 @@ from .control import field_reason
 from .placement import MAX_BUNDLE_ARRAYS
 from .roles import COORDINATOR
 from .schemes import scheme_class
+from .schemes.ring import ring_address
 from .transport import Msg
 
 ANY = (0, 64)   # arrays (besides the JSON object) a type may carry: (least, most)
@@ -51,6 +52,7 @@ RULES = {
     Msg.KV_GET_REPLY: ("server", "worker0", ANY, ()),
     Msg.KV_INIT_ACK: ("server", "worker0", (0, 0), ()),
     Msg.SF: ("worker", "worker", (1, 16), ()),   # the layer's scheme checks the arrays
+    Msg.RING: ("worker", "worker", (1, 1), ()),  # ... and the piece's length and sender
     Msg.WEIGHTS: ("worker0", "other worker", ANY, ()),
     Msg.CURSOR: ("worker0", "other worker", (0, 0), ("iter",)),
     Msg.ROUTES: ("worker0", "other worker", (0, 0), ("routes",)),
@@ -59,7 +61,7 @@ JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a fl
 SHARED_TYPES = {Msg.KV_PUSH, Msg.KV_VALUE}            # may keep their arrays in shared memory
 
 
-BOOK_SIZED = {Msg.KV_VALUE, Msg.KV_GET_REPLY, Msg.SF, Msg.WEIGHTS}   # the book fixes their shapes
+BOOK_SIZED = {Msg.KV_VALUE, Msg.KV_GET_REPLY, Msg.SF, Msg.RING, Msg.WEIGHTS}   # the book fixes their shapes
 
 
 class _Described:
@@ -249,6 +251,8 @@ class WireRules:
                 return (f"{name} for layer '{rec['name']}' from {self.namer(msg.sender)}: "
                         f"{len(msg.arrays)} arrays, {self.namer(self.rank)} expects {expected}")
             return self._arrays_are(msg, name, want, f"layer '{rec['name']}'", expected)
+        if msg.type == Msg.RING:
+            return self._ring_reason(msg, name)
         if msg.type == Msg.WEIGHTS:
             if not 0 <= msg.key < len(self.book.params):
                 return f"WEIGHTS for parameter {msg.key}, which the book does not have"
@@ -256,6 +260,25 @@ class WireRules:
             return self._arrays_are(msg, name, [(count,)] * len(msg.arrays),
                                     f"parameter '{self.book.params[msg.key]['name']}'")
         return None
+
+    def _ring_reason(self, msg, name):
+        """A ring piece comes from this worker's left neighbour, for a layer the book syncs peer to
+        peer, at a slot the layer's ring has, with exactly that piece's length."""
+        li, slot = ring_address(msg.key)
+        rec = self._peer.get(li)
+        if rec is None:
+            return f"{name} for layer {li}, which the book does not sync peer to peer"
+        ring = self.roles.worker_ranks()
+        position = ring.index(self.rank)
+        left = ring[position - 1]
+        if msg.sender != left:
+            return (f"{name} for layer '{rec['name']}' from {self.namer(msg.sender)}, but "
+                    f"{self.namer(self.rank)} takes the ring's pieces from {self.namer(left)}")
+        length = scheme_class(rec["scheme"]).ring_piece(rec, slot, len(ring), position)
+        if length is None:
+            return (f"{name} for layer '{rec['name']}' (synced by {rec['scheme']}): piece {slot} "
+                    f"is none that {self.namer(self.rank)} takes")
+        return self._arrays_are(msg, name, [(length,)], f"layer '{rec['name']}' (piece {slot})")
 
     def _arrays_are(self, msg, name, shapes, what, expected=None):
         for i, (a, shape) in enumerate(zip(msg.arrays, shapes)):

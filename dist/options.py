@@ -116,8 +116,8 @@ def add_dist_options(parser):
         "SLURM_PROCID)")
     add("--sync", choices=sync_choices(), default="hybrid",
         help="hybrid: BestScheme per layer, the cheapest registered scheme (default); a "
-        "scheme's name (ps, sfb, ...) forces it where the layer allows it, PS elsewhere "
-        "(convolutions always go by PS)")
+        "scheme's name (ps, sfb, allreduce, ...) forces it where the layer allows it, PS "
+        "elsewhere (SFB takes only InnerProducts; the ring all-reduce every layer)")
     add("--no-overlap", action="store_true",
         help="sync after the whole backward instead of layer by layer (no WFBP)")
     add("--stats", metavar="FILE", help="each process writes one JSON object per "

@@ -67,6 +67,13 @@ class Scheme:
         them in an error; shapes None: the count is wrong. Schemes with servers send none."""
         return None, "no peer-to-peer message"
 
+    @staticmethod
+    def ring_piece(rec, slot, workers, position):
+        """Floats of piece `slot` of this layer that the worker at ring position `position` (of
+        `workers`) may be sent in a RING message, or None: it takes no such piece. Only a scheme
+        that passes pieces round a ring of workers (allreduce.py) takes any."""
+        return None
+
     def __init__(self, syncer):
         self.syncer = syncer
         self.ctx = syncer.ctx

@@ -54,6 +54,7 @@ class Msg(enum.IntEnum):
     WEIGHTS = 31       # worker 0's parameters (and SFB solver state) to the other workers
     CURSOR = 32        # worker 0 -> worker r: r's data cursor from a snapshot being resumed
     ROUTES = 33        # worker 0 -> the other workers: the convolution routes every replica runs
+    RING = 34          # one piece of a layer's gradient on the all-reduce ring, to the next worker
 
 
 FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)

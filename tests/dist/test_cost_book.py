@@ -33,16 +33,22 @@ def test_worked_figure_googlenet_classifier_goes_ps():
     assert best_scheme(True, M, N, K=128, P1=16, P2=16) == "ps"
 
 
-def test_convolutions_always_ps_whatever_sync_says():
-    for sync in ("hybrid", "ps", "sfb"):
+def test_convolutions_never_go_by_sfb_whatever_sync_says():
+    """--sync ps and sfb send a convolution by PS; hybrid by the cheapest of PS and the ring: PS
+    with as many servers as workers (the ring moves the bias too), the ring without servers."""
+    for sync in ("ps", "sfb"):
         assert best_scheme(False, 64, 576, K=32, P1=8, P2=8, sync=sync) == "ps"
         assert best_scheme(False, 64, 576, K=1, P1=2, P2=0, sync=sync) == "ps"
+    assert best_scheme(False, 64, 576, K=32, P1=8, P2=8) == "ps"
+    assert best_scheme(False, 64, 576, K=1, P1=2, P2=0) == "allreduce"
 
 
 def test_sync_override_and_no_servers():
     assert best_scheme(True, 1000, 1024, K=128, P1=16, P2=16, sync="sfb") == "sfb"
     assert best_scheme(True, 4096, 4096, K=32, P1=8, P2=8, sync="ps") == "ps"
-    assert best_scheme(True, 1000, 1024, K=128, P1=16, P2=0) == "sfb"   # no server: SFB
+    # no server: the cheaper of SFB and the ring (K = 128 makes the factors the larger)
+    assert best_scheme(True, 1000, 1024, K=128, P1=16, P2=0) == "allreduce"
+    assert best_scheme(True, 1000, 1024, K=8, P1=16, P2=0) == "sfb"
 
 
 def test_adam_comparator():
@@ -76,10 +82,14 @@ def test_book_decides_per_layer_and_places_only_ps_parameters():
     assert book.query("costs", index=1)["sfb"] == sfb_cost(4096, 4096, 32, 8)
 
 
-def test_servers_zero_needs_every_layer_sfb():
+def test_servers_zero_needs_every_layer_serverless():
+    """--servers 0: every layer by a scheme without servers. Under --sync sfb a convolution would
+    go by PS (refused, naming it); under hybrid it goes by the ring."""
     desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 512, 512, 8, True)])
     with pytest.raises(DistError, match=r"--servers 0 .*'l0' \(Convolution\)"):
-        InformationBook.build(desc, 4, 0, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
+        InformationBook.build(desc, 4, 0, {"sync": "sfb", "kv_pair_bytes": 2 << 20})
+    book = InformationBook.build(desc, 4, 0, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
+    assert [book.best_scheme(li) for li in (0, 1)] == ["allreduce", "sfb"] and book.pairs == []
     fc_only = _description([("InnerProduct", 512, 512, 8, True)])
     book = InformationBook.build(fc_only, 4, 0, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
     assert book.best_scheme(0) == "sfb" and book.pairs == []
@@ -209,7 +219,10 @@ def test_parse_bytes():
 def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
     """--bucket-bytes: PS layers taken from the top down share one sync while their parameters
     fit, started after the lowest of them; an SFB layer or one too large for a bucket stands
-    alone and closes the bucket above it; bucket 0 and relaxed consistency: every layer alone."""
+    alone and closes the bucket above it; bucket 0 and relaxed consistency: every layer alone.
+    As many servers as workers, so that BestScheme sends the layers with a bias by PS (the ring
+    would move the bias too); with fewer servers the ring takes them, and a ring layer stands
+    alone as an SFB layer does."""
     desc = _description([("Convolution", 32, 75, 8, False),          # 9.7 kB
                          ("Convolution", 32, 800, 8, False),         # 102 kB
                          ("InnerProduct", 4096, 4096, 8, True),      # 67 MB, SFB under hybrid
@@ -217,8 +230,9 @@ def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
                          ("InnerProduct", 64, 1024, 8, False),       # 262 kB (not SFB-capable)
                          ("InnerProduct", 10, 64, 8, False)])        # 2.6 kB
     opts = {"sync": "hybrid", "kv_pair_bytes": 2 << 20, "bucket_bytes": 300 << 10}
-    book = InformationBook.build(desc, 4, 2, opts)
+    book = InformationBook.build(desc, 4, 4, opts)
     assert book.best_scheme(2) == "sfb"
+    assert {rec["scheme"] for rec in book.layers if rec["index"] != 2} == {"ps"}
     groups = {rec["index"]: rec["group"] for rec in book.layers}
     # backward order 5, 4, 3: 2.6 + 262 kB fit, 205 more do not; then the SFB layer alone
     assert groups == {5: 4, 4: 4, 3: 3, 2: 2, 1: 0, 0: 0}
@@ -230,10 +244,13 @@ def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
     assert params == set(book.layer(4)["params"]) | set(book.layer(5)["params"])
     assert len({book.pairs[k]["server"] for k in bundle["pairs"]}) == 1
     for extra in ({"bucket_bytes": 0}, {"staleness": 2}, {}):
-        alone = InformationBook.build(desc, 4, 2, dict(opts, **extra) if extra else
+        alone = InformationBook.build(desc, 4, 4, dict(opts, **extra) if extra else
                                       {k: v for k, v in opts.items() if k != "bucket_bytes"})
         assert all(rec["group"] == rec["index"] for rec in alone.layers), extra
         assert alone.synced_layers() == [0, 1, 2, 3, 4, 5]
+    ring = InformationBook.build(desc, 4, 2, opts)
+    assert [rec["scheme"] for rec in ring.layers] == ["allreduce"] * 2 + ["sfb"] + ["allreduce"] * 3
+    assert ring.synced_layers() == [0, 1, 2, 3, 4, 5] and ring.pairs == []
 
 
 def test_bucket_bytes_auto_buckets_on_one_host_only():

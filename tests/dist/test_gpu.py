@@ -28,7 +28,7 @@ def gpu():
 
 
 @pytest.mark.parametrize("net,K", [("fc", 8), ("conv", 2)])
-@pytest.mark.parametrize("sync", ["ps", "sfb", "hybrid"])
+@pytest.mark.parametrize("sync", ["ps", "sfb", "allreduce", "hybrid"])
 def test_gpu_workers_equal_one_process(data, tmp_path, gpu, net, K, sync):
     build = {"fc": fc_net, "conv": conv_net}[net]
     P1, iters = 2, 12

@@ -154,14 +154,16 @@ def test_a_python_layers_parameter_is_not_placed(data, tmp_path):
 
 def test_fc_net_with_sfb_layers_places_only_what_goes_by_ps(data, tmp_path):
     """Under hybrid an InnerProduct may go by SFB (each worker updates its own copy): such a
-    parameter is never placed in the shared values."""
+    parameter is never placed in the shared values. As many servers as workers, so that the
+    classifier goes by PS (with one server the ring, which needs no server, would take it)."""
     K, P1 = 8, 3
     weights = str(tmp_path / "init.caffemodel")
     want = reference(solver_param(fc_net(data, P1 * K), max_iter=ITERS), weights_out=weights)
-    solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, 1, weights=weights,
+    solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, P1, weights=weights,
                           sync="hybrid", ipc="auto")
     book = solvers[0].book
     ps = {p["id"] for p in book.params if p.get("scheme") == "ps"}
+    assert [rec["scheme"] for rec in book.layers] == ["sfb", "sfb", "ps"]
     assert solvers[0].placed == ps and len(ps) < len(book.params)
     for s in solvers:
         for a, b in zip(params_of(s), want):

@@ -298,9 +298,11 @@ def test_workers_with_different_networks_are_stopped(data, tmp_path):
     assert "worker 0 and worker 1 do not train the same network" in text and "'ip3'" in text
 
 
-def test_no_servers_refused_for_convolutions(data):
+def test_no_servers_refused_for_convolutions_under_sync_sfb(data):
+    """--sync sfb sends a convolution by PS, which --servers 0 cannot (under hybrid the ring
+    takes it: tests/dist/test_allreduce.py)."""
     with pytest.raises(DistError, match=r"--servers 0 needs every layer .*'conv1' \(Convolution\)"):
-        run_threads(solver_param(conv_net(data, 2), max_iter=2), 2, 0, timeout=20)
+        run_threads(solver_param(conv_net(data, 2), max_iter=2), 2, 0, timeout=20, sync="sfb")
 
 
 def test_no_servers_with_an_all_fc_net(data, tmp_path):

@@ -58,13 +58,14 @@ def test_layers_by_ps_keep_their_weight_gradient(data, tmp_path):
 
 
 def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
-    """Under hybrid (ip1, ip2 by SFB, ip3 by PS) the step clears every diff but the SFB weights,
+    """Under hybrid (ip1, ip2 by SFB, ip3 by the ring, whose backward writes its weight gradient
+    as a PS layer's does) the step clears every diff but the SFB weights,
     which are zeroed once after they may have been written: when the layer went by PS in an
     earlier iteration (simulated here, as the book's scheme is fixed for a job)."""
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=3), 4, 2)
     ds = solvers[0]
     net = ds.solver.net
-    assert [rec["scheme"] for rec in ds.hooks.book.layers] == ["sfb", "sfb", "ps"]
+    assert [rec["scheme"] for rec in ds.hooks.book.layers] == ["sfb", "sfb", "allreduce"]
     weights = {net.layers[net.layer_names.index(n)].blobs[0] for n in ("ip1", "ip2")}
     params = net.learnable_params
     assert not any(b.diff.any() for b in weights)            # kept at zero through the run

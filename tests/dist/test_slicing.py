@@ -161,7 +161,7 @@ def big(tmp_path_factory):
     return make_lmdb(folder / "train", n=64, shape=(3, 16, 16)), folder
 
 
-@pytest.mark.parametrize("sync", ["ps", "sfb", "hybrid"])
+@pytest.mark.parametrize("sync", ["ps", "sfb", "allreduce", "hybrid"])
 def test_parameters_larger_than_a_slice_train_as_in_one_process(big, sync):
     data, folder = big
     weights = str(folder / f"init-{sync}.caffemodel")
