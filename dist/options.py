@@ -12,6 +12,7 @@ from .schemes import sync_choices
 from .transport import MIN_SLICE_BYTES, parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
+PRIORITY_CHOICES = ("auto", "on", "off")
 
 
 def _nonneg_int(text):
@@ -72,6 +73,7 @@ def parse_slice_bytes(value):
 _slice_bytes = _argument(parse_slice_bytes)
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
 _bucket_bytes = _argument(parse_bucket_bytes)
+_credit_bytes = _size(what="the credit")
 
 
 def _bandwidth(text):
@@ -144,6 +146,14 @@ def add_dist_options(parser):
         "gradients (the paper) instead of averaging them (one process on P1 x batch)")
     add("--bandwidth", type=_bandwidth, metavar="RATE",
         help="cap each process's send rate (e.g. 1Gbit, 100Mbit) for experiments")
+    add("--priority", choices=PRIORITY_CHOICES, default="auto",
+        help="on: each peer's messages go out lower layer first (the next forward needs "
+        "them first), preempting at slice boundaries, at most --credit-bytes in flight; "
+        "off: the same sender, in arrival order; auto: on with --bandwidth or between "
+        "hosts, else no sender threads (one host: the direct links) (default auto)")
+    add("--credit-bytes", type=_credit_bytes, metavar="BYTES",
+        help="with --priority: bytes of one peer's slices handed to ZeroMQ and not yet "
+        "written out, at most (default: 4 slices)")
     add("--timeout", type=_seconds, default=30.0, metavar="S",
         help="seconds a sync waits for a peer's message before failing (default 30)")
     add("--heartbeat-timeout", type=_seconds, default=10.0, metavar="S",
@@ -202,6 +212,15 @@ def shared_kv_memory(opts):
             and not opts.staleness)
 
 
+def send_order(opts, one_host):
+    """The transport's `priority` for --priority: 'on', 'off', or None (no sender threads). auto
+    is on where a network is shared (--bandwidth emulates one; a job across hosts has one) and
+    None on one host, whose processes keep the direct links, which the scheduler cannot order."""
+    if opts.priority == "auto":
+        return "on" if opts.bandwidth or not one_host else None
+    return opts.priority
+
+
 def check_consistency(opts):
     """--straggler-timeout and --staleness: one at a time, and the drop deadline under --timeout."""
     from .errors import DistError
@@ -225,7 +244,8 @@ class DistOptions:
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "trusted_network": False,
-              "straggler_timeout": None, "staleness": 0, "ipc": "auto"}
+              "straggler_timeout": None, "staleness": 0, "ipc": "auto",
+              "priority": "auto", "credit_bytes": None}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -247,6 +267,15 @@ class DistOptions:
             raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "
                             f"{', '.join(sync_choices())}")
         check_consistency(self)
+        if self.credit_bytes is not None:
+            self.credit_bytes = parse_bytes(self.credit_bytes, what="the credit")
+            if self.credit_bytes < 1:
+                from .errors import DistError
+                raise DistError(f"credit_bytes={self.credit_bytes}: give at least one byte")
+        if self.priority not in PRIORITY_CHOICES:
+            from .errors import DistError
+            raise DistError(f"priority={self.priority!r}: use "
+                            f"{' or '.join(map(repr, PRIORITY_CHOICES))}")
         if self.ipc not in IPC_CHOICES:
             from .errors import DistError
             raise DistError(f"ipc={self.ipc!r}: use {' or '.join(map(repr, IPC_CHOICES))}")
