@@ -158,17 +158,22 @@ def test_the_priority_is_the_threads_own_and_nested_blocks_restore_it():
 
 # ----- a whole job ----------------------------------------------------------------------------
 def top_heavy_net(source, batch):
-    """A small bottom layer (ip1: 192 x 8) under two big ones (ip2: 8 x 4096, ip3: 4096 x 5)."""
+    """A small bottom layer (ip1: 192 x 2) under two big ones (ip2: 2 x 4096, ip3: 4096 x 5),
+    with a pause in the backward under ip3, so that ip3's sync is queued first for sure (else
+    the thread pool may start the lower layers' syncs first and the order would prove nothing)."""
     return f"""
 name: "top_heavy"
 layer {{ name: "data" type: "Data" top: "data" top: "label"
   transform_param {{ scale: 0.00390625 }}
   data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}
 layer {{ name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
-  inner_product_param {{ num_output: 8 weight_filler {{ type: "gaussian" std: 0.05 }} }} }}
+  inner_product_param {{ num_output: 2 weight_filler {{ type: "gaussian" std: 0.05 }} }} }}
 layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
   inner_product_param {{ num_output: 4096 weight_filler {{ type: "gaussian" std: 0.05 }} }} }}
-layer {{ name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+layer {{ name: "pause" type: "Python" bottom: "ip2" top: "paused"
+  python_param {{ module: "tests.dist.fault_layers" layer: "SlowBackward"
+    param_str: '{{"seconds": 0.03}}' }} }}
+layer {{ name: "ip3" type: "InnerProduct" bottom: "paused" top: "ip3"
   inner_product_param {{ num_output: 5 weight_filler {{ type: "gaussian" std: 0.05 }} }} }}
 layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip3" bottom: "label" top: "loss" }}
 """
@@ -180,9 +185,9 @@ def data(tmp_path_factory):
 
 
 def capped_timeline(data, path, priority):
-    """Worker 0's syncs and slices, per iteration, of a 3-iteration job under an 8 MB/s cap."""
+    """Worker 0's syncs and slices, per iteration, of a 3-iteration job under a 2 MB/s cap."""
     run_threads(solver_param(top_heavy_net(data, 4), max_iter=3), 2, 1, sync="ps",
-                bucket_bytes=0, slice_bytes=8192, bandwidth="8MB", priority=priority,
+                bucket_bytes=0, slice_bytes=8192, bandwidth="2MB", priority=priority,
                 timeline=str(path))
     events = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
     return events
