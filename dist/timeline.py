@@ -65,7 +65,10 @@ def slice_recorder(timeline, layer_names):
     def record(peer, item, start, end):
         layer = item.level
         what = layer_names[layer] if URGENT < layer < len(layer_names) else "(control)"
-        kind = Msg(item.mtype).name if item.mtype in Msg._value2member_map_ else item.mtype
+        try:
+            kind = Msg(item.mtype).name
+        except ValueError:
+            kind = item.mtype
         timeline.event(f"send {what}", "slice", start, end, thread=f"send to {peer}",
                        args={"layer": layer, "type": kind, "key": item.key,
                              "iter": item.iteration,

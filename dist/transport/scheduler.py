@@ -15,14 +15,16 @@ The window: at most `window` bytes of a peer's slices are "in flight" at once, a
 flight from when it is handed to ZeroMQ until ZeroMQ releases its frame (its MessageTracker is done:
 for TCP and Unix sockets, libzmq has written it to the kernel). Without the window every slice
 would go to ZeroMQ's own unbounded queue at once (the sockets have no high-water mark) and the
-order chosen here would be decided before the next message even arrived. A frame ZeroMQ copies
-(under ZERO_COPY_BYTES) has no tracker and is out of our hands at once. A slice larger than the
-window goes alone once nothing else is in flight, so the window never stops the queue.
+order chosen here would be decided before the next message even arrived. The transport tracks
+every frame of a scheduled socket, small ones included, so that each is counted (a frame with no
+tracker would be out of our hands at once). A slice larger than the window goes alone once
+nothing else is in flight, so the window never stops the queue.
 
 Nothing here waits for ever: every wait is a slice of at most POLL_SECONDS that looks at the
 scheduler's error, a peer that takes nothing for the transport's --timeout fails the queued
 messages with a DeadlineError naming it, and `fail` (the transport's abort) reaches the sender
-thread within one poll and fails every queued message with the abort's error.
+thread within one poll (or once the bandwidth cap has let the slice being sent go) and fails every
+queued message with the abort's error.
 """
 import heapq
 import itertools
@@ -222,7 +224,9 @@ class PeerScheduler:
                                         f"{self.timeout:g} s ({self.inflight_bytes} bytes not "
                                         f"taken): is it still running?"))
                 return False
-            oldest = next(t for t in self._inflight[0][1] if not t.done)
+            oldest = next((t for t in self._inflight[0][1] if not t.done), None)
+            if oldest is None:               # released since the reap above
+                continue
             try:
                 oldest.wait(POLL_SECONDS)
             except (zmq.NotDone, TimeoutError):
