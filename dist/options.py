@@ -221,6 +221,20 @@ def send_order(opts, one_host):
     return opts.priority
 
 
+def check_send_order(priority, credit_bytes):
+    """--priority one of PRIORITY_CHOICES, and --credit-bytes (None: the default) as bytes, at
+    least one."""
+    from .errors import DistError
+    if priority not in PRIORITY_CHOICES:
+        raise DistError(f"priority={priority!r}: use {' or '.join(map(repr, PRIORITY_CHOICES))}")
+    if credit_bytes is None:
+        return None
+    value = parse_bytes(credit_bytes, what="the credit")
+    if value < 1:
+        raise DistError(f"credit_bytes={credit_bytes}: give at least one byte")
+    return value
+
+
 def check_consistency(opts):
     """--straggler-timeout and --staleness: one at a time, and the drop deadline under --timeout."""
     from .errors import DistError
@@ -239,13 +253,12 @@ class DistOptions:
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
               "kv_pair_bytes": DEFAULT_PAIR_BYTES, "slice_bytes": None, "fusion_bytes": None,
-              "bucket_bytes": "auto",
+              "bucket_bytes": "auto", "priority": "auto", "credit_bytes": None,
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "trusted_network": False,
-              "straggler_timeout": None, "staleness": 0, "ipc": "auto",
-              "priority": "auto", "credit_bytes": None}
+              "straggler_timeout": None, "staleness": 0, "ipc": "auto"}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -262,20 +275,12 @@ class DistOptions:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
         self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
+        self.credit_bytes = check_send_order(self.priority, self.credit_bytes)
         if self.sync not in sync_choices():
             from .errors import DistError
             raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "
                             f"{', '.join(sync_choices())}")
         check_consistency(self)
-        if self.credit_bytes is not None:
-            self.credit_bytes = parse_bytes(self.credit_bytes, what="the credit")
-            if self.credit_bytes < 1:
-                from .errors import DistError
-                raise DistError(f"credit_bytes={self.credit_bytes}: give at least one byte")
-        if self.priority not in PRIORITY_CHOICES:
-            from .errors import DistError
-            raise DistError(f"priority={self.priority!r}: use "
-                            f"{' or '.join(map(repr, PRIORITY_CHOICES))}")
         if self.ipc not in IPC_CHOICES:
             from .errors import DistError
             raise DistError(f"ipc={self.ipc!r}: use {' or '.join(map(repr, IPC_CHOICES))}")
