@@ -35,7 +35,7 @@ import numpy
 
 from .consistency import make_policy, rank_order_sum
 from .errors import DistError
-from .transport import Msg
+from .transport import Msg, at_priority
 from .transport.onehost import kvshm
 
 
@@ -114,6 +114,8 @@ class KVServer:
         self.bundles = {b["id"]: [self.pairs[k] for k in b["pairs"]]
                         for b in book.bundles_on_server(self.index)}
         self.handler = HANDLERS[handler](self)
+        # an answer goes out at the priority of the sync it answers (transport/scheduler.py)
+        self.priority = {b["id"]: b["layer"] for b in book.bundles_on_server(self.index)}
         self.policy = make_policy(self, book.options)
         self.segment = None                   # kvshm.Segment: values and gradients, shared
         if memory is not None and self.policy is None and self.handler.name == "update":
@@ -402,6 +404,20 @@ class KVServer:
         and open their next iteration (BSP here, and the straggler policy once its deadline has
         passed). Each pair keeps the receipts: its value is not overwritten while they are in flight
         (free_value)."""
+        with at_priority(self.priority.get(pairs[0].id)):
+            receipts = self._send_answers(pairs, it, st, outs, aux)
+        for pair in pairs:
+            pair.receipts = receipts
+            pair.count = 0
+            pair.have = [False] * self.workers
+            pair.shared = [False] * self.workers
+            pair.iteration = it + 1
+        st["pairs_done"] += len(pairs)
+        if st["pairs_done"] == len(self.pairs):
+            self._flush_stats(it)
+
+    def _send_answers(self, pairs, it, st, outs, aux):
+        """The answer to every worker; the receipts that keep the pairs' values in flight."""
         receipts = []
         shared = pairs[0].shared
         copies = None
@@ -419,15 +435,7 @@ class KVServer:
                     receipts.append(receipt)
                 st["sent_payload"] += receipt.payload_bytes
             st["sent_header"] += receipt.header_bytes
-        for pair in pairs:
-            pair.receipts = receipts
-            pair.count = 0
-            pair.have = [False] * self.workers
-            pair.shared = [False] * self.workers
-            pair.iteration = it + 1
-        st["pairs_done"] += len(pairs)
-        if st["pairs_done"] == len(self.pairs):
-            self._flush_stats(it)
+        return receipts
 
     def on_get(self, msg):
         pair = self._pair(msg)

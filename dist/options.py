@@ -12,6 +12,7 @@ from .schemes import sync_choices
 from .transport import MIN_SLICE_BYTES, parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
+PRIORITY_CHOICES = ("auto", "on", "off")
 
 
 def _nonneg_int(text):
@@ -72,6 +73,7 @@ def parse_slice_bytes(value):
 _slice_bytes = _argument(parse_slice_bytes)
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
 _bucket_bytes = _argument(parse_bucket_bytes)
+_credit_bytes = _size(what="the credit")
 
 
 def _bandwidth(text):
@@ -144,6 +146,14 @@ def add_dist_options(parser):
         "gradients (the paper) instead of averaging them (one process on P1 x batch)")
     add("--bandwidth", type=_bandwidth, metavar="RATE",
         help="cap each process's send rate (e.g. 1Gbit, 100Mbit) for experiments")
+    add("--priority", choices=PRIORITY_CHOICES, default="auto",
+        help="on: each peer's messages go out lower layer first (the next forward needs "
+        "them first), preempting at slice boundaries, at most --credit-bytes in flight; "
+        "off: the same sender, in arrival order; auto: on with --bandwidth or between "
+        "hosts, else no sender threads (one host: the direct links) (default auto)")
+    add("--credit-bytes", type=_credit_bytes, metavar="BYTES",
+        help="with --priority: bytes of one peer's slices handed to ZeroMQ and not yet "
+        "written out, at most (default: 4 slices)")
     add("--timeout", type=_seconds, default=30.0, metavar="S",
         help="seconds a sync waits for a peer's message before failing (default 30)")
     add("--heartbeat-timeout", type=_seconds, default=10.0, metavar="S",
@@ -202,6 +212,29 @@ def shared_kv_memory(opts):
             and not opts.staleness)
 
 
+def send_order(opts, one_host):
+    """The transport's `priority` for --priority: 'on', 'off', or None (no sender threads). auto
+    is on where a network is shared (--bandwidth emulates one; a job across hosts has one) and
+    None on one host, whose processes keep the direct links, which the scheduler cannot order."""
+    if opts.priority == "auto":
+        return "on" if opts.bandwidth or not one_host else None
+    return opts.priority
+
+
+def check_send_order(priority, credit_bytes):
+    """--priority one of PRIORITY_CHOICES, and --credit-bytes (None: the default) as bytes, at
+    least one."""
+    from .errors import DistError
+    if priority not in PRIORITY_CHOICES:
+        raise DistError(f"priority={priority!r}: use {' or '.join(map(repr, PRIORITY_CHOICES))}")
+    if credit_bytes is None:
+        return None
+    value = parse_bytes(credit_bytes, what="the credit")
+    if value < 1:
+        raise DistError(f"credit_bytes={credit_bytes}: give at least one byte")
+    return value
+
+
 def check_consistency(opts):
     """--straggler-timeout and --staleness: one at a time, and the drop deadline under --timeout."""
     from .errors import DistError
@@ -228,7 +261,7 @@ class DistOptions:
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
               "kv_pair_bytes": DEFAULT_PAIR_BYTES, "slice_bytes": None, "fusion_bytes": None,
-              "bucket_bytes": "auto",
+              "bucket_bytes": "auto", "priority": "auto", "credit_bytes": None,
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
@@ -251,6 +284,7 @@ class DistOptions:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
         self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
+        self.credit_bytes = check_send_order(self.priority, self.credit_bytes)
         if self.sync not in sync_choices():
             from .errors import DistError
             raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "

@@ -14,7 +14,7 @@ import threading
 from . import faults
 from .coordinator import Coordinator, CoordinatorClient
 from .errors import DistError
-from .options import DistOptions, shared_kv_memory
+from .options import DistOptions, send_order, shared_kv_memory
 from .stalls import watch_server
 from .roles import COORDINATOR, Roles, rank_from_environment
 from .security import resolve_keys
@@ -85,7 +85,9 @@ class Session:
                                       roles=self.roles, local_ipc=options.ipc != "off",
                                       direct_links=options.ipc in ("auto", "links"),
                                       shared_memory=shared_kv_memory(options),
-                                      slice_bytes=options.slice_bytes)
+                                      slice_bytes=options.slice_bytes,
+                                      priority=send_order(options, loopback),
+                                      credit_bytes=options.credit_bytes)
         if self.coordinator is not None:   # one process: their messages skip the sockets
             self.transport.attach_local(COORDINATOR, self.coordinator.transport)
             self.coordinator.transport.attach_local(rank, self.transport)

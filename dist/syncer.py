@@ -24,6 +24,8 @@ import numpy
 
 from poseidon.engine import backend
 
+from .transport import at_priority
+
 
 class LayerStats:
     __slots__ = ("layer", "name", "scheme", "sent_payload", "recv_payload", "sent_header",
@@ -148,6 +150,9 @@ class Syncer:
         self.name = "+".join(book.layer(m)["name"] for m in self.members)
         self.layer = ctx.net.layers[li]
         self.pids = [p for m in self.members for p in book.layer(m)["params"]]
+        # on the wire, the sync goes at its lowest layer's priority (a bucket's lowest member
+        # too): lower layers are needed first by the next forward (transport/scheduler.py)
+        self.priority = min(self.members)
         self.stage = Stage(ctx.net.xp)
         self._make = make_scheme
         self._schemes = {}
@@ -180,7 +185,7 @@ class Syncer:
         try:
             if ready is not None:
                 stream.wait_event(ready)
-            with stream:
+            with stream, at_priority(self.priority):
                 scheme = self.scheme(name)
                 bad = scheme.nonfinite()                # one reduction per parameter or factor
                 ctx.verdicts.record(it, self.li, bad)

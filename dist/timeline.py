@@ -2,7 +2,9 @@
 
 Each worker records complete events ('X') for the forward, the backward of each layer (on the main
 thread) and the sync of each layer (on its pool thread; the last one to start on the training
-thread), with the scheme and bytes as arguments.
+thread), with the scheme and bytes as arguments, and, with --priority, each slice the worker
+hands to a peer (a row per peer, "send to rank 2"), named by the layer whose sync sent it, so the
+order the scheduler chose can be seen against the syncs.
 At the end of the run the workers' events are gathered to worker 0, which writes one JSON file that
 chrome://tracing and Perfetto open: a process row per worker, a thread row per worker thread.
 Timestamps are wall-clock microseconds, so rows of processes on one machine line up; across
@@ -52,6 +54,26 @@ class _Span:
     def __exit__(self, *exc):
         self.t.event(self.name, self.cat, self.start, time.time(), args=self.args)
         return False
+
+
+def slice_recorder(timeline, layer_names):
+    """fn(peer, slice, start, end) recording one slice's send (the transport's `slice_log`):
+    'send ip1' on the row 'send to rank 2', or 'send (control)' for a message of no layer's
+    sync."""
+    from .transport import URGENT, Msg
+
+    def record(peer, item, start, end):
+        layer = item.level
+        what = layer_names[layer] if URGENT < layer < len(layer_names) else "(control)"
+        try:
+            kind = Msg(item.mtype).name
+        except ValueError:
+            kind = item.mtype
+        timeline.event(f"send {what}", "slice", start, end, thread=f"send to {peer}",
+                       args={"layer": layer, "type": kind, "key": item.key,
+                             "iter": item.iteration,
+                             "slice": f"{item.index + 1}/{item.count}", "bytes": item.nbytes})
+    return record
 
 
 def chrome_trace(per_worker):

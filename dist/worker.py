@@ -52,7 +52,7 @@ from .kvclient import KVClient
 from .session import current, make_current
 from .snapshots import JobSnapshots
 from .syncer import StreamPool, SyncContext, Syncer
-from .timeline import Timeline, role_path, write_trace
+from .timeline import Timeline, role_path, slice_recorder, write_trace
 from .transport import onehost
 from .verdicts import Verdicts
 
@@ -165,6 +165,8 @@ class WorkerHooks(SolverHooks):
                                        initializer=_start_sync_thread,
                                        initargs=(_current_device(self.net.xp),))
         self.timeline = Timeline(self.rank, enabled=bool(opts.timeline))
+        if opts.timeline:
+            self.transport.slice_log = slice_recorder(self.timeline, self.net.layer_names)
         self._stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
                        if opts.stats else None)
         # the last iteration's barrier wait and exposed sync (seconds), kept without --stats for

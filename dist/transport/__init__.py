@@ -3,6 +3,7 @@
     wire.py          message types, the binary header codec, Message, Receipt, BadMessage
     bandwidth.py     --bandwidth: parse_bandwidth and the token bucket senders take from
     slices.py        messages larger than one slice: cut when sent, put together when received
+    scheduler.py     --priority: each peer's slices handed out lower layer first, with a window
     mailbox.py       the Mailbox: received messages filed for the threads that wait on them
     zmq_transport.py the Transport interface (bind, connect, send, receive) and ZmqTransport,
                      ZeroMQ with CURVE: set-up and sending
@@ -19,6 +20,7 @@ from .addresses import (coordinator_bind_address, free_port, interface_address, 
                         split_address)
 from .bandwidth import TokenBucket, parse_bandwidth
 from .mailbox import Mailbox
+from .scheduler import URGENT, PeerScheduler, at_priority
 from .slices import DEFAULT_SLICE_BYTES, MAX_JSON_BYTES
 from .wire import (FIXED_HEADER_BYTES, FLAG_JSON, FLAG_SHARED, FLAG_SLICE, MAX_ARRAYS, MAX_NDIM,
                    MIN_SLICE_BYTES, BadMessage, Message, Msg, Receipt, decode_header, encode_header)
@@ -27,6 +29,6 @@ from .zmq_transport import ZERO_COPY_BYTES, Transport, ZmqTransport
 __all__ = ["Msg", "Message", "Receipt", "BadMessage", "encode_header", "decode_header",
            "FIXED_HEADER_BYTES", "FLAG_JSON", "FLAG_SHARED", "FLAG_SLICE", "MAX_ARRAYS", "MAX_NDIM",
            "MIN_SLICE_BYTES", "DEFAULT_SLICE_BYTES", "MAX_JSON_BYTES",
-           "parse_bandwidth", "TokenBucket", "Mailbox", "Transport", "ZmqTransport",
+           "parse_bandwidth", "TokenBucket", "Mailbox", "at_priority", "PeerScheduler", "URGENT", "Transport", "ZmqTransport",
            "ZERO_COPY_BYTES", "free_port", "split_address", "interface_address",
            "coordinator_bind_address", "route_address"]

@@ -15,6 +15,9 @@ Why it is shaped this way:
   a tracker; a caller waits on the receipt before it reuses the buffer.
 - Between processes of a job the sockets are CURVE-authenticated and encrypted (security.py),
   except on the one-host paths, which the file system protects instead (onehost/).
+- With --priority (scheduler.py) every message to a peer goes through that peer's sender thread,
+  which hands its slices to the socket lower layer first, with a window of bytes in flight; the
+  direct links are then off (a link belongs to the thread that sends on it).
 - Worker 0 and the coordinator share a process (dist/session.py): their messages to each other
   (the loss allreduce of every iteration, heartbeats, barriers) are handed from one transport to
   the other in the process (`attach_local`), decoded, checked and filed as if received, instead of
@@ -34,6 +37,7 @@ from ..roles import COORDINATOR
 from . import slices
 from .bandwidth import TokenBucket
 from .mailbox import Mailbox
+from .scheduler import WINDOW_SLICES, PeerScheduler, current_priority
 from .wire import FLAG_JSON, FLAG_SHARED, Msg, Receipt, encode_header
 from .zmq_onehost import ZmqOneHost
 from .zmq_receive import ZmqReceiveSide
@@ -72,7 +76,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
                  heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None,
                  local_ipc=False, direct_links=None, shared_memory=False,
-                 slice_bytes=slices.DEFAULT_SLICE_BYTES):
+                 slice_bytes=slices.DEFAULT_SLICE_BYTES, priority=None, credit_bytes=None):
         from ..checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
@@ -86,6 +90,13 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         self._inbox.setsockopt(zmq.RCVHWM, 0)
         self.slice_bytes = int(slice_bytes)
         self._inbox.setsockopt(zmq.MAXMSGSIZE, slices.inbox_limit(self.slice_bytes))
+        # priority: 'on' (lower layers first), 'off' (arrival order) or None (no sender threads)
+        self.priority = None if router else priority
+        self.credit_bytes = int(credit_bytes or WINDOW_SLICES * self.slice_bytes)
+        self._senders = {}                           # rank -> its PeerScheduler (with priority)
+        self.slice_log = None                        # fn(peer, slice, start, end): --timeline
+        if self.priority is not None:
+            direct_links = False
         self._init_one_host(router, local_ipc, direct_links, shared_memory)
         self.routes = {}                             # rank -> 'ipc' or 'tcp'
         self.rules = WireRules(rank, roles, self._namer)
@@ -164,6 +175,14 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
                 security.secure_client(sock, self.keys)
             sock.connect(ipc or address)
             self._out[rank] = (sock, threading.Lock())
+            if self.priority is not None and rank != COORDINATOR:
+                sock.copy_threshold = 0      # small frames too are tracked (the window)
+                self._senders[rank] = PeerScheduler(
+                    lambda item, rank=rank: self._put_slice(rank, item), self.credit_bytes,
+                    ordered=self.priority == "on", timeout=self.timeout, name=self.name,
+                    peer=self._namer(rank),
+                    on_slice=lambda item, start, end, rank=rank: self._slice_sent(
+                        rank, item, start, end))
             self.routes[rank] = "ipc" if ipc else "tcp"
             if ipc:
                 self._note_direct_link(rank, local)
@@ -224,6 +243,10 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             return self._count_sent(payload, header, (), dest, mtype)
         size = self.slice_bytes if dest != COORDINATOR else min(self.slice_bytes,
                                                                  slices.DEFAULT_SLICE_BYTES)
+        sender = self._senders.get(dest)
+        if sender is not None:
+            return self._schedule(sender, dest, (mtype, key, iteration), header, arrays,
+                                  payload, size)
         if payload <= size:
             trackers = self._put(dest, mtype, header, arrays, key, iteration, payload)
             return self._count_sent(payload, header, trackers, dest, mtype)
@@ -236,6 +259,37 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             self.slices_sent += len(parts)
         return self._count_sent(payload, headers, trackers, dest, mtype)
 
+    def _schedule(self, sender, dest, message, header, arrays, payload, size):
+        """Queue a message's slices on dest's sender at this thread's priority; its Receipt,
+        done once every slice has left. Frames ZeroMQ would copy are copied now (the caller may
+        change them as soon as send returns, as it may today); larger ones are sent from the
+        caller's arrays, which it leaves alone until the receipt is done, as for any zero-copy
+        frame."""
+        def kept(a):
+            return a if a.nbytes >= ZERO_COPY_BYTES else a.copy()
+        if payload <= size:
+            parts = [(header, [kept(a) for a in arrays], payload + len(header))]
+        else:
+            parts = [(head, [kept(part)], part.nbytes + len(head))
+                     for head, part in slices.cut(header, arrays, size)]
+            with self.counters_lock:
+                self.slices_sent += len(parts)
+        handover = sender.submit(current_priority(), parts, message)
+        return self._count_sent(payload, sum(len(head) for head, _, _ in parts), [handover],
+                                dest, message[0])
+
+    def _put_slice(self, dest, item):
+        """A sender thread's send of one queued slice (the cap's tokens taken here, so that the
+        cap orders the wire as the scheduler does)."""
+        if self.bucket is not None:
+            self.bucket.consume(item.nbytes)
+        return self._put_socket(dest, item.mtype, item.header, item.frames, track_all=True)
+
+    def _slice_sent(self, dest, item, start, end):
+        log = self.slice_log
+        if log is not None:
+            log(self._namer(dest), item, start, end)
+
     def _put(self, dest, mtype, header, arrays, key, iteration, payload):
         """Send one message (or slice) on a direct link or the socket to dest; its trackers."""
         if self.bucket is not None:
@@ -243,6 +297,12 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         written = self._send_direct(dest, mtype, header, arrays, key, iteration, payload)
         if written is not None:
             return list(written)
+        return self._put_socket(dest, mtype, header, arrays)
+
+    def _put_socket(self, dest, mtype, header, arrays, track_all=False):
+        """Send one message (or slice) on the socket to dest; its trackers. track_all: every
+        frame but the header goes zero-copy with a tracker (a sender thread's window counts
+        what ZeroMQ still holds; the frames are its own copies or the caller's large arrays)."""
         try:
             sock, lock = self._out[dest]
         except KeyError:
@@ -254,7 +314,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
                 sock.send(header, zmq.SNDMORE if last else 0, copy=True)
                 for i, a in enumerate(arrays):
                     more = zmq.SNDMORE if i < last - 1 else 0
-                    if a.nbytes >= ZERO_COPY_BYTES:
+                    if a.nbytes >= ZERO_COPY_BYTES or (track_all and a.nbytes):
                         t = sock.send(memoryview(a.reshape(-1)).cast("B"), more, copy=False,
                                       track=True)
                         trackers.append(t)
@@ -312,8 +372,11 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
         self.mailbox.set_fifo(types)
 
     def fail(self, error):
-        """Make every present and future wait raise `error` (and run the on_abort hooks once)."""
+        """Make every present and future wait raise `error` (and run the on_abort hooks once);
+        what the sender threads still hold is dropped, failing with it."""
         self.mailbox.fail(error)
+        for sender in list(self._senders.values()):
+            sender.fail(error)
         if not self._aborted:
             self._aborted = True
             for fn in list(self.on_abort):
@@ -340,14 +403,28 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
                     "direct_messages": {"sent": self.direct_sent,
                                         "received": self.direct_received},
                     "slices": {"sent": self.slices_sent, "received": self.slices_received},
+                    "send_order": self._send_order(),
                     "received_by_type": dict(self.recv_types),
                     "refused_connections": self.gatekeeper.refused if self.gatekeeper else 0,
                     "admitted_connections": self.gatekeeper.admitted if self.gatekeeper else 0,
                     "routes": {self._namer(r): how for r, how in sorted(self.routes.items())}}
 
+    def _send_order(self):
+        """--priority as this process ran it: the order, the window, the most bytes in flight."""
+        if self.priority is None:
+            return {"order": "arrival, no sender threads"}
+        return {"order": "lower layers first" if self.priority == "on" else "arrival",
+                "window_bytes": self.credit_bytes,
+                "peak_in_flight_bytes": max((s.peak_inflight for s in self._senders.values()),
+                                            default=0)}
+
     def close(self, linger=1.0):
-        """Stop the receive thread and close the sockets; `linger` seconds to flush what is queued."""
+        """Stop the receive thread and close the sockets; `linger` seconds to flush what is queued
+        (the sender threads' queues first, then ZeroMQ's)."""
         self._remove_inbox_folder()         # first: nothing below may keep the folder behind
+        deadline = time.monotonic() + linger
+        for sender in list(self._senders.values()):
+            sender.close(max(0.0, deadline - time.monotonic()))
         self._closing.set()
         self._close_links()
         if self._thread is not None and self._thread is not threading.current_thread():

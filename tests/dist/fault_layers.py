@@ -6,6 +6,8 @@ Both pass their bottom through unchanged and count their own forward passes in t
 dist.session.current(), so every rank runs the same prototxt. param_str is JSON:
   SleepOnRank   {"rank": 2, "iters": [4], "seconds": 3.0}   sleep before the forward pass
   NaNOnRank     {"rank": 1, "iter": 7}                       NaN into the gradient below it
+  SlowBackward  {"seconds": 0.03}                            sleep in every backward pass (the
+                                                             syncs above it start first for sure)
 """
 import json
 import time
@@ -46,6 +48,12 @@ class SleepOnRank(_PassThrough):
         c = self.config
         if _rank() == c["rank"] and self.calls in c["iters"]:
             time.sleep(float(c["seconds"]))
+
+
+class SlowBackward(_PassThrough):
+    def backward(self, top, propagate_down, bottom):
+        time.sleep(float(self.config["seconds"]))
+        super().backward(top, propagate_down, bottom)
 
 
 class NaNOnRank(_PassThrough):
