@@ -388,7 +388,7 @@ class InformationBook:
         return self.data.get("cost_model") == "measured"
 
     def switchable(self, li):
-        """Whether layer li may change scheme during the run (measured model, several candidates)."""
+        """Whether layer li may change scheme during the run (measured model, several of them)."""
         return len(self._layer[li].get("candidates", ())) > 1
 
     def publish(self, start, choices):

@@ -18,10 +18,14 @@ The protocol (docs/decisions.md, "Effective from"):
   and history (a KV_INIT of the layer's pairs, as at the start), and the workers wait at a barrier
   so that no push of iteration e reaches a server before them.
 """
+import logging
+
 from poseidon.engine import backend
 
 from .probe import Prober
 from .schemes import scheme_class
+
+log = logging.getLogger("poseidon")
 
 
 def _uses_servers(name):
@@ -43,18 +47,33 @@ class CostSync:
         self.observed = {}             # {layer: mean sync seconds} of the last complete window
         self._window = {}              # {layer: [seconds, count]} of the window being measured
         self._due = {}                 # {iteration: report call} whose answer takes effect there
+        self._told = False             # worker 0 has logged the first choices
 
-    def start(self, it, dtype):
+    def start(self, it, net):
         """Probe, report, and take the choices in force from iteration `it` (the run's first)."""
         if not self.active:
             return
         self._due, self._window = {}, {}
-        call = self.client.report_costs(self.prober.report(dtype), it)
+        call = self.client.report_costs(self.prober.report(net.dtype, net.xp), it)
         self._take(self.client.published(call, timeout=self.slow))
 
     def _take(self, obj):
-        self.book.publish(obj["from"], {int(li): n for li, n in obj["choices"].items()})
+        start = obj["from"]
+        before = {rec["index"]: self.book.best_scheme(rec["index"], start)
+                  for rec in self.book.layers}
+        self.book.publish(start, {int(li): n for li, n in obj["choices"].items()})
         self.predicted = {int(li): p for li, p in (obj.get("predicted") or {}).items()}
+        if self.rank != 0:
+            return
+        for rec in self.book.layers:
+            li = rec["index"]
+            now = self.book.best_scheme(li, start)
+            seconds = self.predicted_seconds(li, now)
+            if now != before[li] or not self._told:
+                log.info(f"  from iteration {start}: {rec['name']} -> {now.upper()}"
+                         f"{f' (predicted {seconds * 1e3:.3g} ms)' if seconds else ''}"
+                         f"{f', was {before[li].upper()}' if now != before[li] else ''}")
+        self._told = True
 
     def predicted_seconds(self, li, scheme):
         return (self.predicted.get(li) or {}).get(scheme)

@@ -60,21 +60,24 @@ class Prober:
         wire = max(wire, PROBE_BYTES / 1e12)          # a link faster than 1 TB/s is not measured
         return {"alpha": small / 2, "beta": PROBE_BYTES / wire, "encrypted": encrypted}
 
-    def report(self, dtype):
+    def report(self, dtype, xp=numpy):
         """This worker's view: its links to every other rank, its flop rate, CURVE's cost."""
         encrypt = curve_seconds_per_byte(self.transport.keys)
         links = {str(r): self.link(r, encrypt) for r in range(self.roles.size)
                  if r != self.transport.rank}
-        return {"links": links, "flops": flop_rate(dtype), "encrypt_cost": encrypt}
+        return {"links": links, "flops": flop_rate(dtype, xp), "encrypt_cost": encrypt}
 
 
-def flop_rate(dtype, side=GEMM_SIDE, tries=3):
-    """Flop/s of this process's GEMM in the job's dtype (the best of a few)."""
-    a = numpy.ones((side, side), dtype)
+def flop_rate(dtype, xp=numpy, side=GEMM_SIDE, tries=3):
+    """Flop/s of this process's GEMM in the job's dtype, on the net's array module (the device
+    the SFB rebuild runs on; the best of a few, the first of which also warms it up)."""
+    a = xp.ones((side, side), dtype)
     best = None
-    for _ in range(tries):
+    for _ in range(tries + 1):
         t0 = time.perf_counter()
         a @ a
+        if xp is not numpy:
+            xp.cuda.get_current_stream().synchronize()
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
     return 2.0 * side ** 3 / max(best, 1e-9)

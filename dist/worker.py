@@ -195,7 +195,7 @@ class WorkerHooks(SolverHooks):
         self._started = True
         net, history, it = self.net, solver.history, solver.iter
         faults.point("init", it)
-        self.costs.start(it, net.dtype)         # the measured model's first choices, from `it`
+        self.costs.start(it, net)         # the measured model's first choices, from `it`
         if self.rank == 0:
             replicas.init_servers(self.kv, net, history, it)
             replicas.send_state(self.transport, self.roles, self.book, net, history, it)

@@ -107,7 +107,7 @@ def test_measured_is_the_default_across_hosts_only():
     assert cost_model({"cost_model": "measured"}, {0: "a"}, "--staleness") == "static"
 
 
-# ----- bad tables: one line naming the file ----------------------------------------------------------
+# ----- bad tables: one line naming the file -------------------------------------------------
 BAD = [
     ("{", "not JSON"),
     ('{"peers": {"alpha": 1e-4, "beta": 1e9}}', "needs a 'default' link"),
@@ -144,7 +144,7 @@ def test_cost_table_naming_a_rank_outside_the_job_is_refused_at_start(tmp_path):
         Planner(Roles(2, 1), load_cost_table(str(tmp_path / "missing.json")))
 
 
-# ----- jobs: every rank takes the same choices; a switch mid-run changes no number --------------------
+# ----- jobs: every rank takes the same choices; a switch mid-run changes no number -----------
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("db") / "train")
