@@ -15,6 +15,7 @@ from poseidon.dist.costmodel import (Link, LinkTable, Planner, correction_from, 
 from poseidon.dist.errors import DistError
 from poseidon.dist.roles import Roles
 from poseidon.dist.schemes import best_scheme, scheme_class
+from poseidon.engine import backend
 
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
                       solver_param)
@@ -178,10 +179,10 @@ def test_probed_choices_agree_on_every_worker(data, tmp_path):
     assert a[-1]["layers"]["ip1"]["observed_s"] > 0        # a refresh window's mean
 
 
-def test_switching_sfb_to_ps_and_back_equals_one_process(data, tmp_path):
+def switching_run(data, tmp_path, on_gpu=False):
     """An injected table makes the fc layers SFB, then PS from the publish effective at
-    iteration 8, then SFB again from 12: momentum's history moves with each switch, so the
-    parameters still equal one process's on the combined batch (float64), replicas bitwise."""
+    iteration 8, then SFB again from 12: (the workers' solvers, the reference's parameters,
+    worker 0's and worker 1's schemes by iteration)."""
     fast, slow = {"alpha": 1e-6, "beta": 1e11}, {"alpha": 1e-2, "beta": 1e6}
     path = tmp_path / "costs.json"
     path.write_text(json.dumps([
@@ -192,15 +193,56 @@ def test_switching_sfb_to_ps_and_back_equals_one_process(data, tmp_path):
     weights = str(tmp_path / "init.caffemodel")
     want = reference(solver_param(fc_net(data, 2 * K), max_iter=iters), weights_out=weights)
     stats = tmp_path / "stats.jsonl"
-    solvers = run_threads(solver_param(fc_net(data, K), max_iter=iters), 2, 1, weights=weights,
-                          cost_model="measured", cost_refresh=4, cost_table=str(path),
-                          stats=str(stats))
-    seen = schemes_by_iteration(stats_of(stats, 0))
-    assert seen == schemes_by_iteration(stats_of(stats, 1))
-    runs = [s["ip1"] for s in seen]
-    assert runs == ["sfb"] * 8 + ["ps"] * 4 + ["sfb"] * 4
+    if on_gpu:
+        backend.set_mode_gpu(0)
+    try:
+        solvers = run_threads(solver_param(fc_net(data, K), max_iter=iters), 2, 1,
+                              weights=weights, cost_model="measured", cost_refresh=4,
+                              cost_table=str(path), stats=str(stats))
+    finally:
+        backend.set_mode_cpu()
+    return (solvers, want, schemes_by_iteration(stats_of(stats, 0)),
+            schemes_by_iteration(stats_of(stats, 1)))
+
+
+def check_switching(solvers, want, seen, seen_1):
+    assert seen == seen_1
+    assert [s["ip1"] for s in seen] == ["sfb"] * 8 + ["ps"] * 4 + ["sfb"] * 4
     assert all(len(set(s.values())) == 1 for s in seen)      # every fc layer switched together
     for s in solvers:
         assert_params_close(params_of(s), want, rtol=1e-5, label="switching")
     for x, y in zip(params_of(solvers[0]), params_of(solvers[1])):
         assert numpy.array_equal(x, y), "replicas differ"
+
+
+def test_switching_sfb_to_ps_and_back_equals_one_process(data, tmp_path):
+    """Momentum's history moves with each switch, so the parameters still equal one process's on
+    the combined batch (float64), and the replicas are bitwise equal."""
+    check_switching(*switching_run(data, tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
+def test_switching_on_gpu_workers_equals_one_process(data, tmp_path):
+    """The same on CuPy workers: the history fetched from the servers goes to the device."""
+    solvers, want, seen, seen_1 = switching_run(data, tmp_path, on_gpu=True)
+    assert solvers[0].net.xp is not numpy
+    check_switching(solvers, want, seen, seen_1)
+
+
+def test_train_with_a_bad_cost_table_fails_in_one_line_before_any_process(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    bad = tmp_path / "costs.json"
+    bad.write_text('{"default": {"alpha": -1, "beta": 1e9}}')
+    solver = root / "prototxt" / "digits_quick" / "solver.prototxt"
+    result = subprocess.run([sys.executable, "-m", "poseidon.tools.cli", "train", "--solver",
+                             str(solver), "--workers", "2", "--cost-model", "measured",
+                             "--cost-table", str(bad)], cwd=str(tmp_path), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(bad) in errors[0] and "alpha is -1" in errors[0], \
+        result.stderr
