@@ -246,3 +246,29 @@ def test_train_with_a_bad_cost_table_fails_in_one_line_before_any_process(tmp_pa
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and str(bad) in errors[0] and "alpha is -1" in errors[0], \
         result.stderr
+
+
+def test_snapshot_of_a_switching_run_resumes(data, tmp_path):
+    """Snapshot at iteration 8, where the fc layers leave SFB for PS: the solverstate takes their
+    history from worker 0 (the servers' copy is stale), the run goes on equal to one process, and
+    the resumed run starts them on PS from the snapshot and ends equal to the uninterrupted one
+    (to the float32 the engine writes snapshots in)."""
+    fast, slow = {"alpha": 1e-6, "beta": 1e11}, {"alpha": 1e-2, "beta": 1e6}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps([{"from_iteration": 0, "peers": fast, "servers": slow},
+                                {"from_iteration": 8, "peers": slow, "servers": fast}]))
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(fc_net(data, 8), max_iter=12), weights_out=weights)
+
+    def run(folder, snapshot=None):
+        p = solver_param(fc_net(data, 4), max_iter=12)
+        p.snapshot, p.snapshot_prefix = 8, str(tmp_path / folder / "run")
+        return run_threads(p, 2, 1, snapshot=snapshot, weights=None if snapshot else weights,
+                           cost_model="measured", cost_refresh=4, cost_table=str(path))
+    full = run("a")
+    first = full[0].book.layers[0]["index"]
+    assert [full[0].book.best_scheme(first, it) for it in (7, 8)] == ["sfb", "ps"]
+    assert_params_close(params_of(full[0]), want, rtol=1e-5, label="snapshot at the switch")
+    resumed = run("b", snapshot=str(tmp_path / "a" / "run_iter_8.solverstate"))
+    for got, exp in zip(resumed, full):
+        assert_params_close(params_of(got), params_of(exp), rtol=1e-6, label="resumed")
