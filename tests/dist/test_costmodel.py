@@ -162,12 +162,14 @@ def schemes_by_iteration(records):
     return [{name: rec["scheme"] for name, rec in r["layers"].items()} for r in records]
 
 
-def test_probed_choices_agree_on_every_worker(data, tmp_path):
-    """The real probe, two workers: both write the same scheme and predicted time for every layer
-    of every iteration (the coordinator decides, they take its answer)."""
+@pytest.mark.parametrize("ipc", ["auto", "off"])
+def test_probed_choices_agree_on_every_worker(data, tmp_path, ipc):
+    """The real probe, two workers, over Unix sockets and over TCP with CURVE: both write the same
+    scheme and predicted time for every layer of every iteration (the coordinator decides, they
+    take its answer)."""
     stats = tmp_path / "stats.jsonl"
     solvers = run_threads(solver_param(fc_net(data, 4), max_iter=6), 2, 1, cost_model="measured",
-                          cost_refresh=2, stats=str(stats))
+                          cost_refresh=2, stats=str(stats), ipc=ipc)
     assert solvers[0].book.measured
     a, b = stats_of(stats, 0), stats_of(stats, 1)
     assert len(a) == len(b) == 6
