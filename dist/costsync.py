@@ -1,7 +1,8 @@
 """A worker's part of the measured cost model: probe, report, take the published schemes, move
 solver history when a layer changes scheme.
 
-The protocol (docs/decisions.md, "Effective from"):
+The protocol (docs/decisions.md: "The measured cost model's choices take effect one refresh
+window after they are reported", and the refresh rules after it):
 - At the start of a run (and again after a restore) every worker probes its links
   (dist/probe.py) and reports to the coordinator, which answers every worker with every layer's
   scheme from the start iteration on; each waits for that answer before the first iteration, so
@@ -23,6 +24,7 @@ import logging
 from poseidon.engine import backend
 
 from .probe import Prober
+from .replicas import host_flat
 from .schemes import scheme_class
 
 log = logging.getLogger("poseidon")
@@ -112,7 +114,6 @@ class CostSync:
                 h[...] = backend.to_xp(host.reshape(h.shape), backend.get_array_module(h))
 
     def _state_to_servers(self, layers, it, net, history):
-        from .replicas import host_flat
         pids = set(self._params(layers))
         self.kv.init(it, lambda pid: [host_flat(net.learnable_params[pid].data)] +
                      [host_flat(h) for h in history[pid]],
