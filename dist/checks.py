@@ -21,7 +21,7 @@ import numpy
 from .control import field_reason
 from .placement import MAX_BUNDLE_ARRAYS
 from .roles import COORDINATOR
-from .schemes import scheme_class
+from .schemes import Scheme, scheme_class
 from .transport import Msg
 
 ANY = (0, 64)   # arrays (besides the JSON object) a type may carry: (least, most)
@@ -122,9 +122,10 @@ class WireRules:
         self._dtype = numpy.dtype(book.data["dtype"])
         self._pairs = {p["id"]: p for p in book.pairs}
         self._peer = {}              # a layer the measured model may move to a peer scheme too
-        for rec in book.layers:
-            peer = [n for n in rec.get("candidates") or [rec.get("scheme")]
-                    if n and not scheme_class(n).uses_servers]
+        for rec in book.layers:      # (its own scheme first: the one whose SF it checks)
+            names = [rec.get("scheme")] + list(rec.get("candidates") or ())
+            peer = [n for n in names if n and not scheme_class(n).uses_servers
+                    and scheme_class(n).peer_arrays is not Scheme.peer_arrays]
             if peer:
                 self._peer[rec["index"]] = dict(rec, scheme=peer[0])
         self._values = ({} if self.roles is None else
