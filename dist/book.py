@@ -9,13 +9,19 @@ worker described the same net) and hands the same book to every process. It is s
 run, so every process evaluates `best_scheme(l)` (Algorithm 1 over the registered schemes,
 dist/schemes/best.py) locally with no round trip and all reach the same decision; `query(...)`
 answers the same questions over the coordinator's socket.
+
+Under the measured cost model (dist/costmodel.py) the choices the book is built with are only the
+first ones: the coordinator publishes others, each "effective from" an iteration, and every
+worker files them in its book (`publish`), so `best_scheme(l, it)` still gives every rank the same
+answer. Such a book lists each layer's `candidates` and places every parameter a scheme with
+servers may sync on the servers, so that a layer can change scheme without a new placement.
 """
 import hashlib
 import json
 
 from .errors import DistError
 from .placement import DEFAULT_PAIR_BYTES, MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, place_pairs
-from .schemes import SCHEMES, choose_scheme, scheme_class
+from .schemes import SCHEMES, choose_scheme, scheme_class, usable_schemes
 
 
 
@@ -138,6 +144,29 @@ def fusion_bytes(options):
 AUTO_BUCKET_BYTES = 1 << 20
 
 
+def cost_model(options, hosts, relaxed):
+    """'measured' or 'static' for a job: --cost-model, where `auto` is measured when the ranks
+    registered from more than one host (a network to measure) and static on one host (so one-host
+    jobs keep Table 1's choices); static when --sync forces a scheme or BSP is relaxed (there is
+    no choice to make)."""
+    if relaxed or options.get("sync", "hybrid") != "hybrid":
+        return "static"
+    model = options.get("cost_model") or "auto"
+    if model == "auto":
+        return "measured" if len(set((hosts or {}).values())) > 1 else "static"
+    return model
+
+
+def candidates(rec, servers, relaxed):
+    """The schemes that may sync layer `rec` under the measured model (those that apply, and with
+    no servers none that needs them)."""
+    return [cls.name for cls in usable_schemes(rec, relaxed) if servers or not cls.uses_servers]
+
+
+def may_use_servers(rec):
+    return any(scheme_class(name).uses_servers for name in rec.get("candidates", [rec["scheme"]]))
+
+
 def one_host(local, size):
     """Whether all `size` processes advertised a Unix-socket inbox
     (dist/transport/onehost/localipc.py) on the same boot, so every pair talks on this host (a job
@@ -171,7 +200,8 @@ def sync_groups(layers, param_bytes, bucket):
     current, size = [], 0
     for rec in sorted(layers, key=lambda r: -r["index"]):
         nbytes = sum(param_bytes[p] for p in rec["params"])
-        fits = (bucket and scheme_class(rec["scheme"]).uses_servers and nbytes <= bucket)
+        fits = (bucket and scheme_class(rec["scheme"]).uses_servers and nbytes <= bucket
+                and len(rec.get("candidates", ())) <= 1)
         if current and (not fits or size + nbytes > bucket):
             for li in current:
                 group_of[li] = current[-1]
@@ -197,7 +227,7 @@ def make_bundles(layers, cut, itemsize, fusion):
         by_param.setdefault(pid, []).append((pair_id, length))
     members = {}
     for rec in layers:
-        if scheme_class(rec["scheme"]).uses_servers:
+        if may_use_servers(rec):
             members.setdefault(rec["group"], []).append(rec)
     bundles = []
     for trigger in sorted(members):
@@ -255,6 +285,7 @@ class InformationBook:
         for pair in self.pairs:
             self._pairs_of.setdefault(pair["param"], []).append(pair)
         self.bundles = data["bundles"]
+        self.schedule = []          # [(effective from iteration, {layer: scheme})], published
         self._bundles_of = {}
         for bundle in self.bundles:
             self._bundles_of.setdefault(bundle["layer"], []).append(bundle)
@@ -271,10 +302,13 @@ class InformationBook:
             raise DistError(f"--sync {sync} cannot be combined with {relaxed}: it needs every "
                             f"worker's contribution of an iteration; give --sync ps or hybrid "
                             f"(under {relaxed} every layer then goes by PS)")
+        model = cost_model(options, hosts, relaxed)
         layers = []
         for rec in description["layers"]:
             rec = dict(rec)
             rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
+            rec["candidates"] = (candidates(rec, servers, relaxed) if model == "measured"
+                                 else [rec["scheme"]])
             layers.append(rec)
         itemsize = 8 if description.get("dtype") == "float64" else 4
         param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
@@ -298,13 +332,14 @@ class InformationBook:
                             f"{names}{more} would be synced through a parameter server ({why}): "
                             f"give --servers 1 or more")
         params = []
+        on_servers = {rec["index"] for rec in layers if may_use_servers(rec)}
         for p in description["params"]:
             p = dict(p)
             p["scheme"] = scheme_of.get(p["layer"]) if p["synced"] else None
             params.append(p)
         pair_bytes = int(options.get("kv_pair_bytes"))
         ps_params = [(p["id"], p["count"]) for p in params
-                     if p["scheme"] is not None and scheme_class(p["scheme"]).uses_servers]
+                     if p["scheme"] is not None and p["layer"] in on_servers]
         cut = cut_pairs(ps_params, itemsize, pair_bytes)
         length = {pair_id: n for pair_id, _, _, n in cut}
         bundles = make_bundles(layers, cut, itemsize, fusion_bytes(options))
@@ -329,7 +364,8 @@ class InformationBook:
                 "addresses": {str(k): v for k, v in (addresses or {}).items()},
                 "hosts": {str(k): v for k, v in (hosts or {}).items()},
                 "local": {str(k): v for k, v in (local or {}).items()}, "solver": solver_text,
-                "one_host": single_host, "bucket_bytes": bucket, "merged_on_servers": merged}
+                "one_host": single_host, "bucket_bytes": bucket, "merged_on_servers": merged,
+                "cost_model": model}
         return cls(data)
 
     # ----- Algorithm 1 and queries -----------------------------------------------------------------
@@ -346,10 +382,33 @@ class InformationBook:
         return [rec["index"] for rec in sorted(self.layers, key=lambda r: -r["index"])
                 if rec["group"] == li]
 
-    def best_scheme(self, li):
-        """BestScheme for layer li (with the --sync override), evaluated on the book."""
+    def best_scheme(self, li, it=None):
+        """BestScheme for layer li (with the --sync override), evaluated on the book; at iteration
+        `it`, the measured model's choice published for it, if any."""
+        for start, choices in reversed(self.schedule):
+            if it is not None and start <= it and li in choices:
+                return choices[li]
         return choose_scheme(self._layer[li], self.workers, self.servers,
                              self.options.get("sync", "hybrid"), relaxed_consistency(self.options))
+
+    @property
+    def measured(self):
+        return self.data.get("cost_model") == "measured"
+
+    def switchable(self, li):
+        """Whether layer li may change scheme during the run (measured model, several of them)."""
+        return len(self._layer[li].get("candidates", ())) > 1
+
+    def publish(self, start, choices):
+        """File the measured model's choices {layer: scheme}, in force from iteration `start` on
+        (a later publish for the same or an earlier start replaces what it covers)."""
+        self.schedule = [(s, c) for s, c in self.schedule if s < start]
+        self.schedule.append((int(start), {int(li): name for li, name in choices.items()}))
+
+    def scheme_of_param(self, pid, it=None):
+        """The scheme that syncs parameter pid at iteration `it` (None: not synced)."""
+        p = self.params[pid]
+        return None if p["scheme"] is None else self.best_scheme(p["layer"], it)
 
     def pairs_of_param(self, pid):
         return self._pairs_of.get(pid, [])

@@ -21,7 +21,7 @@ import numpy
 from .control import field_reason
 from .placement import MAX_BUNDLE_ARRAYS
 from .roles import COORDINATOR
-from .schemes import scheme_class
+from .schemes import Scheme, scheme_class
 from .schemes.ring import ring_address
 from .transport import Msg
 
@@ -45,17 +45,21 @@ RULES = {
     Msg.ABORT: ("coordinator", "rank", (0, 0), ()),
     Msg.KV_INIT: ("worker0", "server", ANY, ()),
     Msg.KV_INIT_DONE: ("worker0", "server", (0, 0), ()),
-    Msg.KV_GET: ("worker0", "server", (0, 0), ()),
+    Msg.KV_GET: ("worker", "server", (0, 0), ()),     # snapshots; a layer's move off PS
     Msg.KV_SHUTDOWN: ("worker0", "server", (0, 0), ()),
     Msg.KV_PUSH: ("worker", "server", (1, MAX_BUNDLE_ARRAYS), ()),
     Msg.KV_VALUE: ("server", "worker", (1, MAX_BUNDLE_ARRAYS), ()),
-    Msg.KV_GET_REPLY: ("server", "worker0", ANY, ()),
+    Msg.KV_GET_REPLY: ("server", "worker", ANY, ()),
     Msg.KV_INIT_ACK: ("server", "worker0", (0, 0), ()),
     Msg.SF: ("worker", "worker", (1, 16), ()),   # the layer's scheme checks the arrays
     Msg.RING: ("worker", "worker", (1, 1), ()),  # ... and the piece's length and sender
     Msg.WEIGHTS: ("worker0", "other worker", ANY, ()),
     Msg.CURSOR: ("worker0", "other worker", (0, 0), ("iter",)),
     Msg.ROUTES: ("worker0", "other worker", (0, 0), ("routes",)),
+    Msg.PROBE: ("worker", "rank", (1, 1), ()),
+    Msg.PROBE_ECHO: ("rank", "worker", (0, 0), ()),
+    Msg.COSTS: ("worker", "coordinator", (0, 0), ("report",)),
+    Msg.SCHEMES: ("coordinator", "worker", (0, 0), ("choices",)),
 }
 JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a float64 vector
 SHARED_TYPES = {Msg.KV_PUSH, Msg.KV_VALUE}            # may keep their arrays in shared memory
@@ -119,8 +123,13 @@ class WireRules:
         """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
         self._dtype = numpy.dtype(book.data["dtype"])
         self._pairs = {p["id"]: p for p in book.pairs}
-        self._peer = {rec["index"]: rec for rec in book.layers
-                      if rec.get("scheme") and not scheme_class(rec["scheme"]).uses_servers}
+        self._peer = {}              # a layer the measured model may move to a peer scheme too
+        for rec in book.layers:      # (its own scheme first: the one whose SF it checks)
+            names = [rec.get("scheme")] + list(rec.get("candidates") or ())
+            peer = [n for n in names if n and not scheme_class(n).uses_servers
+                    and scheme_class(n).peer_arrays is not Scheme.peer_arrays]
+            if peer:
+                self._peer[rec["index"]] = dict(rec, scheme=peer[0])
         self._values = ({} if self.roles is None else
                         {b["id"]: (self.roles.server_rank(b["server"]),
                                    [(self._pairs[k]["length"],) for k in b["pairs"]])

@@ -184,6 +184,10 @@ SCHEMAS = {
     Msg.GATHER_DONE: Schema(required={"items": a_list}, more=_gather_done),
     Msg.QUERY_REPLY: Schema(optional={"error": Text()}, more=_query_reply),
     Msg.ABORT: Schema(required={"reason": Text()}),
+    # the measured cost model
+    Msg.COSTS: Schema(required={"report": an_object, "from": Int()}),
+    Msg.SCHEMES: Schema(required={"from": Int(), "choices": an_object},
+                        optional={"predicted": an_object, "table": an_object}),
 }
 
 

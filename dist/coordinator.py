@@ -29,6 +29,7 @@ import numpy
 
 from .book import InformationBook, describe_net, digest, first_difference  # noqa: F401
 from .collectives import Collectives
+from .costmodel import Planner, load_cost_table
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
 from .transport import Msg, ZmqTransport
@@ -39,6 +40,7 @@ def _key(name):
 
 
 LOSS_KEY = _key("loss")     # the allreduce every worker makes once per iteration
+COSTS_KEY = _key("costs")   # the cost reports and the schemes published from them
 QUERY_FIELDS = ("index", "param", "server")    # what InformationBook.query reads
 
 
@@ -46,8 +48,12 @@ class Coordinator:
     """The coordinator service thread. `start()` binds (so a busy port fails at once) and runs."""
 
     def __init__(self, roles, bind_host, port, timeout=30.0, start_timeout=120.0, heartbeat=1.0,
-                 lost_after=10.0, log=None, stall_warning=0.0, warn=None, keys=None):
+                 lost_after=10.0, log=None, stall_warning=0.0, warn=None, keys=None,
+                 cost_table=None):
         self.roles = roles
+        # a --cost-table file is read and checked here, before anything binds: a fault in it is
+        # one line from worker 0 at start
+        self.planner = Planner(roles, load_cost_table(cost_table) if cost_table else None)
         self.stall_warning = float(stall_warning or 0)
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -209,7 +215,8 @@ class Coordinator:
         last_beat = 0.0
         handlers = {Msg.BARRIER: self._on_barrier, Msg.ALLREDUCE: self._on_allreduce,
                     Msg.GATHER: self._on_gather, Msg.FAILED: self._on_failed,
-                    Msg.DONE: self._on_done, Msg.QUERY: self._on_query}
+                    Msg.DONE: self._on_done, Msg.QUERY: self._on_query,
+                    Msg.COSTS: self._on_costs}
         while len(self.done) < roles.size:
             msg = self.transport.next(timeout=0.2)
             if msg is not None:
@@ -288,6 +295,18 @@ class Coordinator:
             self.collectives.finish(entry)
             self.transport.send(entry.root, Msg.GATHER_DONE, iteration=msg.iteration,
                                 key=msg.key, obj={"items": [entry.arrived[r] for r in workers]})
+
+    def _on_costs(self, msg):
+        """Every worker's cost report in: plan, and publish the same choices to every worker."""
+        workers = self.roles.worker_ranks()
+        entry = self._arrive("costs", msg, workers, msg.obj["report"])
+        if entry is None or not entry.complete:
+            return
+        self.collectives.finish(entry)
+        published = self.planner.decide(self.book, entry.arrived, msg.obj.get("from", 0))
+        for rank in workers:
+            self.transport.send(rank, Msg.SCHEMES, iteration=msg.iteration, key=msg.key,
+                                obj=published)
 
     def _on_query(self, msg):
         q = dict(msg.obj)             # its fields were checked on arrival (dist/control.py)
@@ -416,6 +435,20 @@ class CoordinatorClient:
         if "error" in msg.obj:
             raise DistError(msg.obj["error"])
         return msg.obj["result"]
+
+    def report_costs(self, report, start):
+        """Send the coordinator this worker's cost report (its probe, or a refresh window's sync
+        times) for choices in force from iteration `start`; returns the call, for `published`."""
+        call = self._next("costs")
+        self.transport.send(COORDINATOR, Msg.COSTS, iteration=call, key=COSTS_KEY,
+                            obj={"report": report, "from": int(start)})
+        return call
+
+    def published(self, call, timeout=None):
+        """The coordinator's answer to report `call`: every layer's scheme from an iteration on."""
+        return self.transport.receive(Msg.SCHEMES, COSTS_KEY, call, timeout=timeout,
+                                      what="the schemes the coordinator publishes from the "
+                                           "cost reports", senders=[COORDINATOR])[0].obj
 
     def take_action(self):
         """The snapshot/stop the coordinator told with the last loss (once), or None."""

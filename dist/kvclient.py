@@ -45,12 +45,13 @@ class KVClient:
                                       spin=spin)[0]
 
     # ----- start and snapshots (worker 0) ------------------------------------------------------------
-    def init(self, it, values_of):
-        """Give every KV pair its initial value and solver history. values_of(param id): the flat
-        host arrays [value, history...] of that parameter (asked once a parameter). Waits until
-        every server has acknowledged."""
+    def init(self, it, values_of, pairs=None):
+        """Give every KV pair (or those of `pairs`: a layer that moves onto the servers) its value
+        and solver history, for iteration it. values_of(param id): the flat host arrays [value,
+        history...] of that parameter (asked once a parameter). Waits until every server has
+        acknowledged."""
         t, cache = self.transport, {}
-        for pair in self.book.pairs:
+        for pair in self.book.pairs if pairs is None else pairs:
             pid = pair["param"]
             if pid not in cache:
                 cache[pid] = values_of(pid)
@@ -64,17 +65,19 @@ class KVClient:
             t.receive(Msg.KV_INIT_ACK, index, it, timeout=self.slow, senders=[r],
                       what="the acknowledgement of the parameter initialisation")
 
-    def fetch_state(self, counts, dtype, history_len):
-        """The value and solver history every server keeps, per parameter: {param id: [value,
-        history...]} as flat host arrays. counts[pid]: the parameter's size; history_len(pid): how
-        many history arrays its rule keeps."""
+    def fetch_state(self, counts, dtype, history_len, pids=None):
+        """The value and solver history the servers keep, per parameter (every one on the
+        servers, or those of `pids`): {param id: [value, history...]} as flat host arrays.
+        counts[pid]: the parameter's size; history_len(pid): how many history arrays its rule
+        keeps."""
         t = self.transport
         seq = self._get_seq
         self._get_seq += 1
-        for pair in self.book.pairs:
+        pairs = [p for p in self.book.pairs if pids is None or p["param"] in pids]
+        for pair in pairs:
             t.send(self.server_rank(pair["server"]), Msg.KV_GET, iteration=seq, key=pair["id"])
         hosts = {}
-        for pair in self.book.pairs:
+        for pair in pairs:
             pid = pair["param"]
             msg = t.receive(Msg.KV_GET_REPLY, pair["id"], seq, timeout=self.slow,
                             senders=[self.server_rank(pair["server"])],

@@ -86,6 +86,10 @@ def launch(args):
     else:
         options.coordinator = f"tcp://127.0.0.1:{free_port()}"
     options.local = True
+    if options.cost_table:               # a fault in the file: one line now, before any child
+        from .costmodel import Planner, load_cost_table
+        from .roles import Roles
+        Planner(Roles(options.workers, options.servers), load_cost_table(options.cost_table))
     if options.insecure:
         keys = None
     elif options.keys or os.environ.get("POSEIDON_KEYS"):

@@ -13,6 +13,8 @@ from .transport import MIN_SLICE_BYTES, parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
 PRIORITY_CHOICES = ("auto", "on", "off")
+COST_MODELS = ("auto", "static", "measured")
+DEFAULT_COST_REFRESH = 20
 
 
 def _nonneg_int(text):
@@ -120,6 +122,18 @@ def add_dist_options(parser):
         help="hybrid: BestScheme per layer, the cheapest registered scheme (default); a "
         "scheme's name (ps, sfb, allreduce, ...) forces it where the layer allows it, PS "
         "elsewhere (SFB takes only InnerProducts; the ring all-reduce every layer)")
+    add("--cost-model", choices=COST_MODELS, default="auto",
+        help="what BestScheme compares (with --sync hybrid): static: Table 1's floats on the "
+        "busiest node; measured: predicted seconds from link costs each worker probes at "
+        "start, refreshed from observed sync times, so a layer may change scheme during the "
+        "run; auto (default): measured when the job spans several hosts, else static")
+    add("--cost-refresh", type=_positive_int, default=DEFAULT_COST_REFRESH, metavar="N",
+        help="with the measured cost model: the workers report their sync times every N "
+        f"iterations, and new choices take effect N iterations later (default "
+        f"{DEFAULT_COST_REFRESH})")
+    add("--cost-table", metavar="FILE",
+        help="with the measured cost model: take the link costs from this JSON file instead "
+        "of probing (docs/distributed.md; default: POSEIDON_COST_TABLE); read by worker 0")
     add("--no-overlap", action="store_true",
         help="sync after the whole backward instead of layer by layer (no WFBP)")
     add("--stats", metavar="FILE", help="each process writes one JSON object per "
@@ -267,7 +281,8 @@ class DistOptions:
               "dtype": "float32", "interface": None, "local": False,
               "keys": None, "insecure": False, "trusted_network": False,
               "straggler_timeout": None, "staleness": 0, "ipc": "auto",
-              "devices_per_node": 1}
+              "devices_per_node": 1,
+              "cost_model": "auto", "cost_refresh": DEFAULT_COST_REFRESH, "cost_table": None}
 
     def __init__(self, **kw):
         unknown = set(kw) - set(self.FIELDS)
@@ -291,6 +306,12 @@ class DistOptions:
                             f"{', '.join(sync_choices())}")
         check_consistency(self)
         check_devices_per_node(self.devices_per_node)
+        if self.cost_model not in COST_MODELS:
+            from .errors import DistError
+            raise DistError(f"--cost-model {self.cost_model}: give one of "
+                            f"{', '.join(COST_MODELS)}")
+        if self.cost_table is None and os.environ.get("POSEIDON_COST_TABLE"):
+            self.cost_table = os.environ["POSEIDON_COST_TABLE"]
         if self.ipc not in IPC_CHOICES:
             from .errors import DistError
             raise DistError(f"ipc={self.ipc!r}: use {' or '.join(map(repr, IPC_CHOICES))}")
@@ -328,7 +349,8 @@ class DistOptions:
                 "bucket_bytes": self.bucket_bytes, "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
                 "staleness": int(self.staleness or 0),
-                "devices_per_node": int(self.devices_per_node)}
+                "devices_per_node": int(self.devices_per_node), "cost_model": self.cost_model,
+                "cost_refresh": int(self.cost_refresh)}
 
     def bandwidth_bytes(self):
         return parse_bandwidth(self.bandwidth) if self.bandwidth else None

@@ -24,9 +24,10 @@ def host_flat(array):
     return numpy.ascontiguousarray(backend.to_numpy(array)).reshape(-1)
 
 
-def _kept_by_workers(book, pid):
-    """Whether the workers update parameter pid themselves (so each keeps its solver history)."""
-    name = book.params[pid]["scheme"]
+def _kept_by_workers(book, pid, it):
+    """Whether the workers update parameter pid themselves at iteration it (so each keeps its
+    solver history)."""
+    name = book.scheme_of_param(pid, it)
     return name is not None and not scheme_class(name).uses_servers
 
 
@@ -45,7 +46,7 @@ def send_state(transport, roles, book, net, history, it):
         transport.send(peer, Msg.ROUTES, iteration=it, obj={"routes": routes})
         for pid, blob in enumerate(net.learnable_params):
             arrays = [host_flat(blob.data)]
-            if _kept_by_workers(book, pid):
+            if _kept_by_workers(book, pid, it):
                 arrays += [host_flat(h) for h in history[pid]]
             receipts.append(transport.send(peer, Msg.WEIGHTS, iteration=0, key=pid, aux=it,
                                            arrays=arrays))
@@ -78,6 +79,8 @@ def _kv_spot(book, transport, kv, net, rank, pid):
     p = book.params[pid]
     if p.get("scheme") is None or not scheme_class(p["scheme"]).uses_servers:
         return None
+    if book.switchable(p["layer"]):
+        return None          # it may leave the servers: its arrays must stay the worker's own
     owner = net.layers[p["owner"][0]]
     if getattr(owner, "type", None) == "Python":
         return None          # user code may keep the blob's arrays: their storage stays

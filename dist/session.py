@@ -17,6 +17,7 @@ from .errors import DistError
 from .options import DistOptions, send_order, shared_kv_memory
 from .stalls import watch_server
 from .roles import COORDINATOR, Roles, rank_from_environment
+from .probe import answer_probes
 from .security import resolve_keys
 from .transport import (ZmqTransport, coordinator_bind_address, interface_address, route_address,
                         split_address)
@@ -78,7 +79,8 @@ class Session:
                                            start_timeout=options.start_timeout,
                                            lost_after=options.heartbeat_timeout,
                                            log=self.log, stall_warning=options.stall_warning,
-                                           warn=_warn, keys=self.keys).start()
+                                           warn=_warn, keys=self.keys,
+                                           cost_table=options.cost_table).start()
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
@@ -94,6 +96,7 @@ class Session:
         self.transport.mailbox.owner = self.name               # for the stall inspector
         self.transport.mailbox.stall_warning = options.stall_warning
         self.transport.bind(address)      # this address only (127.0.0.1 for a local job)
+        answer_probes(self.transport)     # the measured cost model's probes (dist/probe.py)
         self.transport.start()
         self.client = CoordinatorClient(self.transport, self.roles, options.coordinator,
                                         start_timeout=options.start_timeout)

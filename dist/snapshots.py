@@ -18,6 +18,7 @@ from poseidon.engine.proto import caffe_pb2
 
 from . import faults
 from .errors import DistError
+from .schemes import scheme_class
 from .transport import Msg
 
 log = logging.getLogger("poseidon")
@@ -51,7 +52,13 @@ class JobSnapshots:
         the values too (worker 0's own may miss up to s iterations of the others' updates)."""
         net = solver.net
         counts = {pid: b.count for pid, b in enumerate(net.learnable_params)}
-        hosts = self.kv.fetch_state(counts, net.dtype, lambda pid: len(solver.history[pid]))
+        book, last = self.kv.book, max(solver.iter - 1, 0)   # the iteration just updated
+        on_servers = None                # all the servers hold, unless a layer may leave them
+        if book.measured:                # (the measured cost model): those PS syncs now
+            on_servers = [p["id"] for p in book.params if p["scheme"] is not None
+                          and scheme_class(book.scheme_of_param(p["id"], last)).uses_servers]
+        hosts = self.kv.fetch_state(counts, net.dtype, lambda pid: len(solver.history[pid]),
+                                    pids=on_servers)
         for pid, (value, *arrays) in hosts.items():
             for h, host in zip(solver.history[pid], arrays):
                 h[...] = backend.to_xp(host.reshape(h.shape), backend.get_array_module(h))

@@ -170,14 +170,14 @@ class Syncer:
         the scheme makes the layer's weight gradient from its sufficient factors (the layer's own
         backward must then leave it alone)."""
         if self._plan[0] != it:
-            self._plan = (it, self.ctx.book.best_scheme(self.li))   # per layer, per iteration
+            self._plan = (it, self.ctx.book.best_scheme(self.li, it))   # per layer, iteration
         return self.scheme(self._plan[1]).factored
 
     def sync(self, it, ready=None):
         """Algorithm 2's SYNC(l): stream, Move, BestScheme, Send, Receive, Move back. `ready`: the
         event after layer l's backward (GPU), which the moves wait for."""
         ctx = self.ctx
-        name = self._plan[1] if self._plan[0] == it else ctx.book.best_scheme(self.li)
+        name = self._plan[1] if self._plan[0] == it else ctx.book.best_scheme(self.li, it)
         stats = LayerStats(self.li, self.name, name)
         stats.start = time.time()
         stream = ctx.streams.acquire()

@@ -47,6 +47,7 @@ from poseidon.engine.solvers.hooks import SolverHooks
 
 from . import faults, replicas
 from .book import describe_net, relaxed_consistency
+from .costsync import CostSync
 from .errors import DistError
 from .kvclient import KVClient
 from .session import current, make_current
@@ -149,6 +150,8 @@ class WorkerHooks(SolverHooks):
                           kv=self.kv, streams=self.streams, placed=self.placed,
                           verdicts=self.verdicts, factors=solver.factored.factors)
         self.syncers = {li: Syncer(ctx, li) for li in self.book.synced_layers()}
+        self.costs = CostSync(self.book, self.client, self.kv, self.transport, self.roles,
+                              opts.cost_refresh, self._slow)
         self.snapshots = JobSnapshots(session.name, self.rank, self.roles, self.client, self.kv,
                                       self.transport, self.verdicts, opts.staleness,
                                       self._average_statistics, self._slow)
@@ -205,6 +208,7 @@ class WorkerHooks(SolverHooks):
         self._started = True
         net, history, it = self.net, solver.history, solver.iter
         faults.point("init", it)
+        self.costs.start(it, net)         # the measured model's first choices, from `it`
         if self.rank == 0:
             replicas.init_servers(self.kv, net, history, it)
             replicas.send_state(self.transport, self.roles, self.book, net, history, it)
@@ -220,6 +224,7 @@ class WorkerHooks(SolverHooks):
         """Fix each sync's scheme for the iteration; the layers whose scheme makes the weight
         gradient from sufficient factors."""
         self.verdicts.begin(it)
+        self.costs.before_iteration(it, self.net, solver.history)   # newly published schemes
         self._iter = {"start": time.time(), "backward_s": 0.0, "loss_sum": 0.0}
         return {li for li, syncer in self.syncers.items() if syncer.prepare(it)}
 
@@ -329,10 +334,15 @@ class WorkerHooks(SolverHooks):
                                       "recv_payload": st.recv_payload})
         if self._stats is not None:
             self._write_stats(it, stats, barrier_s, exposed_s)
+        self.costs.after_iteration(it, stats)
 
     def _write_stats(self, it, stats, barrier_s, exposed_s):
         info = self._iter
         layers = {st.name: st.as_dict() for st in sorted(stats, key=lambda x: -x.layer)}
+        if self.costs.active:                   # the measured model: predicted and observed
+            for st in stats:
+                layers[st.name]["predicted_s"] = self.costs.predicted_seconds(st.layer, st.scheme)
+                layers[st.name]["observed_s"] = self.costs.observed.get(st.layer)
         record = {"iter": it, "role": "worker", "rank": self.rank, "time": time.time(),
                   "loss": info.get("mean_loss"),
                   "forward_backward_s": round(info.get("backward_end", info["start"])

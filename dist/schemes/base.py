@@ -60,6 +60,15 @@ class Scheme:
         """Its communication cost for the layer, in floats per iteration on the busiest node."""
         raise NotImplementedError
 
+    @classmethod
+    def traffic(cls, rec, P1, P2):
+        """What one iteration's sync of the layer costs, for the measured cost model
+        (dist/costmodel.py): {"messages": messages on the busiest node, "floats": cost(),
+        "flops": extra arithmetic on a worker}. This default: a request and an answer per server
+        for a scheme with servers, a message to and from each peer otherwise, no arithmetic."""
+        messages = 2 * P2 if cls.uses_servers else 2 * max(P1 - 1, 0)
+        return {"messages": messages, "floats": cls.cost(rec, P1, P2), "flops": 0.0}
+
     @staticmethod
     def peer_arrays(rec, arrays):
         """The shapes the arrays of a peer's SF message for this layer must have (a scheme that

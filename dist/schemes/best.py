@@ -7,6 +7,9 @@ cheapest that can sync the layer wins; a tie goes to the scheme that needs no se
 "≤"). `--sync NAME` forces a scheme wherever it applies; elsewhere the layer goes by PS, which
 applies to every layer. Under --straggler-timeout or --staleness only schemes that tolerate a late
 or early worker (not `bsp_only`) may run: PS.
+
+With the measured cost model (dist/costmodel.py) the comparison is on predicted seconds instead:
+`choose_scheme(..., predicted={name: seconds})`, with the same applicability and tie rules.
 """
 from .base import SCHEMES, scheme_class
 
@@ -18,17 +21,30 @@ def sync_choices():
     return ("hybrid",) + tuple(SCHEMES)
 
 
-def choose_scheme(rec, P1, P2, sync="hybrid", relaxed=None):
+def usable_schemes(rec, relaxed=None):
+    """The registered scheme classes that can sync the layer `rec` (under `relaxed`, if set)."""
+    return [cls for cls in SCHEMES.values()
+            if cls.applies_to(rec) and not (relaxed and cls.bsp_only)]
+
+
+def choose_scheme(rec, P1, P2, sync="hybrid", relaxed=None, predicted=None):
     """The scheme's name for the layer the book describes as `rec`, with P1 workers and P2
-    servers. `relaxed`: the option that relaxes BSP, if any."""
-    usable = [cls for cls in SCHEMES.values()
-              if cls.applies_to(rec) and not (relaxed and cls.bsp_only)]
+    servers. `relaxed`: the option that relaxes BSP, if any. `predicted`: {scheme name: seconds}
+    of the measured cost model, compared instead of the floats (the schemes it names only)."""
+    usable = usable_schemes(rec, relaxed)
     if sync != "hybrid":
         forced = scheme_class(sync)
         return forced.name if forced in usable else FALLBACK
+    if predicted is not None:
+        usable = [cls for cls in usable if cls.name in predicted]
+
+        def cost(cls):
+            return predicted[cls.name]
+    else:
+        def cost(cls):
+            return cls.cost(rec, P1, P2)
     order = {name: i for i, name in enumerate(SCHEMES)}
-    return min(usable, key=lambda cls: (cls.cost(rec, P1, P2), cls.uses_servers,
-                                        order[cls.name])).name
+    return min(usable, key=lambda cls: (cost(cls), cls.uses_servers, order[cls.name])).name
 
 
 def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid", relaxed=None):

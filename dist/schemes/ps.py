@@ -55,6 +55,15 @@ class PSScheme(Scheme):
     def cost(rec, P1, P2):
         return ps_cost(rec["M"], rec["N"], P1, P2)
 
+    @staticmethod
+    def traffic(rec, P1, P2):
+        """Messages as Table 1 counts floats: the busiest node (a worker beside a server) pushes
+        to and hears back from the P2 - 1 remote servers, and its server hears from and answers
+        the P1 - 1 remote workers (at least one round trip: P1 = P2 = 1 still crosses a socket).
+        No arithmetic on the worker: the servers update."""
+        return {"messages": max(2 * (P1 + P2 - 2), 2),
+                "floats": ps_cost(rec["M"], rec["N"], P1, P2), "flops": 0.0}
+
     def _segments(self):
         """Each bundle's server memory, looked up at the first sync (after the start barrier and
         the placement); and the bundles that move nothing at all (`_in_place`): their sync then

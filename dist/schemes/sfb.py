@@ -80,6 +80,15 @@ class SFBScheme(Scheme):
     def cost(rec, P1, P2):
         return sfb_cost(rec["M"], rec["N"], rec["K"], P1)
 
+    @staticmethod
+    def traffic(rec, P1, P2):
+        """Its factors to and from each of the P1 - 1 peers; the rebuild of the weight gradient
+        from all P1 workers' factors, a GEMM of 2·K·P1·M·N flops, on every worker (all of it is
+        counted: it runs inside the sync, whose observed time the prediction is compared with)."""
+        M, N, K = rec["M"], rec["N"], rec["K"]
+        return {"messages": 2 * max(P1 - 1, 0), "floats": sfb_cost(M, N, K, P1),
+                "flops": 2.0 * K * P1 * M * N}
+
     def _factors(self):
         net, li = self.ctx.net, self.syncer.li
         G, X = self.ctx.factors(li, self.layer)         # K·G rows on a worker of G replicas

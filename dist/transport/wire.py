@@ -55,6 +55,11 @@ class Msg(enum.IntEnum):
     CURSOR = 32        # worker 0 -> worker r: r's data cursor from a snapshot being resumed
     ROUTES = 33        # worker 0 -> the other workers: the convolution routes every replica runs
     RING = 34          # one piece of a layer's gradient on the all-reduce ring, to the next worker
+    # the measured cost model (dist/costmodel.py)
+    PROBE = 60         # worker -> any other rank: a cost probe, answered at once
+    PROBE_ECHO = 61    # the answer to a PROBE
+    COSTS = 62         # worker -> coordinator: its probe, or a refresh window's sync times
+    SCHEMES = 63       # coordinator -> workers: every layer's scheme from an iteration on
 
 
 FLAG_JSON = 1          # the first array is a UTF-8 JSON object (control messages)
