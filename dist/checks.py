@@ -113,7 +113,7 @@ class WireRules:
         self.namer = namer or (lambda r: f"rank {r}")
         self.book = None
         self._pairs = {}
-        self._peer = {}              # layer -> its book record, for layers synced peer to peer
+        self._peer = self._ring = {}  # layer -> its book record, for layers synced peer to peer
         self._dtype = None
         self._verdicts = {}          # (type, sender) -> the role check's verdict (see _roles_say)
         self._verdicts_for = None    # the roles those verdicts were reached with
@@ -123,18 +123,28 @@ class WireRules:
         """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
         self._dtype = numpy.dtype(book.data["dtype"])
         self._pairs = {p["id"]: p for p in book.pairs}
-        self._peer = {}              # a layer the measured model may move to a peer scheme too
-        for rec in book.layers:      # (its own scheme first: the one whose SF it checks)
-            names = [rec.get("scheme")] + list(rec.get("candidates") or ())
-            peer = [n for n in names if n and not scheme_class(n).uses_servers
-                    and scheme_class(n).peer_arrays is not Scheme.peer_arrays]
-            if peer:
-                self._peer[rec["index"]] = dict(rec, scheme=peer[0])
+        # a layer the measured model may move to a peer scheme too (its own scheme first: the
+        # one whose SF messages or ring pieces it checks)
+        self._peer = self._layers_taking(book, "peer_arrays")
+        self._ring = self._layers_taking(book, "ring_piece")
         self._values = ({} if self.roles is None else
                         {b["id"]: (self.roles.server_rank(b["server"]),
                                    [(self._pairs[k]["length"],) for k in b["pairs"]])
                          for b in book.bundles})
         self.book = book
+
+    @staticmethod
+    def _layers_taking(book, method):
+        """{layer index: its record, scheme = the first of its schemes (its own, then the measured
+        model's candidates) that defines `method`: takes peer-to-peer messages of that kind}."""
+        out = {}
+        for rec in book.layers:
+            names = [rec.get("scheme")] + list(rec.get("candidates") or ())
+            takers = [n for n in names if n and not scheme_class(n).uses_servers
+                      and getattr(scheme_class(n), method) is not getattr(Scheme, method)]
+            if takers:
+                out[rec["index"]] = dict(rec, scheme=takers[0])
+        return out
 
     # ----- the check -----------------------------------------------------------------------------
     def check(self, msg):
@@ -274,7 +284,7 @@ class WireRules:
         """A ring piece comes from this worker's left neighbour, for a layer the book syncs peer to
         peer, at a slot the layer's ring has, with exactly that piece's length."""
         li, slot = ring_address(msg.key)
-        rec = self._peer.get(li)
+        rec = self._ring.get(li)
         if rec is None:
             return f"{name} for layer {li}, which the book does not sync peer to peer"
         ring = self.roles.worker_ranks()

@@ -251,7 +251,8 @@ def test_train_with_a_bad_cost_table_fails_in_one_line_before_any_process(tmp_pa
 
 
 def test_snapshot_of_a_switching_run_resumes(data, tmp_path):
-    """Snapshot at iteration 8, where the fc layers leave SFB for PS: the solverstate takes their
+    """Snapshot at iteration 8, where the fc layers leave a peer scheme (SFB or the ring, whichever
+    the table makes cheaper) for PS: the solverstate takes their
     history from worker 0 (the servers' copy is stale), the run goes on equal to one process, and
     the resumed run starts them on PS from the snapshot and ends equal to the uninterrupted one
     (to the float32 the engine writes snapshots in)."""
@@ -269,7 +270,8 @@ def test_snapshot_of_a_switching_run_resumes(data, tmp_path):
                            cost_model="measured", cost_refresh=4, cost_table=str(path))
     full = run("a")
     first = full[0].book.layers[0]["index"]
-    assert [full[0].book.best_scheme(first, it) for it in (7, 8)] == ["sfb", "ps"]
+    before, after = (full[0].book.best_scheme(first, it) for it in (7, 8))
+    assert (before in ("sfb", "allreduce"), after) == (True, "ps"), (before, after)
     assert_params_close(params_of(full[0]), want, rtol=1e-5, label="snapshot at the switch")
     resumed = run("b", snapshot=str(tmp_path / "a" / "run_iter_8.solverstate"))
     for got, exp in zip(resumed, full):
