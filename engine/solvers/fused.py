@@ -108,10 +108,11 @@ def ptx_source(rule_type, regularization="L2", ctype="float"):
     refs = "\n".join([f"  const T {name} = {name}_[0];" for name in scalars]
                      + ["  const T g = g_[i];"]
                      + [f"  T& {name} = {name}_[i];" for name in ("w",) + history])
-    return (f"typedef {ctype} T;\n"
-            f"extern \"C\" __global__ void update_{rule_type.lower()}({', '.join(args)}) {{\n"
+    name = f"{rule_type}_{regularization}_{ctype}".lower()
+    return (f"namespace {name} {{\ntypedef {ctype} T;\n"   # several in one file, each its own T
+            f"extern \"C\" __global__ void update_{name}({', '.join(args)}) {{\n"
             f"  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
-            f"  if (i >= n) return;\n{refs}\n{body}}}\n")
+            f"  if (i >= n) return;\n{refs}\n{body}}}\n}}\n")
 
 
 @functools.lru_cache(maxsize=None)
