@@ -131,7 +131,9 @@ class DeviceScalars:
 
     def get(self, like, values):
         device = getattr(like, "device", None)
-        key = (getattr(device, "id", device), like.dtype.str)
+        # one set per stream: a fill is ordered before the later kernels of its own stream only
+        stream = backend.cupy.cuda.get_current_stream().ptr
+        key = (getattr(device, "id", device), like.dtype.str, stream)
         held = self._sets.setdefault(key, {})
         xp = backend.get_array_module(like)
         out = []

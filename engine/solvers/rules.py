@@ -19,6 +19,7 @@ Scalars are taken in the value's dtype, as Caffe's Dtype. No arrays are allocate
 gradient array is used as scratch (its content afterwards is unspecified) and the temporaries come
 from a per-thread buffer reused across calls (`release_scratch()` frees it).
 """
+import functools
 import math
 import threading
 
@@ -127,6 +128,13 @@ def _copy_of(array):
 def release_scratch():
     """Free this thread's scratch buffers (they grow to the largest parameter updated)."""
     _local.buffers = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_slice(count, lr_mult, decay_mult):
+    """The SliceMults of one parameter, kept so its device copy is made once."""
+    from ..flat_params import SliceMults
+    return SliceMults.single(count, lr_mult, decay_mult)
 
 
 def _rows_contiguous(arrays):
@@ -239,9 +247,7 @@ class UpdateRule:
         if rate is None:
             rate = self.rate(it)
         if get_array_module(value) is not numpy:   # one fused kernel (fused.py)
-            from ..flat_params import SliceMults
-            self._apply_fused(value, grad, state, it, SliceMults.single(value.size, lr_mult,
-                                                                       decay_mult),
+            self._apply_fused(value, grad, state, it, _one_slice(value.size, lr_mult, decay_mult),
                               grad_scale, rate)
             return
         arrays = [value, grad] + list(state)
