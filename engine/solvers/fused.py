@@ -139,7 +139,8 @@ class DeviceScalars:
         out = []
         for name, value in values:
             if not isinstance(value, (int, float, numpy.floating, numpy.integer)):
-                out.append(value)             # already a device scalar (e.g. a clip factor)
+                # already a device scalar (e.g. a clip factor computed on the device)
+                out.append(value if value.dtype == like.dtype else value.astype(like.dtype))
                 continue
             entry = held.get(name)
             if entry is None:

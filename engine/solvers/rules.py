@@ -2,12 +2,17 @@
 
 This is the one place the solver's arithmetic lives. A single process, a KV-store server holding a
 slice of a parameter and a worker applying sufficient factors all call `rule.update` on their arrays,
-so every path gives the same numbers. The rule is elementwise, so a slice of a parameter updated on
-a server equals the same slice of the whole parameter updated locally.
+or `rule.apply` on a flat range of several parameters (engine/flat_params.py: each with its own
+multipliers), so every path gives the same numbers. The rule is elementwise, so a slice of a
+parameter updated on a server equals the same slice of the whole parameter updated locally.
 
     rule = make_rule(solver_param)                 # "SGD", "Nesterov", "AdaGrad", "RMSProp",
     state = rule.init_state(w.shape, xp, w.dtype)  # "AdaDelta" or "Adam" (or legacy solver_type)
     rule.update(w, g, state, it, lr_mult, decay_mult, grad_scale)
+    rule.apply(flat_w, flat_g, flat_state, it, slice_mults, grad_scale)   # several parameters
+
+On numpy both run the in-place ufuncs below; on CuPy both are one fused kernel per call
+(engine/solvers/fused.py), the same formulas in the same order.
 
 `update` follows Caffe's SGDSolver::ApplyUpdate for one parameter (sgd_solver.cpp and the
 nesterov/adagrad/rmsprop/adadelta/adam solvers):
