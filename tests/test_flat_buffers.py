@@ -5,6 +5,7 @@ The rules are checked against a per-blob reference written here from Caffe's sol
 (sgd_solver.cpp and the nesterov/adagrad/rmsprop/adadelta/adam solvers), in float64, over several
 iterations of a net whose parameters have different lr_mult and decay_mult.
 """
+import ctypes
 import math
 import shutil
 import subprocess
@@ -270,6 +271,54 @@ def test_the_kernel_sources_compile_with_nvcc(tmp_path):
     assert done.returncode == 0, done.stderr
     ptx = (tmp_path / "rules.ptx").read_text()
     assert all(f"update_{kind.lower()}_l1_double" in ptx for kind in RULES)
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    """The kernel bodies built for the CPU with a C++ compiler (ptx_source(host=True))."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on PATH")
+    folder = tmp_path_factory.mktemp("host_kernels")
+    source = folder / "rules.cpp"
+    source.write_text("#include <cmath>\n" + "".join(
+        fused.ptx_source(kind, reg, "double", host=True) for kind in fused.rule_names()
+        for reg in ("L2", "L1")))
+    done = subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(folder / "rules.so"),
+                           str(source)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return ctypes.CDLL(str(folder / "rules.so"))
+
+
+@pytest.mark.parametrize("regularization", ["L2", "L1"])
+@pytest.mark.parametrize("kind", RULES)
+def test_the_kernel_body_computes_what_the_numpy_rule_does(host_kernels, kind, regularization):
+    """The fused kernel's arithmetic, run on the CPU, against rules.apply's numpy path: several
+    slices with their own multipliers, several iterations (the GPU test below runs the kernel
+    itself where there is a device)."""
+    rule = rule_for(kind, regularization)
+    mults = SliceMults((0, 7, 9, 40, 41), (1.0, 2.0, 0.5, 3.0), (1.0, 0.0, 3.0, 0.5))
+    gen = numpy.random.default_rng(4)
+    w = gen.standard_normal(41)
+    state = [numpy.zeros(41) for _ in range(rule.num_state)]
+    kw, kstate = w.copy(), [s.copy() for s in state]
+    function = getattr(host_kernels, f"update_{kind}_{regularization}_double".lower())
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)   # noqa: E731
+    off = numpy.array(mults.offsets, numpy.int64)
+    lr_mult, decay_mult = numpy.array(mults.lr_mult), numpy.array(mults.decay_mult)
+    for it in range(3):
+        g = gen.standard_normal(41)
+        rule.apply(w, g.copy(), state, it, mults, grad_scale=0.5)
+        names = fused.kernel_parts(kind, regularization)[3]
+        constants = rule.constants(it, numpy.float64)
+        scalars = [numpy.array([v]) for v in [rule.rate(it), 0.5, rule.weight_decay]
+                   + [constants[n] for n in names]]
+        function(pointer(g), pointer(off), pointer(lr_mult), pointer(decay_mult),
+                 ctypes.c_int(4), *map(pointer, scalars), pointer(kw), *map(pointer, kstate),
+                 ctypes.c_longlong(41))
+    numpy.testing.assert_allclose(kw, w, rtol=1e-12, atol=1e-14)
+    for mine, ref in zip(kstate, state):
+        numpy.testing.assert_allclose(mine, ref, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.gpu

@@ -96,9 +96,11 @@ def kernel_parts(rule_type, regularization="L2"):
     return in_params, out_params, _PROLOGUE + _REGULARIZE[regularization] + body, constants
 
 
-def ptx_source(rule_type, regularization="L2", ctype="float"):
-    """The kernel body wrapped in a plain __global__ function (one thread per element), for
-    compiling with `nvcc --ptx` without CuPy: the body must be valid CUDA C++ as written."""
+def ptx_source(rule_type, regularization="L2", ctype="float", host=False):
+    """The kernel body wrapped in a plain C function, for compiling without CuPy: a __global__
+    function (one thread per element) for `nvcc --ptx`, or with `host` a loop over the elements
+    that a C++ compiler builds for the CPU (so a test can run the body's arithmetic against the
+    numpy rule where there is no GPU). The body must be valid CUDA C++ as written."""
     constants, history, _ = _RULES[rule_type]
     _, _, body, _ = kernel_parts(rule_type, regularization)
     scalars = ("rate", "scale", "weight_decay") + constants
@@ -109,10 +111,17 @@ def ptx_source(rule_type, regularization="L2", ctype="float"):
                      + ["  const T g = g_[i];"]
                      + [f"  T& {name} = {name}_[i];" for name in ("w",) + history])
     name = f"{rule_type}_{regularization}_{ctype}".lower()
+    if host:
+        head = (f"void update_{name}({', '.join(args)}) {{\n"
+                f"  for (long long i = 0; i < n; ++i) {{\n")
+        tail = "}}\n"
+    else:
+        head = (f"__global__ void update_{name}({', '.join(args)}) {{\n"
+                f"  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+                f"  if (i >= n) return;\n")
+        tail = "}\n"
     return (f"namespace {name} {{\ntypedef {ctype} T;\n"   # several in one file, each its own T
-            f"extern \"C\" __global__ void update_{name}({', '.join(args)}) {{\n"
-            f"  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
-            f"  if (i >= n) return;\n{refs}\n{body}}}\n}}\n")
+            f"{'using std::sqrt;' if host else ''}\nextern \"C\" {head}{refs}\n{body}{tail}}}\n")
 
 
 @functools.lru_cache(maxsize=None)
