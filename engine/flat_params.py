@@ -15,7 +15,7 @@ order of its blobs), so the layer whose backward finishes first owns the first r
 A blob whose element count changes is re-laid out: new buffers, the other blobs' values,
 gradients and history copied over, every view re-made. A blob moved elsewhere by `Blob.place`
 (a KV server's shared memory) leaves the layout: `in_layout(pid)` says so, and callers update
-it on its own.
+it on its own. A Python layer's parameters never join it (user code may keep their arrays).
 """
 import numpy
 
@@ -79,8 +79,12 @@ class FlatParams:
         self.net = net
         self.xp, self.dtype = net.xp, numpy.dtype(net.dtype)
         params, specs = net.learnable_params, net.learnable_param_specs
+        # a Python layer's parameters keep their own arrays: user code may hold on to them
+        self.apart = [pid for pid in range(len(params))
+                      if getattr(net.layers[specs[pid].layer_index], "type", None) == "Python"]
         # backward order: the last layer's parameters first, a layer's blobs in their own order
-        self.order = sorted(range(len(params)), key=lambda pid: (-specs[pid].layer_index, pid))
+        self.order = sorted((pid for pid in range(len(params)) if pid not in self.apart),
+                            key=lambda pid: (-specs[pid].layer_index, pid))
         self.num_state = 0
         self.history = []          # flat history buffers, one per rule state
         self.param_history = [[] for _ in params]   # per parameter: views of the history
@@ -150,11 +154,20 @@ class FlatParams:
         the per-parameter views, Caffe's history_ (a list per parameter, in rule order)."""
         self.num_state = int(num_state)
         self._layout(self._find_sharers())
+        for pid in self.apart:
+            blob = self.net.learnable_params[pid]
+            self.param_history[pid][:] = [self.xp.zeros(blob.shape, self.dtype)
+                                          for _ in range(self.num_state)]
         return self.param_history
 
     # ----- ranges -------------------------------------------------------------------------------
     def in_layout(self, pid):
         return self.net.learnable_params[pid].in_flat_params(self) is True
+
+    def has_range(self, pid):
+        """Whether parameter pid has a range in the buffers (kept for it even while `place`
+        holds it elsewhere); a Python layer's parameters have none."""
+        return pid in self.offsets
 
     def param_range(self, pid):
         a = self.offsets[pid]
@@ -172,7 +185,9 @@ class FlatParams:
         """The parameters `pids` as contiguous ranges of the flat buffers, in flat order:
         ([(start, stop), ...], [pids outside the layout])."""
         ranges, outside = [], []
-        for pid in sorted(pids, key=self.offsets.__getitem__):
+        outside = [pid for pid in pids if not self.has_range(pid)]
+        for pid in sorted((pid for pid in pids if self.has_range(pid)),
+                          key=self.offsets.__getitem__):
             if not self.in_layout(pid):
                 outside.append(pid)
                 continue

@@ -144,6 +144,51 @@ def test_a_placed_parameter_leaves_the_layout_and_is_still_updated():
     assert not diff.any()
 
 
+PY_LAYER = """
+from poseidon import engine
+
+
+class KeptScale(engine.Layer):
+    \"\"\"y = s * x, with s's array kept at set-up, as user code may.\"\"\"
+
+    def setup(self, bottom, top):
+        self.blobs.add_blob(1)
+        self.kept = self.blobs[0].data
+        self.kept[...] = 2.0
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data * self.kept[0]
+
+    def backward(self, top, propagate_down, bottom):
+        self.blobs[0].diff[...] += (top[0].diff * bottom[0].data).sum()
+        bottom[0].diff[...] = top[0].diff * self.kept[0]
+"""
+
+
+def test_a_python_layers_parameters_keep_their_own_arrays(tmp_path, monkeypatch):
+    (tmp_path / "flat_test_pylayer.py").write_text(PY_LAYER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = NET.replace('layer { name: "relu"', 'layer { name: "scale" type: "Python" '
+                       'bottom: "ip1" top: "scaled" python_param { module: "flat_test_pylayer" '
+                       'layer: "KeptScale" } }\nlayer { name: "relu"').replace(
+        'bottom: "ip1" top: "ip1" }', 'bottom: "scaled" top: "scaled" }').replace(
+        'bottom: "ip1" top: "ip2"', 'bottom: "scaled" top: "ip2"')
+    param = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed", max_iter=2, display=0,
+                                      snapshot_after_train=False)
+    param.net_param.CopyFrom(parse_net_text(text))
+    solver = get_solver(param, dtype=numpy.float64)
+    layer = solver.net.layer_dict["scale"]
+    pid = next(p for p, b in enumerate(solver.net.learnable_params) if b is layer.blobs[0])
+    assert not solver.net.flat.has_range(pid) and layer.kept is layer.blobs[0].data
+    solver.net.blobs["data"].data[...] = 1.0
+    solver.step(2)
+    assert layer.kept[0] != 2.0                     # updated where user code reads it
+    assert solver.net.flat.size == 26               # the others are still laid out flat
+
+
 # ----- the rules over flat ranges ------------------------------------------------------------
 def reference_step(kind, p, w, g, state, t, lr, decay):
     """Caffe's update of one parameter (float64, new arrays): returns (w, state)."""

@@ -24,8 +24,14 @@ def update_params(rule, flat, pids, it, grad_scale=1.0, rate=None, grad=None, ba
     params, specs = flat.net.learnable_params, flat.net.learnable_param_specs
     for pid in outside:
         blob, spec = params[pid], specs[pid]
-        a, b = flat.param_range(pid)
-        g = blob.diff if grad is None else grad[a - base:b - base].reshape(blob.shape)
+        if grad is None:
+            g = blob.diff
+        elif flat.has_range(pid):
+            a, b = flat.param_range(pid)
+            g = grad[a - base:b - base].reshape(blob.shape)
+        else:
+            raise ValueError(f"parameter '{spec.name}' (a Python layer's) is not in the flat "
+                             f"buffers, so a gradient laid out like them has no place for it")
         rule.update(blob.data, g, flat.param_history[pid], it, spec.lr_mult, spec.decay_mult,
                     grad_scale, rate=rate, keep_grad=keep_grad)
 
@@ -33,7 +39,7 @@ def update_params(rule, flat, pids, it, grad_scale=1.0, rate=None, grad=None, ba
 def layer_params(flat, li):
     """The parameter ids layer li owns, in flat order."""
     specs = flat.net.learnable_param_specs
-    return [pid for pid in flat.order if specs[pid].layer_index == li]
+    return [pid for pid in flat.order + flat.apart if specs[pid].layer_index == li]
 
 
 def update_layer(rule, flat, li, it, grad=None, grad_scale=1.0, rate=None, keep_grad=False):
