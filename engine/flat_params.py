@@ -108,38 +108,43 @@ class FlatParams:
 
     def _layout(self, sharers, fresh=()):
         """Allocate the buffers for self._counts, copy the parameters' contents in (zeros for
-        the parameters in `fresh`, whose size changed) and make every blob a view."""
-        params, xp = self.net.learnable_params, self.xp
+        the parameters in `fresh`, whose size changed) and make every blob a view. A parameter
+        placed elsewhere keeps its data and diff there; its history stays in the buffers."""
+        params = self.net.learnable_params
         self.offsets, off = {}, 0
         for pid in self.order:
             self.offsets[pid] = off
             off += self._counts[pid]
         self.size = off
         old_history = [list(h) for h in self.param_history]
-        data, diff = xp.zeros(max(off, 1), self.dtype), xp.zeros(max(off, 1), self.dtype)
-        history = [xp.zeros(max(off, 1), self.dtype) for _ in range(self.num_state)]
+        data, diff = self._zeros(), self._zeros()
+        self.history = [self._zeros() for _ in range(self.num_state)]
         for pid in self.order:
-            a, b = self.offsets[pid], self.offsets[pid] + self._counts[pid]
-            blob = params[pid]
-            if pid not in fresh and blob.in_flat_params(self) is not False:
-                data[a:b] = blob.data.reshape(-1)
-                diff[a:b] = blob.diff.reshape(-1)
-                for h, old in zip(history, old_history[pid]):
-                    h[a:b] = old.reshape(-1)
-        self.data, self.diff, self.history = data[:off], diff[:off], [h[:off] for h in history]
+            a, b = self.param_range(pid)
+            if pid in fresh:
+                continue
+            if params[pid].in_flat_params(self) is not False:
+                data[a:b] = params[pid].data.reshape(-1)
+                diff[a:b] = params[pid].diff.reshape(-1)
+            for h, old in zip(self.history, old_history[pid]):
+                h[a:b] = old.reshape(-1)
+        self.data, self.diff = data, diff
         self._mults = {}
         for pid in self.order:
             self._attach(pid, sharers.get(pid, ()))
 
+    def _zeros(self):
+        return self.xp.zeros(max(self.size, 1), self.dtype)[:self.size]
+
     def _attach(self, pid, sharers):
         blob = self.net.learnable_params[pid]
+        a, b = self.param_range(pid)
+        self.param_history[pid][:] = [h[a:b].reshape(blob.shape) for h in self.history]
         if blob.in_flat_params(self) is False:
-            return                  # moved elsewhere (Blob.place): it stays where it is
-        a, b = self.offsets[pid], self.offsets[pid] + self._counts[pid]
+            return                  # moved elsewhere (Blob.place): its values stay there
         blob.take_flat(self, self.data[a:b], self.diff[a:b])
         for other in sharers:
             other.follow(blob)
-        self.param_history[pid][:] = [h[a:b].reshape(blob.shape) for h in self.history]
 
     def resize(self, blob, shape, count):
         """Blob.reshape of a parameter to another element count: lay every buffer out again."""
@@ -151,12 +156,16 @@ class FlatParams:
 
     def attach_history(self, num_state):
         """Flat history buffers for a rule of `num_state` arrays per parameter (zeros); returns
-        the per-parameter views, Caffe's history_ (a list per parameter, in rule order)."""
+        the per-parameter views, Caffe's history_ (a list per parameter, in rule order). The
+        values and gradients stay where they are."""
         self.num_state = int(num_state)
-        self._layout(self._find_sharers())
+        self.history = [self._zeros() for _ in range(self.num_state)]
+        params = self.net.learnable_params
+        for pid in self.order:
+            a, b = self.param_range(pid)
+            self.param_history[pid][:] = [h[a:b].reshape(params[pid].shape) for h in self.history]
         for pid in self.apart:
-            blob = self.net.learnable_params[pid]
-            self.param_history[pid][:] = [self.xp.zeros(blob.shape, self.dtype)
+            self.param_history[pid][:] = [self.xp.zeros(params[pid].shape, self.dtype)
                                           for _ in range(self.num_state)]
         return self.param_history
 

@@ -142,6 +142,12 @@ def test_a_placed_parameter_leaves_the_layout_and_is_still_updated():
     assert (data != 2.0).all()                      # updated where it now lives
     net.ClearParamDiffs()
     assert not diff.any()
+    kept = flat.param_history[1][0].copy()
+    net.learnable_params[2].reshape(3, 3)           # a re-layout leaves it where it was placed
+    assert blob.data.base is data or numpy.shares_memory(blob.data, data)
+    a, b = flat.param_range(1)
+    assert numpy.shares_memory(flat.param_history[1][0], flat.history[0][a:b])
+    numpy.testing.assert_array_equal(flat.param_history[1][0], kept)
 
 
 PY_LAYER = """
