@@ -193,7 +193,7 @@ class FlatParams:
     def runs(self, pids):
         """The parameters `pids` as contiguous ranges of the flat buffers, in flat order:
         ([(start, stop), ...], [pids outside the layout])."""
-        ranges, outside = [], []
+        ranges = []
         outside = [pid for pid in pids if not self.has_range(pid)]
         for pid in sorted((pid for pid in pids if self.has_range(pid)),
                           key=self.offsets.__getitem__):
@@ -228,7 +228,7 @@ class FlatParams:
         """Zero the gradients of `blobs` (default: all): one fill per contiguous range."""
         params = self.net.learnable_params
         if blobs is None:
-            pids = self.order
+            pids = range(len(params))
         else:
             index = {id(b): pid for pid, b in enumerate(params)}
             pids = [index[id(b)] for b in blobs if id(b) in index]

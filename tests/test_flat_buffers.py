@@ -192,6 +192,9 @@ def test_a_python_layers_parameters_keep_their_own_arrays(tmp_path, monkeypatch)
     solver.net.blobs["data"].data[...] = 1.0
     solver.step(2)
     assert layer.kept[0] != 2.0                     # updated where user code reads it
+    layer.blobs[0].diff[...] = 1.0
+    solver.net.ClearParamDiffs()
+    assert layer.blobs[0].diff[0] == 0
     assert solver.net.flat.size == 26               # the others are still laid out flat
 
 
