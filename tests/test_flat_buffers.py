@@ -129,6 +129,31 @@ def test_a_reshaped_parameter_lays_the_buffers_out_again():
     assert net.learnable_params[0].data.shape == (3, 6)
 
 
+SHARED = """
+name: "shared"
+layer { name: "data" type: "Input" top: "a" top: "b"
+        input_param { shape { dim: 4 dim: 6 } shape { dim: 4 dim: 4 } } }
+layer { name: "ip_a" type: "InnerProduct" bottom: "a" top: "ya"
+        param { name: "w" share_mode: PERMISSIVE }
+        inner_product_param { num_output: 2 bias_term: false } }
+layer { name: "ip_b" type: "InnerProduct" bottom: "b" top: "yb"
+        param { name: "w" share_mode: PERMISSIVE }
+        inner_product_param { num_output: 3 } }
+"""
+
+
+def test_a_weight_shared_with_another_shape_follows_the_layout():
+    net = Net(parse_net_text(SHARED), dtype=numpy.float64, xp=numpy)
+    net.flat = FlatParams(net)
+    view = net.layer_dict["ip_b"].blobs[0]
+    assert view.shape == (3, 4) and view is not net.learnable_params[0]
+    for step in ("laid out", "re-laid out"):
+        a, b = net.flat.param_range(0)
+        net.flat.data[a:b] = numpy.arange(12.0)
+        numpy.testing.assert_array_equal(view.data.reshape(-1), numpy.arange(12.0), err_msg=step)
+        net.learnable_params[1].reshape(5)          # ip_b's bias grows: a re-layout
+
+
 def test_a_placed_parameter_leaves_the_layout_and_is_still_updated():
     net = flat_net()
     flat = net.flat
