@@ -208,9 +208,10 @@ def test_a_python_layers_parameters_keep_their_own_arrays(tmp_path, monkeypatch)
         'bottom: "ip1" top: "ip1" }', 'bottom: "scaled" top: "scaled" }').replace(
         'bottom: "ip1" top: "ip2"', 'bottom: "scaled" top: "ip2"')
     param = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed", max_iter=2, display=0,
-                                      snapshot_after_train=False)
+                                      snapshot_after_train=False, random_seed=1)
     param.net_param.CopyFrom(parse_net_text(text))
     solver = get_solver(param, dtype=numpy.float64)
+    solver.net.params["ip1"][0].data[...] = 0.1     # every ReLU open: the scale gets a gradient
     layer = solver.net.layer_dict["scale"]
     pid = next(p for p, b in enumerate(solver.net.learnable_params) if b is layer.blobs[0])
     assert not solver.net.flat.has_range(pid) and layer.kept is layer.blobs[0].data
