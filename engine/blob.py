@@ -15,6 +15,8 @@ class Blob:
     """
 
     diff_fresh = False
+    _flat = None          # the FlatParams whose buffers this blob is a view of (engine/flat_params.py)
+    _left_flat = None     # the FlatParams this blob left when `place` moved it
 
     def __init__(self, shape=(), dtype=numpy.float32, xp=numpy):
         self.xp = xp
@@ -32,6 +34,9 @@ class Blob:
         if self._data is not None and self._data.shape == shape:
             return
         count = int(numpy.prod(shape)) if shape else 1
+        if self._flat is not None and count != self._data.size:
+            self._flat.resize(self, shape, count)   # lays the flat buffers out again
+            return
         if self._data is None or self._data.size < count:
             try:
                 self._flat_data = self.xp.zeros(count, self.dtype)
@@ -78,10 +83,39 @@ class Blob:
         if data.size != count or diff.size != count:
             raise ValueError(f"cannot place a blob of {count} elements in arrays of "
                              f"{data.size} and {diff.size}")
+        if self._flat is not None:
+            self._left_flat = self._flat
         self._use(data, diff)
 
     def shares_storage_with(self, other):
         return self._flat_data is other._flat_data
+
+    @property
+    def storage(self):
+        """The flat array this blob's data is a view of (blobs sharing storage give the same)."""
+        return self._flat_data
+
+    def take_flat(self, flat, data, diff):
+        """Become a view of `data` and `diff`, slices of the flat buffers of `flat` (a
+        FlatParams), keeping this blob's shape."""
+        self._use(data, diff)
+        self._flat = flat
+
+    def forget_flat(self, shape, count):
+        """Before `flat.resize` re-lays the buffers out: take this new shape, on storage of its
+        own until the new layout gives it a view."""
+        self._flat = None
+        self._flat_data = self.xp.zeros(count, self.dtype)
+        self._flat_diff = self.xp.zeros(count, self.dtype)
+        self._data = self._flat_data.reshape(shape)
+        self._diff = self._flat_diff.reshape(shape)
+
+    def in_flat_params(self, flat):
+        """True while this blob is a view of `flat`'s buffers, False once `place` moved it out
+        of them, None if it never was."""
+        if self._flat is flat:
+            return True
+        return False if self._left_flat is flat else None
 
     def follow(self, other):
         """Use other's storage again, keeping this blob's own shape (a weight-sharing blob,
@@ -91,6 +125,7 @@ class Blob:
     def _use(self, flat_data, flat_diff):
         """Take flat storage, keeping this blob's shape (its first elements)."""
         count, shape = self._data.size, self._data.shape
+        self._flat = None           # whoever hands it storage says whether it is a flat view
         self._flat_data, self._flat_diff = flat_data, flat_diff
         self._data = flat_data[:count].reshape(shape)
         self._diff = flat_diff[:count].reshape(shape)
@@ -99,6 +134,7 @@ class Blob:
         """Share data and diff storage with another blob (weight sharing by `param { name }`)."""
         self._flat_data, self._flat_diff = other._flat_data, other._flat_diff
         self._data, self._diff = other._data, other._diff
+        self._flat = None
 
     @property
     def shape(self):

@@ -56,6 +56,8 @@ class Net:
     a NetParameter came from, so that errors name its file:line (a path model sets it itself).
     """
 
+    flat = None   # FlatParams (engine/flat_params.py) once a solver lays the parameters out flat
+
     def __init__(self, model, phase=TRAIN, weights=None, level=0, stages=(), dtype=numpy.float32,
                  xp=None, shard=(0, 1), state=None, source=None):
         self.source = model if isinstance(model, str) else source
@@ -352,8 +354,11 @@ class Net:
         """Zero the diffs of `blobs` (default: every learnable parameter) and let the layer that
         alone owns a parameter write its gradient over them (Blob.diff_fresh). A parameter shared
         by several layers is never marked: the second writer must add to the first."""
+        if self.flat is not None:
+            self.flat.clear_diffs(blobs)              # one fill per contiguous range
         for blob in self.learnable_params if blobs is None else blobs:
-            blob.diff[...] = 0
+            if self.flat is None:
+                blob.diff[...] = 0
             if id(blob) in self._sole_params:
                 blob.diff_fresh = True
 

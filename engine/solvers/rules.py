@@ -2,12 +2,17 @@
 
 This is the one place the solver's arithmetic lives. A single process, a KV-store server holding a
 slice of a parameter and a worker applying sufficient factors all call `rule.update` on their arrays,
-so every path gives the same numbers. The rule is elementwise, so a slice of a parameter updated on
-a server equals the same slice of the whole parameter updated locally.
+or `rule.apply` on a flat range of several parameters (engine/flat_params.py: each with its own
+multipliers), so every path gives the same numbers. The rule is elementwise, so a slice of a
+parameter updated on a server equals the same slice of the whole parameter updated locally.
 
     rule = make_rule(solver_param)                 # "SGD", "Nesterov", "AdaGrad", "RMSProp",
     state = rule.init_state(w.shape, xp, w.dtype)  # "AdaDelta" or "Adam" (or legacy solver_type)
     rule.update(w, g, state, it, lr_mult, decay_mult, grad_scale)
+    rule.apply(flat_w, flat_g, flat_state, it, slice_mults, grad_scale)   # several parameters
+
+On numpy both run the in-place ufuncs below; on CuPy both are one fused kernel per call
+(engine/solvers/fused.py), the same formulas in the same order.
 
 `update` follows Caffe's SGDSolver::ApplyUpdate for one parameter (sgd_solver.cpp and the
 nesterov/adagrad/rmsprop/adadelta/adam solvers):
@@ -19,6 +24,7 @@ Scalars are taken in the value's dtype, as Caffe's Dtype. No arrays are allocate
 gradient array is used as scratch (its content afterwards is unspecified) and the temporaries come
 from a per-thread buffer reused across calls (`release_scratch()` frees it).
 """
+import functools
 import math
 import threading
 
@@ -129,6 +135,13 @@ def release_scratch():
     _local.buffers = {}
 
 
+@functools.lru_cache(maxsize=1024)
+def _one_slice(count, lr_mult, decay_mult):
+    """The SliceMults of one parameter, kept so its device copy is made once."""
+    from ..flat_params import SliceMults
+    return SliceMults.single(count, lr_mult, decay_mult)
+
+
 def _rows_contiguous(arrays):
     """Whether the arrays are 2-D of one shape, each row contiguous (blocks of rows are then
     cut along the first axis)."""
@@ -169,6 +182,7 @@ class UpdateRule:
 
     def __getstate__(self):   # pickled as bytes: the generated message class is not importable by name
         state = self.__dict__.copy()
+        state.pop("_device_scalars", None)     # device arrays stay with their process
         state["param"] = self.param.SerializeToString()
         return state
 
@@ -189,6 +203,39 @@ class UpdateRule:
         """What Caffe's SolverState.current_step holds after iteration it's rate."""
         return lr_policy.current_step(self.param, it)
 
+    def apply(self, value, grad, state, it, mults, grad_scale=1.0, rate=None, keep_grad=False,
+              split=True):
+        """Apply one update to a flat range of parameters: `value`, `grad` and each `state` array
+        are 1-D arrays of one size (slices of engine/flat_params.FlatParams' buffers, or of a
+        KV pair), `mults` a SliceMults giving each parameter's slice and multipliers. This is
+        the function every caller shares: the solver over the whole net or a layer's range, a
+        worker over a layer it synchronised, a KV server over a pair (one slice).
+
+        On CuPy it is one fused kernel (engine/solvers/fused.py; `grad_scale` may be a 0-d
+        device array); on numpy the in-place ufuncs of `update`, once per run of parameters
+        with equal multipliers."""
+        if rate is None:
+            rate = self.rate(it)
+        if get_array_module(value) is not numpy:
+            self._apply_fused(value, grad, state, it, mults, grad_scale, rate)
+            return
+        for lo, hi, lr_mult, decay_mult in mults.runs():
+            self.update(value[lo:hi], grad[lo:hi], [s[lo:hi] for s in state], it, lr_mult,
+                        decay_mult, grad_scale, rate, split=split, keep_grad=keep_grad)
+
+    def _apply_fused(self, value, grad, state, it, mults, grad_scale, rate):
+        from . import fused
+        scalars = self.__dict__.get("_device_scalars")
+        if scalars is None:
+            scalars = self._device_scalars = fused.DeviceScalars()
+        fused.apply(self, value, grad, state, mults, grad_scale, rate,
+                    self.constants(it, value.dtype.type), scalars)
+
+    def constants(self, it, s=numpy.float32):
+        """The rule's own scalars at iteration it (s: the parameters' scalar type), by the names
+        the fused kernel uses."""
+        return {"momentum": self.momentum, "delta": self.delta}
+
     def update(self, value, grad, state, it, lr_mult=1.0, decay_mult=1.0, grad_scale=1.0,
                rate=None, split=True, keep_grad=False):
         """Apply one update to `value` and `state` in place. `grad` is the raw accumulated gradient
@@ -204,6 +251,10 @@ class UpdateRule:
         blocks on this thread (for a caller that gives each thread its own part)."""
         if rate is None:
             rate = self.rate(it)
+        if get_array_module(value) is not numpy:   # one fused kernel (fused.py)
+            self._apply_fused(value, grad, state, it, _one_slice(value.size, lr_mult, decay_mult),
+                              grad_scale, rate)
+            return
         arrays = [value, grad] + list(state)
         parts = None
         if value.size >= BLOCKED_MIN and get_array_module(value) is numpy:
@@ -341,6 +392,9 @@ class RMSProp(UpdateRule):
         if not 0 <= self.param.rms_decay < 1:
             raise ModelError(f"solver: rms_decay should lie in [0, 1), got {self.param.rms_decay}")
 
+    def constants(self, it, s=numpy.float32):
+        return dict(super().constants(it, s), rms_decay=self.param.rms_decay)
+
     def _step(self, value, g, state, it, local_rate, s):
         xp = get_array_module(value)
         h = state[0]
@@ -394,13 +448,22 @@ class Adam(UpdateRule):
     type = "Adam"
     num_state = 2
 
+    def _correction(self, it, s):
+        """sqrt(1-b2^t)/(1-b1^t) at t = it+1, from the betas in the value's dtype."""
+        b1, b2 = s(self.momentum), s(self.param.momentum2)
+        t = int(it) + 1
+        return s(math.sqrt(1.0 - math.pow(float(b2), t)) / (1.0 - math.pow(float(b1), t)))
+
+    def constants(self, it, s=numpy.float32):
+        return dict(super().constants(it, s), momentum2=self.param.momentum2,
+                    correction=self._correction(it, s))
+
     def _step(self, value, g, state, it, local_rate, s):
         xp = get_array_module(value)
         m, v = state
         b1 = s(self.momentum)
         b2 = s(self.param.momentum2)
-        t = int(it) + 1
-        correction = s(math.sqrt(1.0 - math.pow(float(b2), t)) / (1.0 - math.pow(float(b1), t)))
+        correction = self._correction(it, s)
         u = _scratch(value)
         m *= b1
         xp.multiply(g, s(1) - b1, out=u)

@@ -33,6 +33,8 @@ from ..proto import caffe_pb2
 from ..replicas import ReplicaGroup, check_replicas, replica_shard
 from . import rules
 from .factored import FactoredWeights, update_from_factors
+from .flat_update import update_params
+from ..flat_params import FlatParams
 from . import snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
 from .hooks import SolverHooks
@@ -110,12 +112,14 @@ class Solver:
             rng.seed(param.random_seed)          # before the nets: fillers draw from it
         with backend.device_scope(devices[0] if devices else None):
             self.net, build_replica = self._init_train_net(replicas)
+            # parameters, gradients and history as views of flat buffers in backward order
+            # (engine/flat_params.py), before the test nets take the train net's blobs
+            self.net.flat = FlatParams(self.net)
+            self.history = self.net.flat.attach_history(self.rule.num_state)
             self.test_nets = self._init_test_nets()
             # after the test nets, so that a solver of one replica draws the same numbers
             self.replicas = ReplicaGroup(self.net, build_replica, replicas, devices, self.shard)
         self.iter = 0
-        self.history = [self.rule.init_state(p.data.shape, backend.get_array_module(p.data),
-                                             p.data.dtype) for p in self.net.learnable_params]
         self.factored = FactoredWeights(self.net, self.replicas)
         self._factored = {}                 # this iteration's weights updated from factors
         # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
@@ -432,25 +436,23 @@ class Solver:
         inside step(), a weight planned to come from its factors is updated from them."""
         rate = self.rule.rate(self.iter)
         scale = self.gradient_scale()
-        for pid, (blob, spec, state) in enumerate(zip(
-                self.net.learnable_params, self.net.learnable_param_specs, self.history)):
-            if pid in self._factored:
-                li, layer = self._factored[pid]
-                passes = self.net.backward_passes[li]
-                if passes != 1:
-                    raise PoseidonError(
-                        f"iteration {self.iter}: layer '{layer.name}' ran backward {passes} "
-                        f"times since clear_param_diffs(), but its weight is updated from the "
-                        f"factors of one pass (engine/solvers/factored.py): to add several "
-                        f"passes' gradients set iter_size in the solver, or call "
-                        f"clear_param_diffs() before each pass")
-                G, X = self.factored.factors(li, layer)
-                update_from_factors(layer, self.rule, blob.data, state, G, X, self.iter,
-                                    spec.lr_mult, spec.decay_mult, scale, rate,
-                                    self.factored.buffers)
-            else:
-                self.rule.update(blob.data, blob.diff, state, self.iter, spec.lr_mult,
-                                 spec.decay_mult, scale, rate=rate)
+        for li, layer in self._factored.values():
+            passes = self.net.backward_passes[li]
+            if passes != 1:
+                raise PoseidonError(
+                    f"iteration {self.iter}: layer '{layer.name}' ran backward {passes} "
+                    f"times since clear_param_diffs(), but its weight is updated from the "
+                    f"factors of one pass (engine/solvers/factored.py): to add several "
+                    f"passes' gradients set iter_size in the solver, or call "
+                    f"clear_param_diffs() before each pass")
+        params, specs = self.net.learnable_params, self.net.learnable_param_specs
+        plain = [pid for pid in range(len(params)) if pid not in self._factored]
+        update_params(self.rule, self.net.flat, plain, self.iter, scale, rate)
+        for pid, (li, layer) in self._factored.items():
+            G, X = self.factored.factors(li, layer)
+            update_from_factors(layer, self.rule, params[pid].data, self.history[pid], G, X,
+                                self.iter, specs[pid].lr_mult, specs[pid].decay_mult, scale,
+                                rate, self.factored.buffers)
 
     # ----- display and testing -----------------------------------------------------------------------
     def _update_smoothed_loss(self, loss, start_iter):
