@@ -21,7 +21,7 @@ import json
 
 from .errors import DistError
 from .placement import DEFAULT_PAIR_BYTES, MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, place_pairs
-from .schemes import SCHEMES, choose_scheme, scheme_class, usable_schemes
+from .schemes import SCHEMES, choose_scheme, hybrid_members, scheme_class, usable_schemes
 
 
 
@@ -149,7 +149,7 @@ def cost_model(options, hosts, relaxed):
     registered from more than one host (a network to measure) and static on one host (so one-host
     jobs keep Table 1's choices); static when --sync forces a scheme or BSP is relaxed (there is
     no choice to make)."""
-    if relaxed or options.get("sync", "hybrid") != "hybrid":
+    if relaxed or hybrid_members(options.get("sync", "hybrid")) is None:
         return "static"
     model = options.get("cost_model") or "auto"
     if model == "auto":
@@ -157,10 +157,11 @@ def cost_model(options, hosts, relaxed):
     return model
 
 
-def candidates(rec, servers, relaxed):
-    """The schemes that may sync layer `rec` under the measured model (those that apply, and with
-    no servers none that needs them)."""
-    return [cls.name for cls in usable_schemes(rec, relaxed) if servers or not cls.uses_servers]
+def candidates(rec, servers, relaxed, sync="hybrid"):
+    """The schemes that may sync layer `rec` under the measured model (those of the hybrid that
+    apply, and with no servers none that needs them)."""
+    return [cls.name for cls in usable_schemes(rec, relaxed, sync)
+            if servers or not cls.uses_servers]
 
 
 def may_use_servers(rec):
@@ -298,7 +299,7 @@ class InformationBook:
         placed on the servers. Raises DistError when --servers 0 cannot work for this net."""
         sync = options.get("sync", "hybrid")
         relaxed = relaxed_consistency(options)
-        if relaxed and sync != "hybrid" and scheme_class(sync).bsp_only:
+        if relaxed and hybrid_members(sync) is None and scheme_class(sync).bsp_only:
             raise DistError(f"--sync {sync} cannot be combined with {relaxed}: it needs every "
                             f"worker's contribution of an iteration; give --sync ps or hybrid "
                             f"(under {relaxed} every layer then goes by PS)")
@@ -307,7 +308,7 @@ class InformationBook:
         for rec in description["layers"]:
             rec = dict(rec)
             rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
-            rec["candidates"] = (candidates(rec, servers, relaxed) if model == "measured"
+            rec["candidates"] = (candidates(rec, servers, relaxed, sync) if model == "measured"
                                  else [rec["scheme"]])
             layers.append(rec)
         itemsize = 8 if description.get("dtype") == "float64" else 4

@@ -8,7 +8,7 @@ import argparse
 import os
 
 from .placement import DEFAULT_PAIR_BYTES, parse_bytes
-from .schemes import sync_choices
+from .schemes import hybrid_members, sync_choices
 from .transport import MIN_SLICE_BYTES, parse_bandwidth
 
 IPC_CHOICES = ("auto", "links", "zmq", "off")
@@ -118,8 +118,9 @@ def add_dist_options(parser):
     add("--rank", type=_nonneg_int, help="this process's global rank: 0..P1-1 are "
         "workers, P1..P1+P2-1 servers (default: OMPI_COMM_WORLD_RANK, PMI_RANK or "
         "SLURM_PROCID)")
-    add("--sync", choices=sync_choices(), default="hybrid",
-        help="hybrid: BestScheme per layer, the cheapest registered scheme (default); a "
+    add("--sync", default="hybrid", metavar="|".join(sync_choices()) + "|A+B",
+        help="hybrid: BestScheme per layer, the cheapest registered scheme (default); A+B: "
+        "BestScheme among the named schemes alone (ps+sfb: the paper's Algorithm 1); a "
         "scheme's name (ps, sfb, allreduce, ...) forces it where the layer allows it, PS "
         "elsewhere (SFB takes only InnerProducts; the ring all-reduce every layer)")
     add("--cost-model", choices=COST_MODELS, default="auto",
@@ -300,10 +301,7 @@ class DistOptions:
                                             what="the fusion size")
         self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
         self.credit_bytes = check_send_order(self.priority, self.credit_bytes)
-        if self.sync not in sync_choices():
-            from .errors import DistError
-            raise DistError(f"--sync {self.sync}: not a synchronisation scheme; give one of "
-                            f"{', '.join(sync_choices())}")
+        hybrid_members(self.sync)           # one line for an unknown name
         check_consistency(self)
         check_devices_per_node(self.devices_per_node)
         if self.cost_model not in COST_MODELS:

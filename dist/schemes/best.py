@@ -10,31 +10,54 @@ or early worker (not `bsp_only`) may run: PS.
 
 With the measured cost model (dist/costmodel.py) the comparison is on predicted seconds instead:
 `choose_scheme(..., predicted={name: seconds})`, with the same applicability and tie rules.
+
+`--sync A+B` is a hybrid over the named schemes alone: `ps+sfb` is the paper's Algorithm 1 as
+published, beside which the hybrid over every registered scheme can be measured.
 """
+from ..errors import DistError
 from .base import SCHEMES, scheme_class
 
 FALLBACK = "ps"
 
 
 def sync_choices():
-    """What --sync accepts: hybrid (BestScheme per layer) and every registered scheme."""
+    """What --sync accepts: hybrid (BestScheme per layer) and every registered scheme (and, beside
+    them, a '+'-joined hybrid over some: hybrid_members)."""
     return ("hybrid",) + tuple(SCHEMES)
 
 
-def usable_schemes(rec, relaxed=None):
-    """The registered scheme classes that can sync the layer `rec` (under `relaxed`, if set)."""
+def hybrid_members(sync):
+    """The scheme names a --sync value lets BestScheme choose among: every registered one for
+    'hybrid', the named ones for 'A+B[+...]', None for a single forced scheme. An unknown name is
+    one DistError line."""
+    if sync == "hybrid":
+        return tuple(SCHEMES)
+    names = [n.strip() for n in str(sync).split("+")]
+    unknown = [n for n in names if n not in SCHEMES]
+    if unknown or len(names) != len(set(names)):
+        raise DistError(f"--sync '{sync}': give hybrid, one scheme or several joined by '+' "
+                        f"(each once), from {', '.join(SCHEMES)}")
+    return tuple(names) if len(names) > 1 else None
+
+
+def usable_schemes(rec, relaxed=None, sync="hybrid"):
+    """The registered scheme classes that can sync the layer `rec` (under `relaxed`, if set),
+    among those a hybrid `sync` names."""
+    members = hybrid_members(sync) or tuple(SCHEMES)
     return [cls for cls in SCHEMES.values()
-            if cls.applies_to(rec) and not (relaxed and cls.bsp_only)]
+            if cls.name in members and cls.applies_to(rec) and not (relaxed and cls.bsp_only)]
 
 
 def choose_scheme(rec, P1, P2, sync="hybrid", relaxed=None, predicted=None):
     """The scheme's name for the layer the book describes as `rec`, with P1 workers and P2
     servers. `relaxed`: the option that relaxes BSP, if any. `predicted`: {scheme name: seconds}
     of the measured cost model, compared instead of the floats (the schemes it names only)."""
-    usable = usable_schemes(rec, relaxed)
-    if sync != "hybrid":
+    usable = usable_schemes(rec, relaxed, sync)
+    if hybrid_members(sync) is None:
         forced = scheme_class(sync)
         return forced.name if forced in usable else FALLBACK
+    if not usable:
+        return FALLBACK
     if predicted is not None:
         usable = [cls for cls in usable if cls.name in predicted]
 

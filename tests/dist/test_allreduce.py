@@ -161,6 +161,20 @@ def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path,
         assert costs[rec["scheme"]] == min(costs.values()), (rec["name"], costs)
 
 
+def test_sync_a_plus_b_chooses_among_the_named_schemes_alone(data, tmp_path, small_pieces):
+    """`--sync ps+sfb` is the paper's Algorithm 1: on the net where the full hybrid sends ip2 by
+    the ring, it goes by PS (which ties the ring there on floats), and the job still equals one
+    process; a name not registered is one line."""
+    _, schemes = run_and_compare(data, tmp_path, mixed_net, 8, 2, 2, sync="ps+sfb")
+    assert schemes == {"conv1": "ps", "conv2": "ps", "ip1": "sfb", "ip2": "ps"}
+    rec = {"M": 1000, "N": 1024, "K": 128, "sfb": False, "shapes": [[1000, 1024]]}
+    assert choose_scheme(rec, 8, 8, sync="sfb+allreduce") == "allreduce"
+    assert choose_scheme(rec, 8, 8, sync="ps+sfb") == "ps"
+    for bad in ("ps+nccl", "ps+ps"):
+        with pytest.raises(DistError, match="joined by '\\+'"):
+            choose_scheme(rec, 8, 8, sync=bad)
+
+
 def test_no_servers_under_hybrid_sends_convolutions_by_the_ring(data, tmp_path):
     _, schemes = run_and_compare(data, tmp_path, conv_net, 2, 2, 0)
     assert schemes == {"conv1": "allreduce", "conv2": "allreduce", "ip1": "sfb", "ip2": "sfb"}
