@@ -10,7 +10,7 @@ try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
 except Exception:  # pragma: no cover - depends on the machine
     cupy = None
 
-_state = {"xp": numpy, "device": None, "chosen_device": 0}
+_state = {"xp": numpy, "device": None, "chosen_device": 0, "test_xp": None}
 
 
 def gpu_available():
@@ -71,13 +71,22 @@ def set_mode_from_flag(gpu, local_rank=0):
         raise PoseidonError(f"--gpu {gpu}: {e}") from None
 
 
+def set_array_module_for_tests(xp):
+    """Make `xp`, a stand-in that looks like CuPy (engine/launches.py's CountingModule), the array
+    module of nets built from now on, as set_mode_gpu makes CuPy: the engine then runs the code
+    path it runs on a GPU. None puts numpy back."""
+    _state["test_xp"] = xp
+    _state["xp"] = numpy if xp is None else xp
+    _state["device"] = None
+
+
 def record_event(xp):
     """A CUDA event recorded on the current stream (None on the CPU): work on another stream that
     must follow what was queued so far waits on it (a non-blocking stream does not wait for the
     default one)."""
     if xp is numpy:
         return None
-    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event = xp.cuda.Event(block=False, disable_timing=True)
     event.record()
     return event
 
@@ -88,7 +97,11 @@ def default_xp():
 
 
 def get_array_module(*arrays):
-    """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent)."""
+    """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent; the stand-in that
+    set_array_module_for_tests installed, for its arrays)."""
+    test_xp = _state["test_xp"]
+    if test_xp is not None:
+        return test_xp.get_array_module(*arrays)
     if cupy is not None:
         return cupy.get_array_module(*arrays)
     return numpy
@@ -98,6 +111,9 @@ def to_numpy(array):
     """A host numpy copy (or the array itself when it already is numpy)."""
     if cupy is not None and isinstance(array, cupy.ndarray):
         return cupy.asnumpy(array)
+    test_xp = _state["test_xp"]
+    if test_xp is not None:
+        return test_xp.asnumpy(array)
     return numpy.asarray(array)
 
 

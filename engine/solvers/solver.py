@@ -32,6 +32,7 @@ from ..io import manifest
 from ..proto import caffe_pb2
 from . import rules
 from .factored import FactoredWeights, update_from_factors
+from .health import DeviceHealth
 from . import snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
 from .hooks import SolverHooks
@@ -114,8 +115,13 @@ class Solver:
         # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
         # factors leaves its diff alone, which then need not be cleared again
         self._zeroed = set(range(len(self.net.learnable_params)))
-        self.smoothed_loss = 0.0
         self._losses = []
+        self.smoothed_loss = 0.0
+        # on a GPU: the NaN/Inf record and the losses stay on the device until a display reads
+        # them (engine/solvers/health.py), so a steady-state step never waits for the device
+        self.on_device = self.net.xp is not numpy
+        self._health = (DeviceHealth(self.net.xp, len(self.net.learnable_params))
+                        if self.on_device else None)
         self.requested_early_exit = False
         self._action = None
         log.info("Solver scaffolding done.")
@@ -233,11 +239,12 @@ class Solver:
                     if self.requested_early_exit:
                         break
                 display = p.display and it % p.display == 0
-                loss = hooks.loss(self, it, self.forward_backward())
+                loss = hooks.loss(self, it, self._for_hooks(self.forward_backward()))
                 if not hooks.updates_parameters:
                     self.check_finite(loss)
                 self._update_smoothed_loss(loss, start_iter)
                 if display:
+                    self.check_recorded()
                     self._display()
                 self._log_rate(it, display)
                 hooks.before_update(self, it, loss)
@@ -247,13 +254,15 @@ class Solver:
                 self.iter += 1
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{self.smoothed_loss:.4g}", refresh=False)
+                    if display or not self.on_device:   # on a GPU a read waits for the step
+                        bar.set_postfix(loss=f"{self.smoothed_loss:.4g}", refresh=False)
                 action, self._action = self._action, None
                 if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
                     self.snapshot()
                 if action == "stop":
                     self.requested_early_exit = True
                     break
+            self.check_recorded()
         finally:
             self._factored = {}                 # an early exit or an error mid-step: no plan left
             if bar is not None:
@@ -340,16 +349,24 @@ class Solver:
             for li in range(len(net.layers)):
                 hooks.before_forward(self, it, li)
                 net.ForwardLayer(li, alone=li == len(net.layers) - 1)
-            pass_loss = net.loss()
-            hooks.after_forward(self, it, pass_index, pass_loss)
-            loss += pass_loss
+            pass_loss = net.loss_on_device()     # a float on numpy
+            hooks.after_forward(self, it, pass_index, self._for_hooks(pass_loss))
+            loss = pass_loss if pass_index == 0 else loss + pass_loss
             for li in range(len(net.layers) - 1, -1, -1):
                 net.BackwardThrough(li, li in factored)
                 for callback in net.after_backward:
                     callback(li)
                 hooks.after_backward(self, it, li, pass_index,
                                      backend.record_event(net.xp) if events else None)
-        return loss / n
+        return loss / n if n > 1 else loss
+
+    def _for_hooks(self, loss):
+        """The loss as hooks get it: hooks that do something get a float (they may add, reduce
+        over processes or format it); the no-op hooks of a solver training alone take the device
+        scalar as it is, so a GPU step reads nothing back."""
+        if type(self.hooks) is SolverHooks:
+            return loss
+        return float(loss)
 
     def _param_grad_finite(self, pid):
         """Whether parameter pid's gradient of this iteration is finite: its diff, or for a
@@ -361,8 +378,15 @@ class Solver:
 
     def check_finite(self, loss):
         """Stop with a PoseidonError when the loss or a parameter gradient is not finite, naming the
-        iteration and the first layer (in backward order) whose gradient is not finite."""
+        iteration and the first layer (in backward order) whose gradient is not finite. On a GPU
+        the check is recorded on the device and read by check_recorded (engine/solvers/health.py);
+        gradients made from sufficient factors are checked on the host as on numpy."""
         params = self.net.learnable_params
+        if self.on_device and not self._factored:
+            self._health.record(self.iter, loss, [b.diff for b in params],
+                                squares=self.param.clip_gradients >= 0)
+            return
+        loss = float(loss)
         diffs = [b.diff for pid, b in enumerate(params) if pid not in self._factored]
         if (math.isfinite(loss) and math.isfinite(rules.global_norm_sq(diffs))
                 and all(self._param_grad_finite(pid) for pid in self._factored)):
@@ -390,15 +414,26 @@ class Solver:
         raise PoseidonError(f"iteration {self.iter}: loss is {loss:g}; {detail}; lower base_lr or "
                             f"set clip_gradients (no snapshot was written)")
 
+    def check_recorded(self):
+        """Read the device's NaN/Inf record (a GPU step's check_finite) and stop as check_finite
+        does if an iteration was not finite; nothing to do on numpy, which checked already."""
+        if self._health is not None and not self.hooks.updates_parameters:
+            self._health.check(self.net, self.net.learnable_params)
+            self.net.check_deferred()
+
     def grad_norm_sq(self):
         """Sum of squared gradients over all learnable parameters (for clip_gradients)."""
         return rules.global_norm_sq([b.diff for b in self.net.learnable_params])
 
     def gradient_scale(self):
-        """The factor applied to every raw gradient: clip_gradients' global factor times 1/iter_size."""
+        """The factor applied to every raw gradient: clip_gradients' global factor times 1/iter_size
+        (on a GPU inside step(), a device scalar: the norm is never read back)."""
         p = self.param
         scale = 1.0
-        if p.clip_gradients >= 0:
+        if p.clip_gradients >= 0 and self.on_device and self._health.sums is not None:
+            scale = rules.clip_factor_on_device(p.clip_gradients, self._health.norm_sq())
+            self._health.sums = None
+        elif p.clip_gradients >= 0:
             norm_sq = self.grad_norm_sq()
             scale = rules.clip_factor(p.clip_gradients, norm_sq)
             if scale != 1.0:
@@ -442,8 +477,33 @@ class Solver:
                                  spec.decay_mult, scale, rate=rate)
 
     # ----- display and testing -----------------------------------------------------------------------
+    @property
+    def smoothed_loss(self):
+        """The loss averaged over the last average_loss iterations (Caffe's smoothed loss). On a
+        GPU the losses stay on the device and are read here, when displayed: their mean, equal to
+        Caffe's running update up to rounding."""
+        if self._device_losses is not None:
+            xp = self.net.xp
+            values = backend.to_numpy(xp.stack([xp.asarray(v).reshape(()) for v in
+                                                self._device_losses]))
+            self._smoothed = float(numpy.mean(values.astype(numpy.float64)))
+            self._device_losses = None
+        return self._smoothed
+
+    @smoothed_loss.setter
+    def smoothed_loss(self, value):
+        self._smoothed = value
+        self._device_losses = None
+
     def _update_smoothed_loss(self, loss, start_iter):
         window = self.param.average_loss
+        if self.on_device:                  # kept on the device, read at display
+            if len(self._losses) < window:
+                self._losses.append(loss)
+            else:
+                self._losses[(self.iter - start_iter) % window] = loss
+            self._device_losses = self._losses
+            return
         if len(self._losses) < window:
             self._losses.append(loss)
             size = len(self._losses)
@@ -470,6 +530,7 @@ class Solver:
                 k += 1
 
     def test_all(self):
+        self.check_recorded()
         self.last_test_results = [self.test(i) for i in range(len(self.test_nets))]
         return self.last_test_results
 
@@ -527,6 +588,7 @@ class Solver:
     def snapshot(self):
         """Write <prefix>_iter_N.caffemodel(.h5), .solverstate(.h5) and .cursors.json, and the
         manifest over them last (engine/solvers/snapshots.py); returns the solverstate path."""
+        self.check_recorded()                   # never a snapshot of a run that went NaN
         return self.hooks.snapshot(self, self._write_snapshot)
 
     def _write_snapshot(self):
