@@ -334,7 +334,10 @@ class Net:
         for layer in self.layers:
             check = getattr(layer, "check_deferred", None)
             if check is not None:
-                check()
+                try:
+                    check()
+                except (ModelError, DataError) as e:
+                    raise self._locate(e) from None
 
     def BackwardThrough(self, l, factored=False):
         """The backward of layer l alone (no-op when it needs none). `factored`: the layer leaves

@@ -46,11 +46,10 @@ def _read_labels(layer, blob, outer, inner, classes, ignore):
     lab = blob.data.reshape(outer, inner).astype(numpy.int64)
     valid = None if ignore is None else lab != ignore
     if xp is not numpy:                   # a negative label, seen unsigned, is >= classes too
-        bad = lab.view(numpy.uint64) >= classes
-        if valid is not None:
-            bad &= valid
-        layer.defer_label_check(bad)
-        return lab, valid, lab if valid is None else xp.where(valid, lab, 0)
+        outside = lab.view(numpy.uint64) >= classes
+        layer.defer_label_check(outside if valid is None else outside & valid)
+        # indices kept in range until the check is read (ignored positions count for nothing)
+        return lab, valid, xp.where(outside, 0, lab)
     bad = (lab < 0) | (lab >= classes)
     if valid is not None:
         bad &= valid

@@ -14,11 +14,33 @@ Per step the record costs one reduction per parameter (a sum, or the sum of squa
 clip_gradients needs the norm: `sums` then holds the squares, and `norm_sq` their total for the
 scale), one stack and three elementwise launches; no host read.
 """
+import math
+
 import numpy
 
+from .. import backend
 from ..errors import PoseidonError
 
 NEVER = numpy.iinfo(numpy.int64).max
+
+
+def all_finite(array):
+    """True when every element of `array` is finite. One reduction (the sum) decides in the usual
+    case; the elementwise test runs only when the sum is not finite (NaN/Inf, or an overflow)."""
+    xp = backend.get_array_module(array)
+    if xp is numpy:                       # the ufunc's reduce: no Python layer of ndarray.sum
+        if math.isfinite(numpy.add.reduce(array, axis=None)):
+            return True
+    elif bool(xp.isfinite(array.sum())):
+        return True
+    return bool(xp.isfinite(array).all())
+
+
+def param_label(bi):
+    """'weight', 'bias' or 'param #k' for a layer's k-th parameter blob (for messages)."""
+    return ("weight", "bias")[bi] if bi < 2 else f"param #{bi}"
+
+
 
 
 class DeviceHealth:
@@ -53,8 +75,7 @@ class DeviceHealth:
     def check(self, net, params):
         """Raise the solver's NaN/Inf stop if a recorded iteration was not finite (one host read).
         `params`: the learnable parameter blobs, in the order the gradients were recorded."""
-        from ..backend import to_numpy
-        first = to_numpy(self.first_bad)
+        first = backend.to_numpy(self.first_bad)
         bad_at = int(first.min())
         if bad_at == NEVER:
             return

@@ -32,7 +32,8 @@ from ..io import manifest
 from ..proto import caffe_pb2
 from . import rules
 from .factored import FactoredWeights, update_from_factors
-from .health import DeviceHealth
+from .health import DeviceHealth, all_finite, param_label  # noqa: F401 (dist imports them here)
+from .smoothing import SmoothedLoss
 from . import snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
 from .hooks import SolverHooks
@@ -41,22 +42,6 @@ log = logging.getLogger("poseidon")
 
 
 # ----- the solver ------------------------------------------------------------------------------------
-
-def all_finite(array):
-    """True when every element of `array` is finite. One reduction (the sum) decides in the usual
-    case; the elementwise test runs only when the sum is not finite (NaN/Inf, or an overflow)."""
-    xp = backend.get_array_module(array)
-    if xp is numpy:                       # the ufunc's reduce: no Python layer of ndarray.sum
-        if math.isfinite(numpy.add.reduce(array, axis=None)):
-            return True
-    elif bool(xp.isfinite(array.sum())):
-        return True
-    return bool(xp.isfinite(array).all())
-
-
-def param_label(bi):
-    """'weight', 'bias' or 'param #k' for a layer's k-th parameter blob (for messages)."""
-    return ("weight", "bias")[bi] if bi < 2 else f"param #{bi}"
 
 class Solver:
     """Caffe's Solver with the update rule of the solver file's `type`.
@@ -115,8 +100,7 @@ class Solver:
         # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
         # factors leaves its diff alone, which then need not be cleared again
         self._zeroed = set(range(len(self.net.learnable_params)))
-        self._losses = []
-        self.smoothed_loss = 0.0
+        self._smoothed = SmoothedLoss(self.param.average_loss, self.net.xp)
         # on a GPU: the NaN/Inf record and the losses stay on the device until a display reads
         # them (engine/solvers/health.py), so a steady-state step never waits for the device
         self.on_device = self.net.xp is not numpy
@@ -224,8 +208,7 @@ class Solver:
         hooks = self.hooks
         hooks.begin(self)
         start_iter, stop_iter = self.iter, self.iter + int(iters)
-        self._losses = []
-        self.smoothed_loss = 0.0
+        self._smoothed.reset()
         self._timer = time.perf_counter()
         self._iterations_last = self.iter
         bar = self._progress_bar(stop_iter - start_iter)
@@ -479,39 +462,12 @@ class Solver:
     # ----- display and testing -----------------------------------------------------------------------
     @property
     def smoothed_loss(self):
-        """The loss averaged over the last average_loss iterations (Caffe's smoothed loss). On a
-        GPU the losses stay on the device and are read here, when displayed: their mean, equal to
-        Caffe's running update up to rounding."""
-        if self._device_losses is not None:
-            xp = self.net.xp
-            values = backend.to_numpy(xp.stack([xp.asarray(v).reshape(()) for v in
-                                                self._device_losses]))
-            self._smoothed = float(numpy.mean(values.astype(numpy.float64)))
-            self._device_losses = None
-        return self._smoothed
-
-    @smoothed_loss.setter
-    def smoothed_loss(self, value):
-        self._smoothed = value
-        self._device_losses = None
+        """The loss averaged over the last average_loss iterations (engine/solvers/smoothing.py:
+        on a GPU read from the device here)."""
+        return self._smoothed.value
 
     def _update_smoothed_loss(self, loss, start_iter):
-        window = self.param.average_loss
-        if self.on_device:                  # kept on the device, read at display
-            if len(self._losses) < window:
-                self._losses.append(loss)
-            else:
-                self._losses[(self.iter - start_iter) % window] = loss
-            self._device_losses = self._losses
-            return
-        if len(self._losses) < window:
-            self._losses.append(loss)
-            size = len(self._losses)
-            self.smoothed_loss = (self.smoothed_loss * (size - 1) + loss) / size
-        else:
-            idx = (self.iter - start_iter) % window
-            self.smoothed_loss += (loss - self._losses[idx]) / window
-            self._losses[idx] = loss
+        self._smoothed.add(loss, self.iter - start_iter)
 
     def _display(self):
         now = time.perf_counter()
