@@ -3,6 +3,8 @@
 Every layer asks `get_array_module(array)` once per method and then writes one code path for both,
 as Chainer does. Only this module imports CuPy, so a machine without it never sees an ImportError.
 """
+import os
+
 import numpy
 
 try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
@@ -49,6 +51,38 @@ def set_mode_gpu(device=None):
     cupy.cuda.Device(device).use()
     _state["xp"] = cupy
     _state["device"] = device
+    if tf32_requested():
+        set_tf32(True)
+
+
+TF32_VARIABLE = "POSEIDON_TF32"
+
+
+def tf32_requested():
+    """Whether --tf32 asked for TF32 (POSEIDON_TF32=1, which the processes of a job inherit)."""
+    return os.environ.get(TF32_VARIABLE, "").strip().lower() in ("1", "yes", "true", "on")
+
+
+def set_tf32(enabled):
+    """Let CuPy's float32 GEMMs (the engine's convolutions and InnerProducts go through them)
+    round their inputs to TF32 on the tensor cores of Ampere and newer GPUs, or keep full FP32
+    (the default, as numpy computes). The setting is CuPy's compute type for float32
+    (cupy._core.set_compute_type; CUPY_TF32=1 sets it for a fresh process). Returns 'tf32',
+    'fp32', or a sentence saying why TF32 could not be set (no CuPy, a GPU older than
+    Ampere, a CuPy without the setting)."""
+    os.environ[TF32_VARIABLE] = "1" if enabled else "0"
+    if cupy is None:
+        return "CuPy is not installed: TF32 is a GPU math mode"
+    try:
+        from cupy._core import _routines_linalg as linalg
+        compute_type = linalg.COMPUTE_TYPE_TF32 if enabled else linalg.COMPUTE_TYPE_DEFAULT
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # CuPy warns, and keeps FP32, before Ampere
+            cupy._core.set_compute_type(numpy.float32, compute_type)
+    except Exception as e:
+        return f"TF32 not set ({type(e).__name__}: {e}); the engine computes in FP32"
+    return "tf32" if enabled else "fp32"
 
 
 def set_mode_from_flag(gpu, local_rank=0):
