@@ -255,3 +255,121 @@ def test_negative_labels_are_caught_on_the_device_too(stand_in):
     solver = tiny_solver(stand_in, labels=(0, 1, 2, 0, -1, 2, 0, 1))
     with pytest.raises(ModelError, match="layer 'loss'"):
         solver.step(2)                                    # read when step() returns
+
+
+# ----- precision: --tf32 ----------------------------------------------------------------------------
+def test_tf32_is_asked_for_through_the_environment(monkeypatch):
+    monkeypatch.delenv(backend.TF32_VARIABLE, raising=False)
+    assert not backend.tf32_requested()
+    said = backend.set_tf32(True)
+    assert backend.tf32_requested()                       # a job's processes inherit it
+    if backend.cupy is None:
+        assert "CuPy is not installed" in said
+    backend.set_tf32(False)
+    assert not backend.tf32_requested()
+
+
+def test_tf32_without_a_gpu_is_one_line(monkeypatch, capsys):
+    from poseidon.tools import cli
+    monkeypatch.delenv(backend.TF32_VARIABLE, raising=False)
+    assert cli.main(["bench", "--tf32", "--no-plots", "--parts", ""]) == 1
+    assert cli.main(["train", "--solver", "missing.prototxt", "--tf32"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("--tf32" in line and "--gpu" in line for line in err)
+    assert not backend.tf32_requested()
+
+
+def test_the_torch_reference_is_held_to_the_engines_precision():
+    from types import SimpleNamespace
+    from poseidon.tools.bench.torch_ref import set_precision
+    torch = SimpleNamespace(backends=SimpleNamespace(cudnn=SimpleNamespace(allow_tf32=True),
+                                                     cuda=SimpleNamespace(matmul=SimpleNamespace(
+                                                         allow_tf32=True))))
+    assert set_precision(torch, False) == "fp32"
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert set_precision(torch, True) == "tf32"
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+
+
+# ----- the device probe, as far as the CPU goes -------------------------------------------------------
+def test_the_probe_plan_fits_its_budget():
+    from poseidon.tools.bench import gpu_probe
+    full = gpu_probe.plan()
+    assert [name for name, _ in full] == ["env", "tests", "layers", "timings", "launches",
+                                          "layer_times", "capture"]
+    assert sum(s for _, s in full) <= gpu_probe.BUDGET_S <= 7 * 60 - 20
+    assert sum(s for _, s in gpu_probe.plan(budget=100)) <= 100
+    assert gpu_probe.plan("capture,env") == [("env", 20), ("capture", 25)]
+    with pytest.raises(ValueError, match="unknown probe part.*choose from env"):
+        gpu_probe.plan("env,warp")
+    args = gpu_probe.parse_args(["--gpu", "1", "--probe-parts", "timings", "--budget", "60"])
+    assert (args.gpu, args.probe_parts, args.budget, args.part) == ("1", "timings", 60.0, None)
+
+
+def test_the_probe_without_a_gpu_says_so_in_one_line(tmp_path):
+    """Run as the image has it: no pyzmq, no lmdb (blocked here), and no GPU on this machine."""
+    import subprocess
+    import sys
+    if backend.gpu_available():
+        pytest.skip("this machine has a GPU")
+    code = ("import sys; sys.modules['zmq'] = sys.modules['lmdb'] = None; "
+            "from poseidon.tools import cli; "
+            f"sys.exit(cli.main(['bench', '--gpu', '0', '--probe', '--out', r'{tmp_path}']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "no GPU here" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_or_slow_part_is_recorded_and_the_results_written(tmp_path, monkeypatch):
+    from poseidon.tools.bench import gpu_probe
+    failed = gpu_probe.run_part("env", 30, 0, tmp_path)   # no GPU here: the child stops
+    assert failed["status"] == "failed" and failed["last_lines"]
+    monkeypatch.setattr(gpu_probe, "GRACE_S", 0)
+    slow = gpu_probe.run_part("env", 0.05, 0, tmp_path)
+    assert slow["status"] == "timed out"
+    results = {"gpu": "0", "budget_s": 400, "parts": {"env": failed, "timings": slow}}
+    gpu_probe.write_results(results, tmp_path / "out")
+    assert json_of(tmp_path / "out" / "results.json")["parts"]["timings"]["status"] == "timed out"
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| env | failed |" in text and "| timings | timed out |" in text
+
+
+def json_of(path):
+    import json
+    return json.loads(path.read_text())
+
+
+def test_the_probe_report_reads_fake_measurements(tmp_path):
+    from poseidon.tools.bench import gpu_probe
+    measured = {"net": "cifar10_quick", "batch": 100, "status": "measured",
+                "fp32": {"engine": 20.0, "torch": 5.0, "engine_speed_vs_torch": 0.25},
+                "tf32": {"engine": 16.0, "torch": 4.0, "engine_speed_vs_torch": 0.25}}
+    parts = {
+        "env": {"status": "ok", "seconds": 3, "record": {
+            "device": "NVIDIA H100 80GB HBM3", "cupy": "14.0.0", "skipped": [
+                "the distributed tests and bench parts c-e, g: pyzmq is not installed"]}},
+        "timings": {"status": "ok", "seconds": 140, "record": {"rows": [
+            measured, {"net": "resnet50", "batch": 32, "status": "not run (time)"}]}},
+        "launches": {"status": "ok", "seconds": 20, "record": {
+            "stand_in": {"launches_per_step": 332, "host_syncs_per_step": 0},
+            "engine_step": {"kernels": 340, "memcpy": 0, "memset": 10}}},
+        "capture": {"status": "ok", "seconds": 9, "record": {
+            "captured": False, "error": "CUDARuntimeError: operation not permitted"}}}
+    gpu_probe.write_results({"gpu": "0", "budget_s": 400, "parts": parts}, tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    assert "| cifar10_quick | 100 | 20.0 | 5.0 | 0.25x | 16.0 | 4.0 | 0.25x |" in text
+    assert "resnet50 | 32 | not run (time)" in text
+    assert "pyzmq is not installed" in text and "332 launches and 0 host syncs" in text
+    assert "captured: False; CUDARuntimeError" in text
+    assert json_of(tmp_path / "results.json")["parts"]["launches"]["record"]["stand_in"][
+        "launches_per_step"] == 332
+
+
+def test_the_probes_stand_in_count_is_the_tests(cifar_counts):
+    from poseidon.tools.bench.gpu_probe_parts import _stand_in_count
+    routes = {name: "im2col" for name in ("conv1", "conv2", "conv3")}
+    counted = _stand_in_count(routes)
+    assert counted["launches_per_step"] == cifar_counts["step"][0]
+    assert counted["host_syncs_per_step"] == 0

@@ -65,6 +65,8 @@ def add(sub):
                    help="with --gpu: the prepared device probe instead (tools/bench/gpu_probe.py: "
                         "versions, GPU tests, layer checks, timings, launches, a CUDA graph "
                         "capture; results.json and results.md in --out, at most 7 minutes)")
+    from poseidon.tools.bench.gpu_probe import add_options
+    add_options(p)
     p.set_defaults(run=run)
 
 
