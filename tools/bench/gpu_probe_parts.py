@@ -335,7 +335,11 @@ def launches(ctx):
     except Exception as e:
         ctx.emit(profiler=f"not run: no PyTorch ({type(e).__name__})")
         return
-    ctx.emit(engine_step=_profiled(engine, profile, ProfilerActivity))
+    seen = _profiled(engine, profile, ProfilerActivity)
+    if not seen["kernels"]:
+        seen["note"] = ("CUPTI reported none of CuPy's kernels to PyTorch's profiler: count "
+                        "them with nsys instead")
+    ctx.emit(engine_step=seen)
     ctx.emit(torch_step=_profiled(TorchStep(engine, f"cuda:{ctx.gpu}"), profile, ProfilerActivity))
     del torch
 
