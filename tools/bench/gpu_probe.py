@@ -12,8 +12,8 @@ own time limit, so that one that fails, hangs or runs out of memory is recorded 
                --wheels DIR they are installed from that folder first, no network needed)
   tests        the suite's GPU tests (pytest -m gpu)
   layers       every layer configuration of tests/test_gpu.py on CuPy against numpy (forward and
-               backward), the registered layer types no configuration covers, and the modules of
-               engine/kernels/ where that folder exists (their self_check(xp) where they have one)
+               backward), the registered layer types no configuration covers, and the modules
+               of the engine's kernels package where there is one (their self_check(xp))
   timings      the engine's training step (forward, backward, update) beside PyTorch CUDA's, the
                sides taking turns in one process: cifar10_quick (100), fc_heavy (32), the VGG
                block (16), AlexNet (128), GoogLeNet (64), ResNet-50 (32); FP32 on both sides,

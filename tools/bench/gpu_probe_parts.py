@@ -135,12 +135,12 @@ def layers(ctx):
 
 
 def _kernel_checks(ctx, cupy):
-    """engine/kernels/, where present: each module imported, and its self_check(xp) run where it
-    has one (a kernel's own comparison with its xp code)."""
+    """The engine's kernels package (poseidon.engine.kernels), where present: each module
+    imported, and its self_check(xp) run where it has one (the kernel against its xp code)."""
     try:
         package = importlib.import_module("poseidon.engine.kernels")
     except ImportError:
-        return {"status": "no engine/kernels/ in this tree"}
+        return {"status": "no kernels package in this tree"}
     found = {}
     for path in sorted(Path(package.__file__).parent.glob("*.py")):
         if path.stem == "__init__" or ctx.left() < 2:
