@@ -372,3 +372,19 @@ def test_the_probes_stand_in_count_is_the_tests(cifar_counts):
     counted = _stand_in_count(routes)
     assert counted["launches_per_step"] == cifar_counts["step"][0]
     assert counted["host_syncs_per_step"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
+def test_a_cupy_step_keeps_its_loss_on_the_device_and_trains_as_numpy():
+    import cupy
+    want = tiny_solver(np, clip_gradients=0.05, display=2)
+    want.step(6)
+    solver = tiny_solver(cupy, clip_gradients=0.05, display=2)
+    assert isinstance(solver.net.loss_on_device(), cupy.ndarray)
+    solver.step(6)
+    for w, g in zip(params(want), params(solver)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    assert solver.smoothed_loss == pytest.approx(want.smoothed_loss, rel=1e-4)
+    with pytest.raises(PoseidonError, match="iteration 3: loss is not finite"):
+        tiny_solver(cupy, hooks=PoisonAt(3), display=5).step(20)

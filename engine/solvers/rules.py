@@ -241,7 +241,7 @@ class UpdateRule:
         that would write it writes a scratch buffer instead, so keeping costs no extra pass."""
         s = value.dtype.type
         xp = get_array_module(value)
-        on_device = hasattr(grad_scale, "shape")       # a device scalar: never read back
+        on_device = not isinstance(grad_scale, (int, float, numpy.generic))  # a device scalar
         if on_device or grad_scale != 1:
             factor = grad_scale if on_device else s(grad_scale)
             if keep_grad:
