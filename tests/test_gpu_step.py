@@ -49,12 +49,15 @@ def stand_in():
         backend.set_array_module_for_tests(None)
 
 
-def tiny_solver(xp, labels=(0, 1, 2, 0, 1, 2, 0, 1), hooks=None, **settings):
+def tiny_solver(xp, labels=(0, 1, 2, 0, 1, 2, 0, 1), hooks=None, test_iter=0, **settings):
     sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.01,
                                    lr_policy="fixed", max_iter=100, display=0, random_seed=5)
     for key, value in settings.items():
         setattr(sp, key, value)
     sp.net_param.CopyFrom(parse_net_text(TINY))
+    if test_iter:                                         # a test net of the same net
+        sp.test_iter.append(test_iter)
+        sp.test_net_param.add().CopyFrom(sp.net_param)
     solver = get_solver(sp, xp=xp, hooks=hooks)
     data = np.random.RandomState(0).standard_normal((8, 6)).astype(np.float32)
     solver.net.blobs["data"].data[...] = backend.to_xp(data, solver.net.xp)
@@ -388,3 +391,11 @@ def test_a_cupy_step_keeps_its_loss_on_the_device_and_trains_as_numpy():
     assert solver.smoothed_loss == pytest.approx(want.smoothed_loss, rel=1e-4)
     with pytest.raises(PoseidonError, match="iteration 3: loss is not finite"):
         tiny_solver(cupy, hooks=PoisonAt(3), display=5).step(20)
+
+
+def test_a_test_nets_bad_label_stops_the_test(stand_in):
+    solver = tiny_solver(stand_in, test_iter=2, test_interval=100)
+    assert solver.test_all()[0]["loss"] > 0                # labels 0: fine
+    solver.test_nets[0].blobs["label"].data[...] = 7
+    with pytest.raises(ModelError, match="layer 'loss'.*not a class index"):
+        solver.test_all()

@@ -510,6 +510,8 @@ class Solver:
             else:
                 for acc, name in zip(sums, net.output_names):
                     acc += net.blobs[name].data
+        if self.on_device:
+            net.check_deferred()                # the test net's own label checks
         if not n:
             return OrderedDict()
         local = numpy.concatenate([[loss]] + [backend.to_numpy(acc).reshape(-1) for acc in sums])
