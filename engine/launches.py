@@ -23,6 +23,8 @@ view), a fill (`a[...] = 0`, zeros, full, fill) and a custom kernel (`counted_ke
 `float()`, `int()`, `bool()`, `.item()`, `.tolist()`, formatting, `asnumpy`, a boolean-mask index
 (CuPy must learn the result's size) and a device synchronize. The figures are what the same
 calls would launch on CuPy, up to its own fusions (CuPy launches one kernel per such call too).
+One read goes unseen: numpy.asarray of a device array (a numpy subclass gives itself up without
+a call to count), which CuPy refuses outright, so the GPU tests catch it.
 """
 import types
 

@@ -6,7 +6,8 @@ command that writes results.json, results.md and PNG plots into --out (default b
     poseidon bench --quick              # a one-minute smoke run (small batches, 2 runs, no jobs)
     poseidon bench --parts a,b          # only throughput and per-layer times
     poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
-    poseidon bench --parts "" --gpu 0   # the GPU run alone (about a minute)
+    poseidon bench --parts "" --gpu 0   # the GPU run alone (about a minute); --tf32: TF32 GEMMs
+    poseidon bench --gpu 0 --probe      # the device probe (tools/bench/gpu_probe.py, <= 7 min)
 
 Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
 path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth, f the real networks of prototxt/
