@@ -108,10 +108,13 @@ def set_mode_from_flag(gpu, local_rank=0):
 def set_array_module_for_tests(xp):
     """Make `xp`, a stand-in that looks like CuPy (engine/launches.py's CountingModule), the array
     module of nets built from now on, as set_mode_gpu makes CuPy: the engine then runs the code
-    path it runs on a GPU. None puts numpy back."""
+    path it runs on a GPU. None puts back the module that was in use before."""
+    if xp is None:
+        _state["xp"] = _state.pop("before_test_xp", _state["xp"])
+    else:
+        _state.setdefault("before_test_xp", _state["xp"])
+        _state["xp"] = xp
     _state["test_xp"] = xp
-    _state["xp"] = numpy if xp is None else xp
-    _state["device"] = None
 
 
 def record_event(xp):
@@ -134,8 +137,8 @@ def get_array_module(*arrays):
     """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent; the stand-in that
     set_array_module_for_tests installed, for its arrays)."""
     test_xp = _state["test_xp"]
-    if test_xp is not None:
-        return test_xp.get_array_module(*arrays)
+    if test_xp is not None and test_xp.get_array_module(*arrays) is test_xp:
+        return test_xp
     if cupy is not None:
         return cupy.get_array_module(*arrays)
     return numpy
@@ -146,7 +149,7 @@ def to_numpy(array):
     if cupy is not None and isinstance(array, cupy.ndarray):
         return cupy.asnumpy(array)
     test_xp = _state["test_xp"]
-    if test_xp is not None:
+    if test_xp is not None and isinstance(array, test_xp.ndarray):
         return test_xp.asnumpy(array)
     return numpy.asarray(array)
 

@@ -106,6 +106,15 @@ def test_the_backend_runs_the_device_path_on_the_stand_in(stand_in):
     assert isinstance(backend.to_numpy(data), np.ndarray)
     backend.set_array_module_for_tests(None)
     assert backend.default_xp() is np and backend.get_array_module(np.zeros(1)) is np
+    backend.set_mode_cpu()
+    marker = object()                                     # what was in use comes back
+    backend._state["xp"] = marker
+    try:
+        backend.set_array_module_for_tests(CountingModule())
+        backend.set_array_module_for_tests(None)
+        assert backend.default_xp() is marker
+    finally:
+        backend.set_mode_cpu()
 
 
 # ----- cifar10_quick: the launch budget and the capture guard --------------------------------------
