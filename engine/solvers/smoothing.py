@@ -11,8 +11,7 @@ from .. import backend
 
 
 class SmoothedLoss:
-    def __init__(self, window, xp=numpy):
-        self.window = window
+    def __init__(self, xp=numpy):
         self.xp = xp
         self.reset()
 
@@ -21,9 +20,10 @@ class SmoothedLoss:
         self._value = value
         self._pending = False          # device losses added since the value was computed
 
-    def add(self, loss, index):
-        """The loss of the index-th iteration since the reset."""
-        losses, window = self.losses, self.window
+    def add(self, loss, index, window):
+        """The loss of the index-th iteration since the reset, averaged over `window`
+        (average_loss, read each time as Caffe does)."""
+        losses = self.losses
         if self.xp is not numpy:
             if len(losses) < window:
                 losses.append(loss)

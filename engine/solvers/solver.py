@@ -100,7 +100,7 @@ class Solver:
         # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
         # factors leaves its diff alone, which then need not be cleared again
         self._zeroed = set(range(len(self.net.learnable_params)))
-        self._smoothed = SmoothedLoss(self.param.average_loss, self.net.xp)
+        self._smoothed = SmoothedLoss(self.net.xp)
         # on a GPU: the NaN/Inf record and the losses stay on the device until a display reads
         # them (engine/solvers/health.py), so a steady-state step never waits for the device
         self.on_device = self.net.xp is not numpy
@@ -467,7 +467,7 @@ class Solver:
         return self._smoothed.value
 
     def _update_smoothed_loss(self, loss, start_iter):
-        self._smoothed.add(loss, self.iter - start_iter)
+        self._smoothed.add(loss, self.iter - start_iter, self.param.average_loss)
 
     def _display(self):
         now = time.perf_counter()
