@@ -4,6 +4,7 @@ Every layer asks `get_array_module(array)` once per method and then writes one c
 as Chainer does. Only this module imports CuPy, so a machine without it never sees an ImportError.
 """
 import contextlib
+import os
 
 import numpy
 
@@ -12,7 +13,7 @@ try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
 except Exception:  # pragma: no cover - depends on the machine
     cupy = None
 
-_state = {"xp": numpy, "device": None, "chosen_device": 0}
+_state = {"xp": numpy, "device": None, "chosen_device": 0, "test_xp": None}
 
 
 def gpu_available():
@@ -51,6 +52,38 @@ def set_mode_gpu(device=None):
     cupy.cuda.Device(device).use()
     _state["xp"] = cupy
     _state["device"] = device
+    if tf32_requested():
+        set_tf32(True)
+
+
+TF32_VARIABLE = "POSEIDON_TF32"
+
+
+def tf32_requested():
+    """Whether --tf32 asked for TF32 (POSEIDON_TF32=1, which the processes of a job inherit)."""
+    return os.environ.get(TF32_VARIABLE, "").strip().lower() in ("1", "yes", "true", "on")
+
+
+def set_tf32(enabled):
+    """Let CuPy's float32 GEMMs (the engine's convolutions and InnerProducts go through them)
+    round their inputs to TF32 on the tensor cores of Ampere and newer GPUs, or keep full FP32
+    (the default, as numpy computes). The setting is CuPy's compute type for float32
+    (cupy._core.set_compute_type; CUPY_TF32=1 sets it for a fresh process). Returns 'tf32',
+    'fp32', or a sentence saying why TF32 could not be set (no CuPy, a GPU older than
+    Ampere, a CuPy without the setting)."""
+    os.environ[TF32_VARIABLE] = "1" if enabled else "0"
+    if cupy is None:
+        return "CuPy is not installed: TF32 is a GPU math mode"
+    try:
+        from cupy._core import _routines_linalg as linalg
+        compute_type = linalg.COMPUTE_TYPE_TF32 if enabled else linalg.COMPUTE_TYPE_DEFAULT
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # CuPy warns, and keeps FP32, before Ampere
+            cupy._core.set_compute_type(numpy.float32, compute_type)
+    except Exception as e:
+        return f"TF32 not set ({type(e).__name__}: {e}); the engine computes in FP32"
+    return "tf32" if enabled else "fp32"
 
 
 def set_mode_from_flag(gpu, local_rank=0):
@@ -90,13 +123,25 @@ def on_device_of(array, like):
         return array.copy()
 
 
+def set_array_module_for_tests(xp):
+    """Make `xp`, a stand-in that looks like CuPy (engine/launches.py's CountingModule), the array
+    module of nets built from now on, as set_mode_gpu makes CuPy: the engine then runs the code
+    path it runs on a GPU. None puts back the module that was in use before."""
+    if xp is None:
+        _state["xp"] = _state.pop("before_test_xp", _state["xp"])
+    else:
+        _state.setdefault("before_test_xp", _state["xp"])
+        _state["xp"] = xp
+    _state["test_xp"] = xp
+
+
 def record_event(xp):
     """A CUDA event recorded on the current stream (None on the CPU): work on another stream that
     must follow what was queued so far waits on it (a non-blocking stream does not wait for the
     default one)."""
     if xp is numpy:
         return None
-    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event = xp.cuda.Event(block=False, disable_timing=True)
     event.record()
     return event
 
@@ -107,7 +152,11 @@ def default_xp():
 
 
 def get_array_module(*arrays):
-    """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent)."""
+    """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent; the stand-in that
+    set_array_module_for_tests installed, for its arrays)."""
+    test_xp = _state["test_xp"]
+    if test_xp is not None and test_xp.get_array_module(*arrays) is test_xp:
+        return test_xp
     if cupy is not None:
         return cupy.get_array_module(*arrays)
     return numpy
@@ -117,6 +166,9 @@ def to_numpy(array):
     """A host numpy copy (or the array itself when it already is numpy)."""
     if cupy is not None and isinstance(array, cupy.ndarray):
         return cupy.asnumpy(array)
+    test_xp = _state["test_xp"]
+    if test_xp is not None and isinstance(array, test_xp.ndarray):
+        return test_xp.asnumpy(array)
     return numpy.asarray(array)
 
 

@@ -305,13 +305,41 @@ class Net:
         return self.loss()
 
     def loss(self):
-        """The weighted loss of the last forward; seeds each loss top's diff with its weight."""
-        loss = 0.0
+        """The weighted loss of the last forward (a float); seeds each loss top's diff with its
+        weight."""
+        loss = self.loss_on_device()
+        return loss if self.xp is numpy else float(loss)
+
+    def loss_on_device(self):
+        """loss() left where it was computed: on numpy the float itself; on a GPU a new 0-d
+        device array, which the host waits for only when something reads it (the display), so
+        a training step needs no host round-trip for its loss."""
+        if self.xp is numpy:
+            loss = 0.0
+            for li, ti, w in self._loss_tops:
+                top = self.top_vecs[li][ti]
+                top.diff[...] = w
+                loss += float(w * top.data.sum())
+            return loss
+        loss = None
         for li, ti, w in self._loss_tops:
             top = self.top_vecs[li][ti]
             top.diff[...] = w
-            loss += float(w * top.data.sum())
-        return loss
+            value = top.data.reshape(()) if top.count == 1 else top.data.sum()
+            term = value * w                                # a new array: the top is reused
+            loss = term if loss is None else loss + term
+        return self.xp.zeros((), self.dtype) if loss is None else loss
+
+    def check_deferred(self):
+        """Raise what layers found on the device and left to be read later (a GPU step's label
+        check, engine/layers/loss.py): one host read per such layer, at a display."""
+        for layer in self.layers:
+            check = getattr(layer, "check_deferred", None)
+            if check is not None:
+                try:
+                    check()
+                except (ModelError, DataError) as e:
+                    raise self._locate(e) from None
 
     def BackwardThrough(self, l, factored=False):
         """The backward of layer l alone (no-op when it needs none). `factored`: the layer leaves

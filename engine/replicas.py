@@ -181,15 +181,19 @@ class ReplicaGroup:
         self._each(forward, ordered=getattr(self.leader.layers[li], "draws_random", False))
 
     def loss(self):
-        """The mean of the replicas' losses (seeding each loss top's diff, as Net.loss does)."""
+        """The mean of the replicas' losses (seeding each loss top's diff, as Net.loss does): a
+        float on numpy, a device scalar on the leader's GPU, so the step reads nothing back."""
         if self.count == 1:
-            return self.leader.loss()
+            return self.leader.loss_on_device()
         losses = [0.0] * self.count
 
         def loss(g, net):
-            losses[g] = net.loss()
+            losses[g] = net.loss_on_device()
         self._each(loss)
-        return sum(losses) / self.count
+        total = losses[0]
+        for other in losses[1:]:
+            total = total + backend.on_device_of(other, losses[0])
+        return total / self.count
 
     def backward_layer(self, li, factored=False, reduce=True):
         """Layer li's backward on every replica; with `reduce` (the iteration's last pass), the

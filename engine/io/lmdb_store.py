@@ -39,10 +39,26 @@ import shutil
 import threading
 import warnings
 
-import lmdb
-
 from ..errors import DataError
 from .batch import decode_batch  # noqa: F401  (importable from here too, for callers of the reader)
+
+
+class _LazyLmdb:
+    """The lmdb package, imported where a database is first opened: a machine without it (a
+    GPU image running the engine on in-memory data) still imports the engine."""
+
+    def __getattr__(self, name):
+        global lmdb
+        try:
+            import lmdb as module
+        except ImportError as e:
+            raise DataError(f"reading or writing an LMDB database needs the lmdb package "
+                            f"({e}): pip install lmdb") from None
+        lmdb = module
+        return getattr(module, name)
+
+
+lmdb = _LazyLmdb()
 
 DEFAULT_MAP_SIZE = 1 << 26          # 64 MiB to start; doubled whenever the map fills
 COMMIT_EVERY = 1000                 # as Caffe's converters

@@ -47,6 +47,11 @@ def _read_labels(layer, blob, outer, inner, classes, ignore):
     xp = layer.xp
     lab = blob.data.reshape(outer, inner).astype(numpy.int64)
     valid = None if ignore is None else lab != ignore
+    if xp is not numpy:                   # a negative label, seen unsigned, is >= classes too
+        outside = lab.view(numpy.uint64) >= classes
+        layer.defer_label_check(outside if valid is None else outside & valid)
+        # indices kept in range until the check is read (ignored positions count for nothing)
+        return lab, valid, xp.where(outside, 0, lab)
     bad = (lab < 0) | (lab >= classes)
     if valid is not None:
         bad &= valid
@@ -56,6 +61,30 @@ def _read_labels(layer, blob, outer, inner, classes, ignore):
                           f"have {classes} classes){'' if ignore is None else f' nor the ignore_label {ignore}'}")
     safe = lab if valid is None else xp.where(valid, lab, 0)
     return lab, valid, safe
+
+
+class DeviceLabelCheck:
+    """The label check of a layer on a GPU: a device flag, set by any forward that met a label
+    out of range and read by check_deferred (the solver calls it at each display, through
+    Net.check_deferred), so a training step does not wait for the device to say that its labels
+    were fine. On numpy the forward checks and stops at once (_read_labels)."""
+
+    _bad_labels = None
+
+    def defer_label_check(self, bad):
+        if self._bad_labels is None:
+            self._bad_labels = bad.any()
+        else:
+            self.xp.logical_or(self._bad_labels, bad.any(), out=self._bad_labels)
+
+    def check_deferred(self):
+        if self._bad_labels is None or not bool(self._bad_labels):
+            return
+        ignore = "" if self.ignore is None else f" nor the ignore_label {self.ignore}"
+        raise self.error(f"a label is not a class index in [0, {self.classes}) (scores have "
+                         f"{self.classes} classes){ignore}; on a GPU labels are checked on the "
+                         f"device and read at each display, so it came in one of the "
+                         f"iterations since the last: check the data's labels")
 
 
 def _softmax(xp, x3, out3):
@@ -90,7 +119,7 @@ class SoftmaxLayer(Layer):
 
 
 @register("SoftmaxWithLoss")
-class SoftmaxWithLossLayer(Layer):
+class SoftmaxWithLossLayer(DeviceLabelCheck, Layer):
     """Multinomial logistic loss of the softmax; optional top[1] = the probabilities (no gradient)."""
 
     exact_bottoms = 2
@@ -229,7 +258,7 @@ class EuclideanLossLayer(Layer):
 
 
 @register("Accuracy")
-class AccuracyLayer(Layer):
+class AccuracyLayer(DeviceLabelCheck, Layer):
     """Fraction of (non-ignored) positions whose true class is among the top_k scores; a class scoring
     >= the true one ranks above it (ties count against). Optional top[1]: accuracy per class (C,)."""
 

@@ -92,6 +92,14 @@ def clip_factor(clip_gradients, norm_sq):
     return clip_gradients / norm if norm > clip_gradients else 1.0
 
 
+def clip_factor_on_device(clip_gradients, norm_sq):
+    """clip_factor with the squared norm a device scalar, computed on the device (a 0-d array):
+    the host never reads the norm, so a GPU step need not wait for its gradients."""
+    xp = get_array_module(norm_sq)
+    norm = xp.sqrt(norm_sq)
+    return xp.where(norm > clip_gradients, clip_gradients / norm, norm.dtype.type(1))
+
+
 def clip_scale(solver_param, grads, norm_sq=None):
     """The factor every gradient is multiplied by for solver_param.clip_gradients, over ALL grads."""
     clip = solver_param.clip_gradients
@@ -284,12 +292,14 @@ class UpdateRule:
         that would write it writes a scratch buffer instead, so keeping costs no extra pass."""
         s = value.dtype.type
         xp = get_array_module(value)
-        if grad_scale != 1:
+        on_device = not isinstance(grad_scale, (int, float, numpy.generic))  # a device scalar
+        if on_device or grad_scale != 1:
+            factor = grad_scale if on_device else s(grad_scale)
             if keep_grad:
-                grad = xp.multiply(grad, s(grad_scale), out=_scratch(value, GRAD_SLOT))
+                grad = xp.multiply(grad, factor, out=_scratch(value, GRAD_SLOT))
                 keep_grad = False
             else:
-                grad *= s(grad_scale)
+                grad *= factor
         local_decay = s(self.weight_decay) * s(decay_mult)
         if local_decay:
             t = _scratch(value, GRAD_SLOT if keep_grad else 0)

@@ -35,6 +35,8 @@ from . import rules
 from .factored import FactoredWeights, update_from_factors
 from .flat_update import update_params
 from ..flat_params import FlatParams
+from .health import DeviceHealth, all_finite, param_label  # noqa: F401 (dist imports them here)
+from .smoothing import SmoothedLoss
 from . import snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
 from .hooks import SolverHooks
@@ -43,22 +45,6 @@ log = logging.getLogger("poseidon")
 
 
 # ----- the solver ------------------------------------------------------------------------------------
-
-def all_finite(array):
-    """True when every element of `array` is finite. One reduction (the sum) decides in the usual
-    case; the elementwise test runs only when the sum is not finite (NaN/Inf, or an overflow)."""
-    xp = backend.get_array_module(array)
-    if xp is numpy:                       # the ufunc's reduce: no Python layer of ndarray.sum
-        if math.isfinite(numpy.add.reduce(array, axis=None)):
-            return True
-    elif bool(xp.isfinite(array.sum())):
-        return True
-    return bool(xp.isfinite(array).all())
-
-
-def param_label(bi):
-    """'weight', 'bias' or 'param #k' for a layer's k-th parameter blob (for messages)."""
-    return ("weight", "bias")[bi] if bi < 2 else f"param #{bi}"
 
 class Solver:
     """Caffe's Solver with the update rule of the solver file's `type`.
@@ -125,8 +111,12 @@ class Solver:
         # parameters whose diff is known to hold zeros (a new net's do): a weight made from its
         # factors leaves its diff alone, which then need not be cleared again
         self._zeroed = set(range(len(self.net.learnable_params)))
-        self.smoothed_loss = 0.0
-        self._losses = []
+        self._smoothed = SmoothedLoss(self.net.xp)
+        # on a GPU: the NaN/Inf record and the losses stay on the device until a display reads
+        # them (engine/solvers/health.py), so a steady-state step never waits for the device
+        self.on_device = self.net.xp is not numpy
+        self._health = (DeviceHealth(self.net.xp, len(self.net.learnable_params))
+                        if self.on_device else None)
         self.requested_early_exit = False
         self._action = None
         log.info("Solver scaffolding done.")
@@ -231,8 +221,7 @@ class Solver:
         hooks = self.hooks
         hooks.begin(self)
         start_iter, stop_iter = self.iter, self.iter + int(iters)
-        self._losses = []
-        self.smoothed_loss = 0.0
+        self._smoothed.reset()
         self._timer = time.perf_counter()
         self._iterations_last = self.iter
         bar = self._progress_bar(stop_iter - start_iter)
@@ -246,11 +235,12 @@ class Solver:
                     if self.requested_early_exit:
                         break
                 display = p.display and it % p.display == 0
-                loss = hooks.loss(self, it, self.forward_backward())
+                loss = hooks.loss(self, it, self._for_hooks(self.forward_backward()))
                 if not hooks.updates_parameters:
                     self.check_finite(loss)
                 self._update_smoothed_loss(loss, start_iter)
                 if display:
+                    self.check_recorded()
                     self._display()
                 self._log_rate(it, display)
                 hooks.before_update(self, it, loss)
@@ -260,13 +250,15 @@ class Solver:
                 self.iter += 1
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{self.smoothed_loss:.4g}", refresh=False)
+                    if display or not self.on_device:   # on a GPU a read waits for the step
+                        bar.set_postfix(loss=f"{self.smoothed_loss:.4g}", refresh=False)
                 action, self._action = self._action, None
                 if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
                     self.snapshot()
                 if action == "stop":
                     self.requested_early_exit = True
                     break
+            self.check_recorded()
         finally:
             self._factored = {}                 # an early exit or an error mid-step: no plan left
             if bar is not None:
@@ -355,16 +347,24 @@ class Solver:
             for li in range(len(net.layers)):
                 hooks.before_forward(self, it, li)
                 group.forward_layer(li, alone=li == len(net.layers) - 1)
-            pass_loss = group.loss()
-            hooks.after_forward(self, it, pass_index, pass_loss)
-            loss += pass_loss
+            pass_loss = group.loss()                # a float on numpy, a device scalar on a GPU
+            hooks.after_forward(self, it, pass_index, self._for_hooks(pass_loss))
+            loss = pass_loss if pass_index == 0 else loss + pass_loss
             for li in range(len(net.layers) - 1, -1, -1):
                 group.backward_layer(li, li in factored, reduce=pass_index == n - 1)
                 for callback in net.after_backward:
                     callback(li)
                 hooks.after_backward(self, it, li, pass_index,
                                      backend.record_event(net.xp) if events else None)
-        return loss / n
+        return loss / n if n > 1 else loss
+
+    def _for_hooks(self, loss):
+        """The loss as hooks get it: hooks that do something get a float (they may add, reduce
+        over processes or format it); the no-op hooks of a solver training alone take the device
+        scalar as it is, so a GPU step reads nothing back."""
+        if type(self.hooks) is SolverHooks:
+            return loss
+        return float(loss)
 
     def _param_grad_finite(self, pid):
         """Whether parameter pid's gradient of this iteration is finite: its diff, or for a
@@ -376,8 +376,15 @@ class Solver:
 
     def check_finite(self, loss):
         """Stop with a PoseidonError when the loss or a parameter gradient is not finite, naming the
-        iteration and the first layer (in backward order) whose gradient is not finite."""
+        iteration and the first layer (in backward order) whose gradient is not finite. On a GPU
+        the check is recorded on the device and read by check_recorded (engine/solvers/health.py);
+        gradients made from sufficient factors are checked on the host as on numpy."""
         params = self.net.learnable_params
+        if self.on_device and not self._factored:
+            self._health.record(self.iter, loss, [b.diff for b in params],
+                                squares=self.param.clip_gradients >= 0)
+            return
+        loss = float(loss)
         diffs = [b.diff for pid, b in enumerate(params) if pid not in self._factored]
         if (math.isfinite(loss) and math.isfinite(rules.global_norm_sq(diffs))
                 and all(self._param_grad_finite(pid) for pid in self._factored)):
@@ -405,15 +412,26 @@ class Solver:
         raise PoseidonError(f"iteration {self.iter}: loss is {loss:g}; {detail}; lower base_lr or "
                             f"set clip_gradients (no snapshot was written)")
 
+    def check_recorded(self):
+        """Read the device's NaN/Inf record (a GPU step's check_finite) and stop as check_finite
+        does if an iteration was not finite; nothing to do on numpy, which checked already."""
+        if self._health is not None and not self.hooks.updates_parameters:
+            self._health.check(self.net, self.net.learnable_params)
+            self.net.check_deferred()
+
     def grad_norm_sq(self):
         """Sum of squared gradients over all learnable parameters (for clip_gradients)."""
         return rules.global_norm_sq([b.diff for b in self.net.learnable_params])
 
     def gradient_scale(self):
-        """The factor applied to every raw gradient: clip_gradients' global factor times 1/iter_size."""
+        """The factor applied to every raw gradient: clip_gradients' global factor times 1/iter_size
+        (on a GPU inside step(), a device scalar: the norm is never read back)."""
         p = self.param
         scale = 1.0
-        if p.clip_gradients >= 0:
+        if p.clip_gradients >= 0 and self.on_device and self._health.sums is not None:
+            scale = rules.clip_factor_on_device(p.clip_gradients, self._health.norm_sq())
+            self._health.sums = None
+        elif p.clip_gradients >= 0:
             norm_sq = self.grad_norm_sq()
             scale = rules.clip_factor(p.clip_gradients, norm_sq)
             if scale != 1.0:
@@ -455,16 +473,14 @@ class Solver:
                                 rate, self.factored.buffers)
 
     # ----- display and testing -----------------------------------------------------------------------
+    @property
+    def smoothed_loss(self):
+        """The loss averaged over the last average_loss iterations (engine/solvers/smoothing.py:
+        on a GPU read from the device here)."""
+        return self._smoothed.value
+
     def _update_smoothed_loss(self, loss, start_iter):
-        window = self.param.average_loss
-        if len(self._losses) < window:
-            self._losses.append(loss)
-            size = len(self._losses)
-            self.smoothed_loss = (self.smoothed_loss * (size - 1) + loss) / size
-        else:
-            idx = (self.iter - start_iter) % window
-            self.smoothed_loss += (loss - self._losses[idx]) / window
-            self._losses[idx] = loss
+        self._smoothed.add(loss, self.iter - start_iter, self.param.average_loss)
 
     def _display(self):
         now = time.perf_counter()
@@ -483,6 +499,7 @@ class Solver:
                 k += 1
 
     def test_all(self):
+        self.check_recorded()
         self.last_test_results = [self.test(i) for i in range(len(self.test_nets))]
         return self.last_test_results
 
@@ -506,6 +523,8 @@ class Solver:
             else:
                 for acc, name in zip(sums, net.output_names):
                     acc += net.blobs[name].data
+        if self.on_device:
+            net.check_deferred()                # the test net's own label checks
         if not n:
             return OrderedDict()
         local = numpy.concatenate([[loss]] + [backend.to_numpy(acc).reshape(-1) for acc in sums])
@@ -540,6 +559,7 @@ class Solver:
     def snapshot(self):
         """Write <prefix>_iter_N.caffemodel(.h5), .solverstate(.h5) and .cursors.json, and the
         manifest over them last (engine/solvers/snapshots.py); returns the solverstate path."""
+        self.check_recorded()                   # never a snapshot of a run that went NaN
         return self.hooks.snapshot(self, self._write_snapshot)
 
     def _write_snapshot(self):

@@ -419,7 +419,9 @@ def markdown(results):
                 lines.append(f"| {r['net']} | {_mm(r['engine'])} | "
                              f"{_mm(r['torch']) if r['torch'] else '-'} | "
                              f"{r['ratio']:.2f}x |" if r["ratio"] else "-")
-            lines += ["", f"Device: {gpu.get('device')}", ""]
+            precision = {"tf32": "TF32 GEMMs on both sides",
+                         "fp32": "full FP32 on both sides"}.get(gpu.get("precision"), "-")
+            lines += ["", f"Device: {gpu.get('device')}; precision: {precision}", ""]
         else:
             lines += [_why(gpu), ""]
     if results.get("plots"):

@@ -37,7 +37,7 @@ def _iterations_for(seconds_per_step, run_s, minimum=2):
 
 
 def measure(bench_nets, threads, runs=5, run_s=2.0, torch_device="cpu", xp=None, log=print,
-            with_torch=True):
+            with_torch=True, tf32=False):
     from . import torch_ref
     torch_ok, torch_reason = torch_ref.available() if with_torch else (False, "--no-torch")
     results = {}
@@ -50,7 +50,7 @@ def measure(bench_nets, threads, runs=5, run_s=2.0, torch_device="cpu", xp=None,
         step_s = engine.timed(1)
         tnet = None
         if torch_ok:
-            tnet = torch_ref.TorchNet(bn, threads, device=torch_device)
+            tnet = torch_ref.TorchNet(bn, threads, device=torch_device, tf32=tf32)
             tnet.set_batch(data, label)
             tnet.timed(2)
             torch_step_s = tnet.timed(1)

@@ -18,14 +18,25 @@ def available():
                       f"(pip install torch) to get the PyTorch columns"
 
 
+def set_precision(torch, tf32):
+    """PyTorch CUDA's float32 math as the engine's: full FP32 unless `tf32` (cuDNN and cuBLAS
+    then both may use TF32 tensor cores; PyTorch's own defaults differ between the two, so both
+    are set). Returns 'tf32' or 'fp32' for the bench's output."""
+    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    return "tf32" if tf32 else "fp32"
+
+
 class TorchNet:
-    def __init__(self, bench_net, threads, device="cpu"):
+    def __init__(self, bench_net, threads, device="cpu", tf32=False):
         import torch
         from torch import nn
         self.torch = torch
         self.device = device
         if device == "cpu":
             torch.set_num_threads(threads)
+        else:
+            self.precision = set_precision(torch, tf32)
         torch.manual_seed(0)
         layers = []
         self.named = []              # (engine layer name, index of its first module, count)

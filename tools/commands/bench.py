@@ -6,7 +6,8 @@ command that writes results.json, results.md and PNG plots into --out (default b
     poseidon bench --quick              # a one-minute smoke run (small batches, 2 runs, no jobs)
     poseidon bench --parts a,b          # only throughput and per-layer times
     poseidon bench --gpu 0              # adds CuPy beside PyTorch CUDA on that device
-    poseidon bench --parts "" --gpu 0   # the GPU run alone (about a minute)
+    poseidon bench --parts "" --gpu 0   # the GPU run alone (about a minute); --tf32: TF32 GEMMs
+    poseidon bench --gpu 0 --probe      # the device probe (tools/bench/gpu_probe.py, <= 7 min)
 
 Parts: a throughput, b per-layer times + GEMM peak share, c single-node overhead of the distributed
 path, d KV-store vs raw ZeroMQ, e scaling under --bandwidth, f the real networks of prototxt/
@@ -22,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from poseidon.dist.spawn import module_command
 from poseidon.engine.errors import PoseidonError
 
 from .common import out, positive_int
@@ -64,10 +64,24 @@ def add(sub):
                         "OPENBLAS_L2_SIZE unset (what a user's own machine gives)")
     p.add_argument("--gpu", default=None, help="also run part a on this GPU: CuPy beside "
                                                "PyTorch CUDA (with --parts '' alone)")
+    p.add_argument("--tf32", action="store_true",
+                   help="with --gpu: TF32 GEMMs on both sides (the engine's CuPy and PyTorch's "
+                        "cuBLAS and cuDNN); default full FP32 on both")
+    p.add_argument("--probe", action="store_true",
+                   help="with --gpu: the prepared device probe instead (tools/bench/gpu_probe.py: "
+                        "versions, GPU tests, layer checks, timings, launches, a CUDA graph "
+                        "capture; results.json and results.md in --out, at most 7 minutes)")
+    from poseidon.tools.bench.gpu_probe import add_options
+    add_options(p)
     p.set_defaults(run=run)
 
 
 def run(args):
+    if args.probe:
+        from poseidon.tools.bench import gpu_probe
+        return gpu_probe.run_from_bench(args)
+    if args.tf32 and args.gpu is None:
+        raise PoseidonError("--tf32 sets the GPU run's precision: add --gpu N, or drop --tf32")
     from poseidon.tools.bench import env, report
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     bad = [x for x in parts if x not in PARTS]
@@ -274,6 +288,7 @@ def _status(part, key, fmt):
 def _unpinned(args, threads, runs):
     """Part a again in a child process with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset."""
     import json
+    from poseidon.dist.spawn import module_command
     pinned = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     if not any(pinned.values()):
         return {"status": "not measured",
@@ -305,12 +320,16 @@ def _gpu(args, bench_nets, runs):
         return {"status": "not measured", "reason": f"no GPU: {e}"}
     try:
         import cupy
-        name = cupy.cuda.runtime.getDeviceProperties(int(args.gpu))["name"]
-        device = name.decode() if isinstance(name, bytes) else str(name)
-        out(f"GPU: {device}: engine on CuPy vs PyTorch CUDA")
+        precision = backend.set_tf32(args.tf32)
+        device = backend.device_name(cupy)
+        out(f"GPU: {device}: engine on CuPy vs PyTorch CUDA, "
+            + ("TF32 GEMMs on both sides" if args.tf32 else "full FP32 on both sides (TF32 off)")
+            + ("" if precision in ("tf32", "fp32") else f"; engine: {precision}"))
         thr = throughput.measure(bench_nets, 1, runs=runs, run_s=0.3 if args.quick else 2.0,
                                  torch_device=f"cuda:{int(args.gpu)}", xp=cupy,
-                                 with_torch=not args.no_torch, log=out)
+                                 with_torch=not args.no_torch, log=out, tf32=args.tf32)
     finally:
+        backend.set_tf32(False)
         backend.set_mode_cpu()
-    return {"status": "measured", "device": device, "throughput": thr}
+    return {"status": "measured", "device": device, "throughput": thr,
+            "precision": "tf32" if args.tf32 else "fp32", "engine_precision": precision}

@@ -1,0 +1,103 @@
+"""The NaN/Inf stop of a training step on a GPU, kept on the device until someone reads it.
+
+On numpy the solver checks the loss and every gradient on the host each iteration (engine/solvers/
+solver.py: check_finite), which costs nothing there. On a GPU that check is a host sync per step:
+the host waits for the device to drain, then launches the next step's kernels from an idle device.
+So a device step records instead, and reads at the next display, test or snapshot (or the end of
+step()): for each parameter gradient and for the loss, the first iteration at which it was not
+finite (a device vector, NEVER where it never was). The stop then names the iteration where it
+first happened and the first layer (in backward order) whose gradient went bad then, as on numpy;
+the parameters have been updated with the bad values meanwhile, which the stop discards anyway
+(no snapshot is written after it).
+
+Per step the record costs one reduction per parameter (a sum, or the sum of squares when
+clip_gradients needs the norm: `sums` then holds the squares, and `norm_sq` their total for the
+scale), one stack and three elementwise launches; no host read.
+"""
+import math
+
+import numpy
+
+from .. import backend
+from ..errors import PoseidonError
+
+NEVER = numpy.iinfo(numpy.int64).max
+
+
+def all_finite(array):
+    """True when every element of `array` is finite. One reduction (the sum) decides in the usual
+    case; the elementwise test runs only when the sum is not finite (NaN/Inf, or an overflow)."""
+    xp = backend.get_array_module(array)
+    if xp is numpy:                       # the ufunc's reduce: no Python layer of ndarray.sum
+        if math.isfinite(numpy.add.reduce(array, axis=None)):
+            return True
+    elif bool(xp.isfinite(array.sum())):
+        return True
+    return bool(xp.isfinite(array).all())
+
+
+def param_label(bi):
+    """'weight', 'bias' or 'param #k' for a layer's k-th parameter blob (for messages)."""
+    return ("weight", "bias")[bi] if bi < 2 else f"param #{bi}"
+
+
+
+
+class DeviceHealth:
+    """The first non-finite iteration of each of `count` parameter gradients and of the loss."""
+
+    def __init__(self, xp, count):
+        self.xp = xp
+        self.count = count
+        self.first_bad = xp.full(count + 1, NEVER, numpy.int64)   # params..., loss
+        self.sums = None
+
+    def record(self, it, loss, grads, squares=False):
+        """Fold iteration `it`'s loss and gradients into first_bad. `squares`: reduce each
+        gradient to its sum of squares (the norm clip_gradients needs: `norm_sq()`), else to its
+        sum (as non-finite as any of its elements, and overflowing only near the dtype's max)."""
+        xp = self.xp
+        parts = []
+        for g in grads:
+            flat = g.reshape(-1)
+            parts.append(xp.vdot(flat, flat) if squares else flat.sum())
+        dtype = parts[0].dtype if parts else numpy.float32
+        parts.append(xp.asarray(loss, dtype=dtype).reshape(()))
+        values = xp.stack(parts)                                         # count + 1
+        self.sums = values[:-1] if squares else None
+        finite = xp.isfinite(values)
+        xp.minimum(self.first_bad, xp.where(finite, NEVER, it), out=self.first_bad)
+
+    def norm_sq(self):
+        """The sum of squared gradients of the last record(squares=True), on the device."""
+        return self.sums.sum()
+
+    def check(self, net, params):
+        """Raise the solver's NaN/Inf stop if a recorded iteration was not finite (one host read).
+        `params`: the learnable parameter blobs, in the order the gradients were recorded."""
+        first = backend.to_numpy(self.first_bad)
+        bad_at = int(first.min())
+        if bad_at == NEVER:
+            return
+        pid_of = {id(b): pid for pid, b in enumerate(params)}
+        culprit = None
+        for li in reversed(range(len(net.layers))):
+            layer = net.layers[li]
+            for bi, blob in enumerate(layer.blobs):
+                pid = pid_of.get(id(blob))
+                if pid is not None and first[pid] == bad_at:
+                    culprit = (layer, bi)
+                    break
+            if culprit:
+                break
+        loss = "not finite" if first[-1] == bad_at else "finite"
+        if culprit is None:
+            detail = ("every parameter gradient is finite, so the forward pass made it: check the "
+                      "input data and the loss layer's inputs")
+        else:
+            layer, bi = culprit
+            detail = (f"the first non-finite parameter gradient (in backward order) is in layer "
+                      f"'{layer.name}' (type {layer.type}), param #{bi}")
+        raise PoseidonError(f"iteration {bad_at}: loss is {loss}; {detail}; lower base_lr or set "
+                            f"clip_gradients (no snapshot was written; on a GPU the check is read "
+                            f"at the display, so training ran on to here)")

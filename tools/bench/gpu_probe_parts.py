@@ -1,0 +1,476 @@
+"""The parts of the device probe (tools/bench/gpu_probe.py), each run in its own process.
+
+Each part is a function of a `ProbeContext` that records what it found with `ctx.emit(...)`
+(written at once, so a part stopped at its time limit leaves what it had) and watches
+`ctx.left()`, the seconds it has before it is stopped. pyzmq and lmdb are not imported here:
+the GPU image lacks them, and nothing the probe measures needs them.
+"""
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy
+
+ROOT = Path(__file__).resolve().parents[2]        # the repository: tests/ beside engine/
+OPTIONAL = {"zmq": ("pyzmq", "the distributed tests and bench parts c-e, g"),
+            "lmdb": ("lmdb", "the LMDB data layers and their tests")}
+TIMED_NETS = (("cifar10_quick", 100), ("fc_heavy", 32), ("vgg_block", 16), ("alexnet", 128),
+              ("googlenet", 64), ("resnet50", 32))
+RUN_S = 0.25          # one timed run of a side; the sides take turns
+
+
+class ProbeContext:
+    def __init__(self, name, gpu, limit_s, out, wheels=None):
+        self.name, self.gpu, self.wheels = name, gpu, wheels
+        self.deadline = time.monotonic() + limit_s
+        self.path = Path(out) / f"{name}.json"
+        self.data = {}
+
+    def left(self):
+        return self.deadline - time.monotonic()
+
+    def emit(self, **values):
+        self.data.update(values)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+def _version(module):
+    try:
+        return importlib.import_module(module).__version__
+    except Exception as e:
+        return f"not importable ({type(e).__name__})"
+
+
+# ----- env: versions, the card, what is missing ------------------------------------------------------
+def env(ctx):
+    import cupy
+    missing = {m: why for m, why in OPTIONAL.items() if importlib.util.find_spec(m) is None}
+    if missing and ctx.wheels:
+        names = [OPTIONAL[m][0] for m in missing]
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index",
+                               "--find-links", str(ctx.wheels), *names],
+                              capture_output=True, text=True, timeout=max(5, ctx.left() - 5))
+        ctx.emit(install={"packages": names, "rc": proc.returncode,
+                          "tail": (proc.stdout + proc.stderr)[-800:]})
+        importlib.invalidate_caches()
+        missing = {m: w for m, w in missing.items() if importlib.util.find_spec(m) is None}
+    runtime = cupy.cuda.runtime
+    props = runtime.getDeviceProperties(ctx.gpu)
+    name = props["name"]
+    ctx.emit(python=platform.python_version(), numpy=numpy.__version__, cupy=cupy.__version__,
+             cuda_runtime=runtime.runtimeGetVersion(), cuda_driver=runtime.driverGetVersion(),
+             device=name.decode() if isinstance(name, bytes) else str(name),
+             compute_capability=cupy.cuda.Device(ctx.gpu).compute_capability,
+             memory_gib=round(props["totalGlobalMem"] / 2 ** 30, 1),
+             torch=_version("torch"), pytest=_version("pytest"),
+             skipped=[f"{OPTIONAL[m][1]}: {OPTIONAL[m][0]} is not installed" for m in missing])
+    try:
+        import torch
+        ctx.emit(torch_cuda=torch.version.cuda, torch_sees_gpu=torch.cuda.is_available())
+    except Exception as e:
+        ctx.emit(torch_cuda=f"not importable ({type(e).__name__}: {e})")
+
+
+# ----- tests: the suite's GPU tests ----------------------------------------------------------------
+def tests(ctx):
+    folder = ROOT / "tests"
+    if not folder.is_dir():
+        ctx.emit(status="skipped", reason=f"no tests folder at {folder}")
+        return
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", str(folder)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(5, ctx.left() - 3))
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = ((e.stdout or b"").decode(errors="replace")
+                    if isinstance(e.stdout, bytes) else (e.stdout or "")), "timed out"
+    lines = [line for line in text.splitlines() if line.strip()]
+    ctx.emit(command=" ".join(cmd[2:]), rc=rc, summary=lines[-1] if lines else "",
+             failures=[line for line in lines if line.startswith(("FAILED", "ERROR"))][:40],
+             tail=text[-3000:])
+
+
+# ----- layers: every layer type on CuPy against numpy ----------------------------------------------
+def layers(ctx):
+    import cupy
+    sys.path.insert(0, str(ROOT))
+    from poseidon.engine.layer import _REGISTRY
+    from tests import test_gpu           # its CONFIGS and the numpy/CuPy comparison (_run)
+    rs = numpy.random.RandomState(0)
+    results, covered = [], set()
+    for i, (text, shapes, n_tops) in enumerate(test_gpu.CONFIGS):
+        kind = text.split('"')[1]
+        covered.add(kind)
+        if ctx.left() < 3:
+            results.append({"case": f"{kind}#{i}", "status": "not run (time)"})
+            continue
+        try:
+            arrays = [rs.standard_normal(s) for s in shapes]
+            if test_gpu._labelled(text):
+                arrays[-1] = rs.randint(0, shapes[0][1], size=shapes[-1]).astype(numpy.float64)
+            tops, _, params, _ = test_gpu._run(text, arrays, n_tops, numpy)
+            diffs = [rs.standard_normal(t.shape) for t in tops]
+            want = test_gpu._run(text, arrays, n_tops, numpy, params, diffs)
+            got = test_gpu._run(text, arrays, n_tops, cupy, params, diffs)
+            err = max((float(numpy.max(numpy.abs(x - y) / (numpy.abs(x) + 1e-9)))
+                       for a, b in zip(want, got) for x, y in zip(a, b) if x.size), default=0.0)
+            results.append({"case": f"{kind}#{i}", "status": "ok" if err < 1e-6 else "differs",
+                            "max_rel_err": err})
+        except Exception as e:
+            results.append({"case": f"{kind}#{i}", "status": "failed",
+                            "error": f"{type(e).__name__}: {e}"[:300]})
+        ctx.emit(cases=results)
+    ctx.emit(cases=results, unchecked_types=sorted(set(_REGISTRY) - covered),
+             kernels=_kernel_checks(ctx, cupy))
+
+
+def _kernel_checks(ctx, cupy):
+    """The engine's kernels package (poseidon.engine.kernels), where present: each module
+    imported, and its self_check(xp) run where it has one (the kernel against its xp code)."""
+    try:
+        package = importlib.import_module("poseidon.engine.kernels")
+    except ImportError:
+        return {"status": "no kernels package in this tree"}
+    found = {}
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        if path.stem == "__init__" or ctx.left() < 2:
+            continue
+        try:
+            module = importlib.import_module(f"poseidon.engine.kernels.{path.stem}")
+            check = getattr(module, "self_check", None)
+            found[path.stem] = "imported (no self_check)" if check is None else repr(check(cupy))
+        except Exception as e:
+            found[path.stem] = f"failed: {type(e).__name__}: {e}"[:300]
+    return found
+
+
+# ----- timings: the engine beside PyTorch CUDA ------------------------------------------------------
+class EngineStep:
+    """The engine's solver on one net (forward, backward, update), on CuPy."""
+
+    def __init__(self, key, batch):
+        import cupy
+        from poseidon.tools.bench import nets
+        self.cupy = cupy
+        bench = {"cifar10_quick": nets.cifar10_quick, "fc_heavy": nets.fc_heavy,
+                 "vgg_block": nets.vgg_block}
+        if key in bench:
+            self.bench_net = bench[key](batch)
+            self.solver = nets.make_solver(self.bench_net, xp=cupy)
+            self.param = self.bench_net.param
+        else:
+            self.bench_net = None
+            self.solver = _real_net_solver(key, batch)
+            self.param = self.solver.param.net_param
+        self.net = self.solver.net
+
+    def step(self, iterations):
+        self.solver.step(iterations)
+
+    def sync(self):
+        self.cupy.cuda.Device().synchronize()
+
+
+def _real_net_solver(model, batch):
+    """SGD around a deploy net of prototxt/ as the bench trains it (model_ref.training_param):
+    random images and a random gradient on its last top, set once."""
+    import cupy
+    from poseidon.engine.proto import caffe_pb2
+    from poseidon.engine.solvers import get_solver
+    from poseidon.tools.bench import model_ref
+    sp = caffe_pb2.SolverParameter(base_lr=0.01, momentum=0.9, weight_decay=5e-4,
+                                   lr_policy="fixed", max_iter=10 ** 9, display=0, random_seed=1)
+    sp.net_param.CopyFrom(model_ref.training_param(model, batch))
+    solver = get_solver(sp, xp=cupy)
+    net, rs = solver.net, numpy.random.RandomState(0)
+    image = next(lp.top[0] for lp in sp.net_param.layer if lp.type == "Input")
+    net.blobs[image].data[...] = cupy.asarray(rs.random_sample(net.blobs[image].shape))
+    last = net.top_vecs[-1][0]
+    last.diff[...] = cupy.asarray(rs.random_sample(last.shape))
+    return solver
+
+
+class TorchStep:
+    """The same net in PyTorch CUDA: forward, backward, SGD step."""
+
+    def __init__(self, engine, device):
+        import torch
+        self.torch = torch
+        if engine.bench_net is not None:
+            from poseidon.tools.bench import nets, torch_ref
+            self.ref = torch_ref.TorchNet(engine.bench_net, 1, device=device)
+            self.ref.set_batch(*nets.synthetic_batch(engine.bench_net))
+            self._step = lambda: self.ref.step(1)
+            return
+        from poseidon.tools.bench import model_ref
+        shapes = {name: blob.shape for name, blob in engine.net.blobs.items()}
+        model = model_ref.torch_graph(engine.param, shapes, 1).to(device)
+        image = next(lp.top[0] for lp in engine.param.layer if lp.type == "Input")
+        x = torch.rand(*shapes[image], device=device)
+        grad = torch.rand_like(model({image: x}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            model({image: x}).backward(grad)
+            opt.step()
+        self._step = step
+
+    def step(self, iterations):
+        for _ in range(iterations):
+            self._step()
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+
+def _timed(side, iterations):
+    side.sync()
+    t = time.perf_counter()
+    side.step(iterations)
+    side.sync()
+    return (time.perf_counter() - t) / iterations
+
+
+def _set_precision(tf32, with_torch):
+    from poseidon.engine import backend
+    engine = backend.set_tf32(tf32)
+    if with_torch:
+        import torch
+        from poseidon.tools.bench import torch_ref
+        torch_ref.set_precision(torch, tf32)
+    return engine
+
+
+def compare(engine, torch_side, seconds):
+    """ms per iteration of each side, the sides taking turns for `seconds` (at least one turn
+    each): {"engine": [...], "torch": [...]}."""
+    sides = {"engine": engine, "torch": torch_side}
+    runs = {name: [] for name, side in sides.items() if side is not None}
+    per = {name: _timed(side, 1) for name, side in sides.items() if side is not None}
+    iters = {name: max(1, int(RUN_S / max(s, 1e-4))) for name, s in per.items()}
+    stop, turn = time.monotonic() + seconds, 0
+    while not turn or time.monotonic() < stop:
+        order = list(runs) if turn % 2 == 0 else list(reversed(runs))
+        for name in order:
+            runs[name].append(_timed(sides[name], iters[name]) * 1e3)
+        turn += 1
+    return runs
+
+
+def timings(ctx):
+    from poseidon.engine import backend
+    try:
+        import torch  # noqa: F401
+        with_torch, note = True, None
+    except Exception as e:
+        with_torch, note = False, f"no PyTorch ({type(e).__name__}: {e})"
+    rows = []
+    for k, (key, batch) in enumerate(TIMED_NETS):
+        share = ctx.left() / (len(TIMED_NETS) - k) - 1
+        row = {"net": key, "batch": batch}
+        rows.append(row)
+        if share < 4:
+            row["status"] = "not run (time)"
+            continue
+        start = time.monotonic()
+        try:
+            engine = EngineStep(key, batch)
+            torch_side = TorchStep(engine, f"cuda:{ctx.gpu}") if with_torch else None
+            engine.step(2)                           # compiles CuPy's kernels, fills its pool
+            if torch_side:
+                torch_side.step(2)
+            left = share - (time.monotonic() - start)
+            for precision in ("fp32", "tf32"):
+                row[f"engine_precision_{precision}"] = _set_precision(precision == "tf32",
+                                                                      with_torch)
+                runs = compare(engine, torch_side, max(0.5, left / 2 - 1))
+                row[precision] = {side: float(numpy.median(v)) for side, v in runs.items()}
+                row[precision]["rounds"] = len(runs["engine"])
+                if "torch" in runs:
+                    row[precision]["engine_speed_vs_torch"] = (row[precision]["torch"]
+                                                               / row[precision]["engine"])
+            row["status"] = "measured"
+        except Exception as e:
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:300]
+        finally:
+            _set_precision(False, with_torch)
+            engine = torch_side = None
+            _free_memory(with_torch)
+        ctx.emit(rows=rows, torch_note=note, device=backend.device_name(__import__("cupy")))
+
+
+def _free_memory(with_torch):
+    import gc
+    import cupy
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    if with_torch:
+        import torch
+        torch.cuda.empty_cache()
+
+
+# ----- launches: what one step launches, counted two ways -------------------------------------------
+def launches(ctx):
+    """cifar10_quick (batch 100): the counting stand-in's figure on the CPU (engine/launches.py,
+    the same convolution routes as the GPU's) beside what CUPTI saw in one GPU step (PyTorch's
+    profiler; CuPy has no counter of its own), and PyTorch's own step."""
+    engine = EngineStep("cifar10_quick", 100)
+    engine.step(2)
+    routes = engine.net.conv_routes()
+    ctx.emit(routes=routes, stand_in=_stand_in_count(routes))
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception as e:
+        ctx.emit(profiler=f"not run: no PyTorch ({type(e).__name__})")
+        return
+    seen = _profiled(engine, profile, ProfilerActivity)
+    if not seen["kernels"]:
+        seen["note"] = ("CUPTI reported none of CuPy's kernels to PyTorch's profiler: count "
+                        "them with nsys instead")
+    ctx.emit(engine_step=seen)
+    ctx.emit(torch_step=_profiled(TorchStep(engine, f"cuda:{ctx.gpu}"), profile, ProfilerActivity))
+    del torch
+
+
+def _stand_in_count(routes):
+    from poseidon.engine import backend
+    from poseidon.engine.launches import CountingModule
+    from poseidon.tools.bench import nets
+    xp = CountingModule()
+    backend.set_array_module_for_tests(xp)
+    try:
+        solver = nets.make_solver(nets.cifar10_quick(100), xp=xp)
+        solver.net.set_conv_routes(routes)
+        solver.step(1)
+        xp.reset()
+        solver.step(3)
+        three = (xp.launches, xp.syncs, dict(xp.by_kind))
+        xp.reset()
+        solver.step(1)
+        return {"launches_per_step": (three[0] - xp.launches) // 2,
+                "host_syncs_per_step": (three[1] - xp.syncs) // 2, "by_kind_3_steps": three[2]}
+    finally:
+        backend.set_array_module_for_tests(None)
+
+
+def _profiled(side, profile, activity):
+    side.sync()
+    with profile(activities=[activity.CUDA]) as prof:
+        side.step(1)
+        side.sync()
+    kinds = {"kernels": 0, "memcpy": 0, "memset": 0}
+    names = {}
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+            low = event.name.lower()
+            kind = "memcpy" if "memcpy" in low else "memset" if "memset" in low else "kernels"
+            kinds[kind] += 1
+            names[event.name[:60]] = names.get(event.name[:60], 0) + 1
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:15]
+    return dict(kinds, most_frequent=top)
+
+
+# ----- layer_times: CUDA events around each layer ----------------------------------------------------
+def layer_times(ctx):
+    """Per-layer forward and backward ms from CUDA events (recorded around each layer in one
+    pass, read after it: the pass itself never waits), cifar10_quick then ResNet-50 as time
+    allows."""
+    import cupy
+    out = {}
+    for key, batch in (("cifar10_quick", 100), ("resnet50", 32)):
+        if ctx.left() < 8:
+            out[key] = "not run (time)"
+            continue
+        engine = EngineStep(key, batch)
+        engine.step(2)
+        net, n = engine.net, len(engine.net.layers)
+        events = [[cupy.cuda.Event() for _ in range(4)] for _ in range(n)]
+        for li in range(n):
+            events[li][0].record()
+            net.ForwardLayer(li, alone=False)
+            events[li][1].record()
+        for li in reversed(range(n)):
+            events[li][2].record()
+            net.BackwardThrough(li)
+            events[li][3].record()
+        engine.sync()
+        rows = [(net.layer_names[li], net.layers[li].type,
+                 cupy.cuda.get_elapsed_time(e[0], e[1]), cupy.cuda.get_elapsed_time(e[2], e[3]))
+                for li, e in enumerate(events)]
+        by_type = {}
+        for _, kind, f, b in rows:
+            by_type.setdefault(kind, [0.0, 0.0])
+            by_type[kind][0] += f
+            by_type[kind][1] += b
+        out[key] = {"total_ms": sum(f + b for _, _, f, b in rows), "by_type_ms": by_type,
+                    "slowest": sorted(rows, key=lambda r: -(r[2] + r[3]))[:12]}
+        ctx.emit(nets=out)
+        engine = None
+        _free_memory(False)
+    ctx.emit(nets=out)
+
+
+# ----- capture: a stretch of the step as a CUDA graph ------------------------------------------------
+def capture(ctx):
+    """Capture forward, backward and update of cifar10_quick on a side stream, replay it, and
+    compare its time with the same stretch run eagerly. Any failure is the finding (what in the
+    step cannot be captured: a host read, an allocation outside CuPy's pool, ...)."""
+    import cupy
+    engine = EngineStep("cifar10_quick", 100)
+    engine.step(3)                               # kernels compiled, memory pool filled
+    net, solver = engine.net, engine.solver
+
+    def stretch():
+        for li in range(len(net.layers)):
+            net.ForwardLayer(li, alone=False)
+        net.loss_on_device()
+        for li in reversed(range(len(net.layers))):
+            net.BackwardThrough(li)
+        solver.apply_update()
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stretch()
+        stream.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            stretch()
+        stream.synchronize()
+        eager_ms = (time.perf_counter() - t) * 100
+        ctx.emit(eager_ms=eager_ms)
+        graph = None
+        try:
+            stream.begin_capture()
+            try:
+                stretch()
+            finally:
+                graph = stream.end_capture()
+        except Exception as e:
+            ctx.emit(captured=False, error=f"{type(e).__name__}: {e}"[:500])
+            return
+        try:
+            graph.launch(stream)
+            stream.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                graph.launch(stream)
+            stream.synchronize()
+            ctx.emit(captured=True, replay_ms=(time.perf_counter() - t) * 100)
+        except Exception as e:
+            ctx.emit(captured=True, replayed=False, error=f"{type(e).__name__}: {e}"[:500])
+
+
+PARTS = {"env": env, "tests": tests, "layers": layers, "timings": timings, "launches": launches,
+         "layer_times": layer_times, "capture": capture}
