@@ -38,6 +38,13 @@ def make_scheme(name, syncer):
     return scheme_class(name)(syncer)
 
 
+def may_send_bottom_data(book, members):
+    """Whether a sync of these layers may send a layer's bottom data (some scheme that does
+    applies to one of them), so that the forward writing that blob must wait for it."""
+    return any(cls.sends_bottom_data and cls.applies_to(book.layer(li))
+               for li in members for cls in SCHEMES.values())
+
+
 class Scheme:
     name = None
     #: its parameters live on the KV servers (their update is the servers'); without servers it
@@ -49,6 +56,9 @@ class Scheme:
     #: the layer's weight gradient is made from its sufficient factors by the scheme, not by the
     #: layer's backward (the solver is told so through its hooks)
     factored = False
+    #: it sends (or reads on its thread) the bottom data of its layers, which the next forward of
+    #: the layers below overwrites (dist/layerwait.py: that forward waits for it)
+    sends_bottom_data = False
 
     @staticmethod
     def applies_to(rec):

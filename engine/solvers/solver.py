@@ -5,9 +5,10 @@
 
 One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
   the iteration's plan (which InnerProduct weights are made from their sufficient factors, block by
-  block inside the update: engine/solvers/factored.py) and the gradients cleared -> test all nets
-  when iter % test_interval == 0 (at iter 0 only if test_initialization) -> forward_backward()
-  (iter_size passes, mean loss) -> check_finite(loss) -> smoothed loss and the display lines ->
+  block inside the update: engine/solvers/factored.py) -> test all nets when
+  iter % test_interval == 0 (at iter 0 only if test_initialization) -> forward_backward()
+  (iter_size passes, mean loss; the gradients are cleared after the first forward, before the
+  first backward) -> check_finite(loss) -> smoothed loss and the display lines ->
   apply_update() (clip -> 1/iter_size -> regularize -> rule, for every learnable parameter) ->
   iter += 1 -> snapshot when iter % snapshot == 0.
 
@@ -267,6 +268,7 @@ class Solver:
             self._factored = {}                 # an early exit or an error mid-step: no plan left
             if bar is not None:
                 bar.close()
+        hooks.end_step(self)
 
     def solve(self, resume_file=None):
         """Train to max_iter (Caffe's Solve): final snapshot, display and test, then 'Optimization Done.'"""
@@ -310,9 +312,8 @@ class Solver:
     # ----- one iteration ----------------------------------------------------------------------------
     def _begin_iteration(self, it):
         """Fix the iteration's plan: the layers whose weight gradient is made from their sufficient
-        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py), and clear the
-        other gradients. A weight gradient made from factors is never stored, so its diff is zeroed
-        only if it may hold something (an earlier iteration wrote it), not every iteration."""
+        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py). The gradients
+        are cleared later, just before the first backward (_clear_gradients)."""
         chosen = self.hooks.factored_layers(self, it)
         if chosen is None:
             entries = self.factored.active(self.param)
@@ -321,6 +322,15 @@ class Solver:
         self._factored = {pid: (li, layer) for pid, li, layer in entries}
         for li in {li for li, _ in self._factored.values()}:
             self.net.backward_passes[li] = 0
+        self.replicas.begin_iteration(self._factored)
+
+    def _clear_gradients(self):
+        """Zero the gradients the iteration's backward accumulates into (Caffe's ClearParamDiffs
+        at the start of Step). It runs after the first forward rather than before it: no forward
+        reads a parameter's diff, so the numbers are the same, and a gradient that hooks are still
+        sending from the last iteration stays intact until `before_backward` has let them finish.
+        A weight gradient made from factors is never stored, so its diff is zeroed only if it may
+        hold something (an earlier iteration wrote it), not every iteration."""
         to_clear = []
         for pid, blob in enumerate(self.net.learnable_params):
             if pid in self._factored:
@@ -331,7 +341,6 @@ class Solver:
                 self._zeroed.discard(pid)        # its backward writes it
             to_clear.append(blob)
         self.net.clear_diffs(to_clear)
-        self.replicas.begin_iteration(self._factored)
 
     def clear_param_diffs(self):
         """Zero every parameter gradient (Caffe's ClearParamDiffs)."""
@@ -351,6 +360,9 @@ class Solver:
             for li in range(len(net.layers)):
                 hooks.before_forward(self, it, li)
                 group.forward_layer(li, alone=li == len(net.layers) - 1)
+            if pass_index == 0:
+                hooks.before_backward(self, it)
+                self._clear_gradients()
             pass_loss = group.loss()
             hooks.after_forward(self, it, pass_index, pass_loss)
             loss += pass_loss
