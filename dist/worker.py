@@ -188,7 +188,8 @@ class WorkerHooks(SolverHooks):
         # full barrier in before_update
         self.layer_wait = not (opts.no_overlap or self.relaxed)
         self._forward_waits = (forward_waits(self.net, self.syncers,
-                                             lambda s: may_send_bottom_data(self.book, s.members))
+                                             lambda s: may_send_bottom_data(self.book, s.members,
+                                                                            self.relaxed))
                                if self.layer_wait else {})
         self._started = False
         self._finished = False

@@ -7,7 +7,7 @@ BestScheme (best.py) compares the registered schemes' own costs for each layer, 
 defined anywhere, even in a test file — is chosen where it is cheapest and can be forced with
 `--sync NAME`, with no change to the worker loop, the book or the command line.
 """
-from .base import (SCHEMES, Scheme, make_scheme, may_send_bottom_data,  # noqa: F401
-                   register_scheme, scheme_class)
+from .base import SCHEMES, Scheme, make_scheme, register_scheme, scheme_class  # noqa: F401
 from . import ps, sfb, allreduce  # noqa: F401,E402  (register the paper's two, then the ring)
-from .best import best_scheme, choose_scheme, sync_choices  # noqa: F401,E402
+from .best import (best_scheme, choose_scheme, may_send_bottom_data,  # noqa: F401,E402
+                   possible_schemes, sync_choices)

@@ -38,13 +38,6 @@ def make_scheme(name, syncer):
     return scheme_class(name)(syncer)
 
 
-def may_send_bottom_data(book, members):
-    """Whether a sync of these layers may send a layer's bottom data (some scheme that does
-    applies to one of them), so that the forward writing that blob must wait for it."""
-    return any(cls.sends_bottom_data and cls.applies_to(book.layer(li))
-               for li in members for cls in SCHEMES.values())
-
-
 class Scheme:
     name = None
     #: its parameters live on the KV servers (their update is the servers'); without servers it
