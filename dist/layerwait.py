@@ -31,7 +31,8 @@ def forward_waits(net, syncers, sends_bottom_data):
     """{layer index: the keys of `syncers` whose syncs forward(layer) must see finished}.
 
     syncers: {key: Syncer} (each with `.pids`, its learnable parameter ids, and `.members`, its
-    layers). sends_bottom_data(syncer): whether a scheme it may run sends its layers' bottom data."""
+    layers). sends_bottom_data(syncer): whether a scheme it may run sends its layers' bottom
+    data."""
     pid_of = {spec.name: pid for pid, spec in enumerate(net.learnable_param_specs)}
     writer = {pid: key for key, syncer in syncers.items() for pid in syncer.pids}
     readers = {}                                    # id(blob) -> syncs that may send its data

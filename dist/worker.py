@@ -256,7 +256,7 @@ class WorkerHooks(SolverHooks):
         faults.point("forward", it)
         now = time.time()
         self.timeline.event("forward", "forward", self._iter["forward_start"],
-                            self._iter.get("forward_end", now), thread="compute",
+                            self._iter.pop("forward_end", now), thread="compute",
                             args={"iter": it})
         self._iter["mark"] = self._iter["backward_end"] = now
         self._iter["loss_sum"] += loss
@@ -293,7 +293,8 @@ class WorkerHooks(SolverHooks):
         """Layer li's sync of iteration it, on the pool, or done here if it is the last to start
         (its Future among the pending either way; one run here counts as exposed time)."""
         if li != self._inline_layer:
-            self._pending.add(it, self._iter, li, self.pool.submit(self.syncers[li].sync, it, event))
+            future = self.pool.submit(self.syncers[li].sync, it, event)
+            self._pending.add(it, self._iter, li, future)
             return
         done = Future()
         t0 = time.time()

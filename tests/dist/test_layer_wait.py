@@ -2,8 +2,8 @@
 depends on, not for every sync of the last iteration.
 
 Equivalence with one process on the combined batch (float64, 1e-5) under ps, sfb, allreduce and
-hybrid with 2 and 3 workers; the map of what each forward waits for; a probe (a Python layer that
-notes when its forward ran, right above the bottom InnerProduct) showing that layer's forward of
+hybrid with 2 and 3 workers; the map of what each forward waits for (a shared parameter too); a
+probe (a Python layer that notes when its forward ran, right above the bottom InnerProduct) showing that layer's forward of
 the next iteration under way before the top layer's slow sync (a big top layer under a bandwidth
 cap, --priority on) of the last one ended, and not under --no-overlap; and equivalence with that
 slow top layer, whose gradient (PS) or bottom data (SFB) is sent zero-copy while the next
@@ -12,7 +12,11 @@ overwritten, before the sync had sent them.
 
 Run: python -m pytest tests/dist/test_layer_wait.py -x -q
 """
+import json
+
 import pytest
+
+from poseidon.dist.timeline import role_path
 
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
                       solver_param)
@@ -88,21 +92,27 @@ def test_each_forward_waits_for_its_own_sync_and_for_those_that_send_what_it_wri
     assert got == want
 
 
-def probe(data, trace, **options):
+def probe(data, folder, **options):
     """(worker 0's stamp times per iteration, its sync spans of ip3 per iteration) of a 4-iteration
-    job of 2 workers whose top layer's sync is slow."""
+    job of 2 workers whose top layer's sync is slow; checks worker 0's --stats lines."""
+    stats = str(folder / "stats.jsonl")
     solvers = run_threads(solver_param(slow_top_net(data, 4), max_iter=4), 2, 1, sync="ps",
-                          timeline=str(trace), **CAPPED, **options)
+                          timeline=str(folder / "trace.json"), stats=stats, **CAPPED, **options)
     hooks = solvers[0].hooks
     stamps = hooks.net.layers[hooks.net.layer_names.index("stamp")].stamps
     ip3 = {args["iter"]: (start, end) for name, _, start, end, _, args in hooks.timeline.events()
            if name == "sync ip3"}
+    records = [json.loads(line) for line in open(role_path(stats, "worker", 0))]
+    assert [r["iter"] for r in records] == [0, 1, 2, 3]       # every iteration's, once it settled
+    for r in records:
+        assert r["exposed_sync_s"] >= r["barrier_wait_s"] >= 0
+        assert r["layers"]["ip3"]["sync_s"] > 0.05
     return stamps, ip3
 
 
 def test_the_bottom_layers_next_forward_runs_while_the_top_layers_sync_is_on_the_wire(data,
                                                                                       tmp_path):
-    stamps, ip3 = probe(data, tmp_path / "trace.json")
+    stamps, ip3 = probe(data, tmp_path)
     assert len(stamps) == 4 and sorted(ip3) == [0, 1, 2, 3]
     for it in range(3):
         start, end = ip3[it]
@@ -114,7 +124,7 @@ def test_the_bottom_layers_next_forward_runs_while_the_top_layers_sync_is_on_the
 
 def test_without_overlap_the_next_forward_waits_for_every_sync(data, tmp_path):
     """--no-overlap keeps the full barrier: the same probe sees the forward after ip3's sync."""
-    stamps, ip3 = probe(data, tmp_path / "trace.json", no_overlap=True)
+    stamps, ip3 = probe(data, tmp_path, no_overlap=True)
     for it in range(3):
         assert stamps[it + 1] > ip3[it][1]
 
@@ -130,3 +140,37 @@ def test_a_slow_zero_copy_sync_is_not_overwritten_by_the_next_iteration(data, tm
     assert {rec["scheme"] for rec in solvers[0].book.layers} == {sync}
     for s in solvers:
         assert_params_close(params_of(s), want, rtol=1e-5, label=f"slow ip3, {sync}")
+
+
+def test_a_layer_sharing_a_parameter_waits_for_the_owners_sync(data):
+    """ipB uses ipA's weight (shared by name): its forward needs the sync that updates it."""
+    from types import SimpleNamespace
+
+    from google.protobuf import text_format
+
+    from poseidon.dist.layerwait import forward_waits
+    from poseidon.engine.layer import TRAIN
+    from poseidon.engine.net import Net
+    from poseidon.engine.proto import caffe_pb2
+    text = fc_net(data, 4).replace(
+        'layer { name: "loss"', '''layer { name: "ipB" type: "InnerProduct" bottom: "data" top: "ipB"
+  param { name: "w" } param { lr_mult: 2 } inner_product_param { num_output: 48 } }
+layer { name: "loss"''')
+    text = text.replace('''param { lr_mult: 1 } param { lr_mult: 2 decay_mult: 0 }''',
+                        '''param { name: "w" } param { lr_mult: 2 decay_mult: 0 }''')
+    param = caffe_pb2.NetParameter()
+    text_format.Parse(text, param)
+    net = Net(param, TRAIN)
+    try:
+        names = net.layer_names
+        syncers = {}                          # one per layer, holding the parameters it owns
+        for pid, spec in enumerate(net.learnable_param_specs):
+            li = next(i for i, specs in enumerate(net.layer_param_specs)
+                      if any(s.name == spec.name for s in specs))
+            syncers.setdefault(li, SimpleNamespace(pids=[], members=[li])).pids.append(pid)
+        waits = forward_waits(net, syncers, lambda s: False)
+        ipa, ipb = names.index("ip1"), names.index("ipB")
+        assert waits[ipa] == (ipa,)
+        assert waits[ipb] == (ipa, ipb)       # the shared weight's owner, and its own bias
+    finally:
+        net.shutdown()
