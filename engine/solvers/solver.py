@@ -5,12 +5,11 @@
 
 One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
   the iteration's plan (which InnerProduct weights are made from their sufficient factors, block by
-  block inside the update: engine/solvers/factored.py) -> test all nets when
-  iter % test_interval == 0 (at iter 0 only if test_initialization) -> forward_backward()
-  (iter_size passes, mean loss; the gradients are cleared after the first forward, before the
-  first backward) -> check_finite(loss) -> smoothed loss and the display lines ->
-  apply_update() (clip -> 1/iter_size -> regularize -> rule, for every learnable parameter) ->
-  iter += 1 -> snapshot when iter % snapshot == 0.
+  block inside the update: engine/solvers/factored.py) -> test all nets when iter % test_interval
+  == 0 (at iter 0 only if test_initialization) -> forward_backward() (iter_size passes, mean loss;
+  the gradients cleared before the first backward) -> check_finite(loss) -> smoothed loss and the
+  display lines -> apply_update() (clip -> 1/iter_size -> regularize -> rule, for every learnable
+  parameter) -> iter += 1 -> snapshot when iter % snapshot == 0.
 
 It is the one loop for everyone: a SolverHooks object (engine/solvers/hooks.py) sees each iteration
 at fixed points, and with hooks that synchronise each layer after its backward the same loop is a
@@ -312,8 +311,7 @@ class Solver:
     # ----- one iteration ----------------------------------------------------------------------------
     def _begin_iteration(self, it):
         """Fix the iteration's plan: the layers whose weight gradient is made from their sufficient
-        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py). The gradients
-        are cleared later, just before the first backward (_clear_gradients)."""
+        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py)."""
         chosen = self.hooks.factored_layers(self, it)
         if chosen is None:
             entries = self.factored.active(self.param)
@@ -325,12 +323,10 @@ class Solver:
         self.replicas.begin_iteration(self._factored)
 
     def _clear_gradients(self):
-        """Zero the gradients the iteration's backward accumulates into (Caffe's ClearParamDiffs
-        at the start of Step). It runs after the first forward rather than before it: no forward
-        reads a parameter's diff, so the numbers are the same, and a gradient that hooks are still
-        sending from the last iteration stays intact until `before_backward` has let them finish.
-        A weight gradient made from factors is never stored, so its diff is zeroed only if it may
-        hold something (an earlier iteration wrote it), not every iteration."""
+        """Caffe's ClearParamDiffs, after the first forward (which reads no diff: same numbers), so
+        that hooks may still send the last iteration's gradients until `before_backward`. A weight
+        made from factors never stores its gradient: its diff is zeroed only if it may hold
+        something (an earlier iteration wrote it)."""
         to_clear = []
         for pid, blob in enumerate(self.net.learnable_params):
             if pid in self._factored:
