@@ -13,7 +13,7 @@ attempt (to exhaust `--max-restarts`).
 Points: register (any role, before registering with the coordinator); init (worker 0 between the
 servers' INIT and the weights to the other workers, other workers before receiving them, a
 server on INIT); forward, backward (after the first layer's sync was handed to the pool), barrier
-(inside the BSP barrier), test (after the test forwards, before their allreduce), snapshot (a
+(in before_update, where the BSP barrier waits under --no-overlap), test (after the test forwards, before their allreduce), snapshot (a
 worker entering a snapshot), snapshot-files (worker 0: every snapshot file written, the manifest
 not yet), snapshot-done (after the snapshot barrier); push and get (a server receiving a push of
 that iteration, or the n-th snapshot read).

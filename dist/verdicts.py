@@ -19,22 +19,24 @@ class Verdicts:
         self.name = name                        # the worker's, for messages
         self.last_snapshot = None
         self._cond = threading.Condition()
-        self._checks = {}                       # layer -> what is not finite (None: all good)
-        self._it = None
+        self._checks = {}           # iteration -> {layer: what is not finite (None: all good)}
 
     def stop_line(self):
         return f"stopping (last good snapshot: {self.last_snapshot or 'none written yet'})"
 
     def begin(self, it):
-        """A new iteration: forget the last one's verdicts."""
+        """A new iteration: forget older verdicts, but not the last iteration's, whose syncs may
+        still be in flight while this one's forward runs (dist/layerwait.py)."""
         with self._cond:
-            self._checks, self._it = {}, it
+            self._checks = {i: c for i, c in self._checks.items() if i == it - 1}
+            self._checks[it] = {}
 
     def record(self, it, layer, bad):
         """A sync's verdict for its layer (called on its thread before it sends anything)."""
         with self._cond:
-            if self._it == it:
-                self._checks[layer] = bad
+            checks = self._checks.get(it)
+            if checks is not None:
+                checks[layer] = bad
                 self._cond.notify_all()
 
     def error(self, it, layer_name, what):
@@ -45,9 +47,10 @@ class Verdicts:
         """After a sync failed: the NonFiniteGradient of the highest bad layer (the first in
         backward order) once every sync of the iteration has given its verdict; else None."""
         with self._cond:
-            if not any(self._checks.values()):
+            checks = self._checks.get(it, {})
+            if not any(checks.values()):
                 return None
-            self._cond.wait_for(lambda: len(self._checks) >= len(syncers), wait_s)
-            bad = {li: what for li, what in self._checks.items() if what}
+            self._cond.wait_for(lambda: len(checks) >= len(syncers), wait_s)
+            bad = {li: what for li, what in checks.items() if what}
         li = max(bad, key=lambda i: max(syncers[i].members))   # a bucket: its top layer
         return self.error(it, syncers[li].name, bad[li])

@@ -10,6 +10,10 @@ calls its hooks at fixed points (engine/solvers/hooks.py). WorkerHooks fills the
     factored_layers   each synced layer's scheme for the iteration (BestScheme(l)); a scheme that
                       rebuilds the weight gradient from sufficient factors (SFB) tells the solver
                       to leave it to the sync
+    before_forward    layer l's forward waits for the syncs of the last iteration it depends on:
+                      layer l's own (its new parameters) and any that still sends a blob the
+                      forward overwrites (dist/layerwait.py), not for every sync
+    before_backward   every sync of the last iteration done before the gradients are cleared
     after_forward     the loss's mean over the workers is asked for while backward runs
     after_backward    for l = L..1, right after BackwardThrough(l): sync(l) goes to a thread pool
                       (wait-free backpropagation; `--no-overlap` starts them all after the whole
@@ -17,9 +21,13 @@ calls its hooks at fixed points (engine/solvers/hooks.py). WorkerHooks fills the
                       overlap with it)
     loss              the mean loss over the workers (a signal's snapshot or stop is read here,
                       so every worker acts at the same iteration)
-    before_update     the BSP barrier: every sync of the iteration done (they have already left
-                      the new parameters: the servers' for PS, the local update for SFB); a NaN
-                      or Inf stops the job naming the first bad layer in backward order
+    before_update     the loss's verdict; under --no-overlap, --staleness or --straggler-timeout
+                      the full BSP barrier: every sync of the iteration done (they leave the new
+                      parameters: the servers' for PS, the local update for SFB). Otherwise the
+                      syncs run on into the next iteration's forward (per-layer wait above), and
+                      a test, a snapshot, the end of a step() call and the end of training wait
+                      for all of them first. A NaN or Inf stops the job naming the first bad
+                      layer in backward order, from whichever wait sees the failed sync first
     test              each worker runs its share of test_iter on its shard; outputs averaged
     snapshot/restore  one snapshot of the job on worker 0's disk (dist/snapshots.py)
     begin             the replicas start from worker 0's state (dist/replicas.py)
@@ -37,7 +45,7 @@ import logging
 import math
 import os
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy
 
@@ -50,6 +58,8 @@ from .book import describe_net, relaxed_consistency
 from .costsync import CostSync
 from .errors import DistError
 from .kvclient import KVClient
+from .layerwait import PendingSyncs, forward_waits
+from .schemes import may_send_bottom_data
 from .session import current, make_current
 from .snapshots import JobSnapshots
 from .syncer import StreamPool, SyncContext, Syncer
@@ -176,7 +186,14 @@ class WorkerHooks(SolverHooks):
         # callers in this process (the bench's part c, which must not pay for writing a --stats
         # line every iteration while it measures the sync path's cost)
         self.last_sync = None
-        self._pending = []
+        self._pending = PendingSyncs(self._sync_failed)
+        # the per-layer wait (dist/layerwait.py); --no-overlap and relaxed consistency keep the
+        # full barrier in before_update
+        self.layer_wait = not (opts.no_overlap or self.relaxed)
+        self._forward_waits = (forward_waits(self.net, self.syncers,
+                                             lambda s: may_send_bottom_data(self.book, s.members,
+                                                                            self.relaxed))
+                               if self.layer_wait else {})
         self._started = False
         self._finished = False
         self._iter = {}                         # this iteration's times, loss and its wait
@@ -231,12 +248,21 @@ class WorkerHooks(SolverHooks):
     def before_forward(self, solver, it, layer):
         if layer == 0:
             self._iter["forward_start"] = time.time()
+        if self._pending:
+            self._pending.wait_for(self._forward_waits.get(layer, ()))
+
+    def before_backward(self, solver, it):
+        """The solver clears the gradients next, and the backward writes the top diffs: no sync
+        of the last iteration may still be sending them."""
+        self._iter["forward_end"] = time.time()
+        self._settle()
 
     def after_forward(self, solver, it, pass_index, loss):
         faults.point("forward", it)
         now = time.time()
-        self.timeline.event("forward", "forward", self._iter["forward_start"], now,
-                             thread="compute", args={"iter": it})
+        self.timeline.event("forward", "forward", self._iter["forward_start"],
+                            self._iter.pop("forward_end", now), thread="compute",
+                            args={"iter": it})
         self._iter["mark"] = self._iter["backward_end"] = now
         self._iter["loss_sum"] += loss
         if pass_index < solver.param.iter_size - 1:
@@ -260,25 +286,29 @@ class WorkerHooks(SolverHooks):
             return
         if not self.options.no_overlap:
             if layer in self.syncers:
-                self._pending.append(self._start_sync(layer, it, event))       # WFBP
+                self._start_sync(layer, it, event)       # WFBP
                 faults.point("backward", it)
         elif layer == 0:                         # the whole backward is done: every sync now
             for li in sorted(self.syncers, reverse=True):
-                self._pending.append(self._start_sync(li, it, event))
+                self._start_sync(li, it, event)
 
     wants_backward_events = True        # a sync's device-to-host moves wait for its backward
 
     def _start_sync(self, li, it, event):
         """Layer li's sync of iteration it, on the pool, or done here if it is the last to start
-        (its Future either way, for the barrier)."""
+        (its Future among the pending either way; one run here counts as exposed time)."""
         if li != self._inline_layer:
-            return self.pool.submit(self.syncers[li].sync, it, event)
+            future = self.pool.submit(self.syncers[li].sync, it, event)
+            self._pending.add(it, self._iter, li, future)
+            return
         done = Future()
+        t0 = time.time()
         try:
             done.set_result(self.syncers[li].sync(it, event))
-        except Exception as e:                  # the barrier reports it, as for the pool's
+        except Exception as e:                  # the waits report it, as for the pool's
             done.set_exception(e)
-        return done
+        self._pending.add(it, self._iter, li, done)
+        self._pending.exposed_s += time.time() - t0
 
     def loss(self, solver, it, loss):
         """The mean loss over the workers, and a requested snapshot or stop, which every worker
@@ -299,32 +329,43 @@ class WorkerHooks(SolverHooks):
     def _drain(self):
         """After a failure: cancel the syncs not yet started, so the pool is not left blocked, and
         forget them (a later iteration waits for its own syncs only)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.cancel()
+        self._pending.cancel()
+
+    def _sync_failed(self, it, errors):
+        """A waited sync of iteration `it` failed: stop the job naming the first bad layer in
+        backward order when a gradient held NaN/Inf, else the failure itself."""
+        error = self.verdicts.first_bad(it, self.syncers) or errors[0]
+        if not isinstance(error, DistError):
+            error = DistError(f"{self.session.name}: a sync thread failed: "
+                              f"{type(error).__name__}: {error}")
+        self.transport.fail(error)
+        raise error
 
     def before_update(self, solver, it, loss):
-        """The loss's verdict, then the BSP barrier: every layer's sync of this iteration done."""
+        """The loss's verdict; then, where the per-layer wait is off, the BSP barrier: every
+        layer's sync of this iteration done."""
         if not math.isfinite(loss):
             self._drain()
             which = "this worker's loss" if self.relaxed else "the loss (mean over the workers)"
             raise DistError(f"{self.session.name}: iteration {it}: {which} is {loss:g}; "
                             f"{self.verdicts.stop_line()}")
-        t0 = time.time()
         faults.point("barrier", it)
-        pending, self._pending = self._pending, []
-        done, _ = wait(pending, timeout=None, return_when=FIRST_EXCEPTION)
-        errors = [f.exception() for f in pending if f in done and f.exception() is not None]
-        if errors:
-            error = self.verdicts.first_bad(it, self.syncers) or errors[0]
-            if not isinstance(error, DistError):
-                error = DistError(f"{self.session.name}: a sync thread failed: "
-                                  f"{type(error).__name__}: {error}")
-            self.transport.fail(error)
-            raise error
-        stats = [f.result() for f in pending]
-        t1 = time.time()
-        barrier_s, exposed_s = t1 - t0, t1 - self._iter.get("backward_end", t0)
+        if not self.layer_wait:
+            self._settle()
+
+    def end_step(self, solver):
+        self._settle()          # the caller of step() reads the parameters next
+
+    def _settle(self):
+        """Wait for every sync still in flight, then report their iteration: last_sync, the
+        timeline's sync events and the --stats line. barrier_wait_s: this last wait;
+        exposed_sync_s: every wait on that iteration's syncs (the per-layer ones of the next
+        forward too) and the sync run on the training thread."""
+        if not self._pending:
+            return
+        pending = self._pending
+        it, info, stats, barrier_s = pending.wait_all()
+        exposed_s = pending.exposed_s
         self.last_sync = {"iter": it, "barrier_wait_s": barrier_s, "exposed_sync_s": exposed_s}
         for st in stats:
             self.timeline.event(f"sync {st.name}", f"sync {st.scheme}", st.start, st.end,
@@ -333,11 +374,10 @@ class WorkerHooks(SolverHooks):
                                       "sent_payload": st.sent_payload,
                                       "recv_payload": st.recv_payload})
         if self._stats is not None:
-            self._write_stats(it, stats, barrier_s, exposed_s)
+            self._write_stats(it, info, stats, barrier_s, exposed_s)
         self.costs.after_iteration(it, stats)
 
-    def _write_stats(self, it, stats, barrier_s, exposed_s):
-        info = self._iter
+    def _write_stats(self, it, info, stats, barrier_s, exposed_s):
         layers = {st.name: st.as_dict() for st in sorted(stats, key=lambda x: -x.layer)}
         if self.costs.active:                   # the measured model: predicted and observed
             for st in stats:
@@ -380,6 +420,7 @@ class WorkerHooks(SolverHooks):
             off += n
 
     def before_test(self, solver, index):
+        self._settle()                            # the test nets read the parameters
         self.begin(solver)
         self._average_statistics()
 
@@ -393,12 +434,14 @@ class WorkerHooks(SolverHooks):
 
     # ----- snapshots --------------------------------------------------------------------------------
     def snapshot(self, solver, write):
+        self._settle()
         return self.snapshots.snapshot(solver, write)
 
     def snapshot_files(self, solver, state_file):
         return self.snapshots.snapshot_files(solver, state_file)
 
     def restore(self, solver, path, read):
+        self._settle()
         self.snapshots.restore(solver, path, read)
         self._started = False                     # the replicas start again from the snapshot
 
@@ -415,6 +458,7 @@ class WorkerHooks(SolverHooks):
         if self._finished:
             return
         self._finished = True
+        self._settle()
         opts = self.options
         if opts.timeline:
             items = self.client.gather("timeline", {"rank": self.rank,

@@ -9,5 +9,5 @@ defined anywhere, even in a test file — is chosen where it is cheapest and can
 """
 from .base import SCHEMES, Scheme, make_scheme, register_scheme, scheme_class  # noqa: F401
 from . import ps, sfb, allreduce  # noqa: F401,E402  (register the paper's two, then the ring)
-from .best import (best_scheme, choose_scheme, hybrid_members, sync_choices,  # noqa: F401,E402
-                   usable_schemes)
+from .best import (best_scheme, choose_scheme, hybrid_members, may_send_bottom_data,  # noqa: F401,E402
+                   possible_schemes, sync_choices, usable_schemes)

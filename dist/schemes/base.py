@@ -49,6 +49,9 @@ class Scheme:
     #: the layer's weight gradient is made from its sufficient factors by the scheme, not by the
     #: layer's backward (the solver is told so through its hooks)
     factored = False
+    #: it sends (or reads on its thread) the bottom data of its layers, which the next forward of
+    #: the layers below overwrites (dist/layerwait.py: that forward waits for it)
+    sends_bottom_data = False
 
     @staticmethod
     def applies_to(rec):

@@ -73,3 +73,20 @@ def choose_scheme(rec, P1, P2, sync="hybrid", relaxed=None, predicted=None):
 def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid", relaxed=None):
     """choose_scheme for a layer given by its GEMM shape: M outputs, N inputs, K rows a worker."""
     return choose_scheme({"sfb": sfb_capable, "M": M, "N": N, "K": K}, P1, P2, sync, relaxed)
+
+
+def possible_schemes(rec, sync="hybrid", relaxed=None):
+    """Every scheme choose_scheme may pick for the layer under these options, whatever the costs
+    (which a job may measure and change as it runs): the forced one or PS, or every usable one of
+    the hybrid."""
+    if hybrid_members(sync) is None:
+        return [scheme_class(choose_scheme(rec, 1, 1, sync, relaxed))]
+    return usable_schemes(rec, relaxed, sync) or [scheme_class(FALLBACK)]
+
+
+def may_send_bottom_data(book, members, relaxed=None):
+    """Whether a sync of these layers (the book's records) may send a layer's bottom data, so
+    that the forward writing that blob must wait for it (dist/layerwait.py)."""
+    sync = book.options.get("sync", "hybrid")
+    return any(cls.sends_bottom_data for li in members
+               for cls in possible_schemes(book.layer(li), sync, relaxed))

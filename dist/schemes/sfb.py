@@ -35,6 +35,7 @@ from .base import Scheme, register_scheme
 class SFBScheme(Scheme):
     name = "sfb"
     factored = True                 # the layer's backward skips its weight gradient (rebuilt here)
+    sends_bottom_data = True        # X, zero-copy on the CPU
 
     @staticmethod
     def applies_to(rec):

@@ -10,16 +10,18 @@ One iteration, in order:
 
     begin(solver)                            each step() call, before its first iteration
     factored_layers(solver, it)              which weight gradients come from sufficient factors
-    (the solver clears the gradients; a test or display may run here)
+    (a test or display may run here)
     for each of iter_size passes:
         before_forward(solver, it, l)        layer l's forward may need something first
+        before_backward(solver, it)          first pass only: the gradients are cleared next
         after_forward(solver, it, p, loss)   pass p's loss is known; backward starts next
         after_backward(solver, it, l, p, event)   layer l's gradient of pass p is complete
     loss(solver, it, loss)                   the loss the solver displays and checks
     before_update(solver, it, loss)          wait for what the update needs; check it
     (the solver applies the update unless `updates_parameters`)
 
-and around them: before_test / test_batches / reduce_test for each test, snapshot /
+and after the iterations of each step() call, end_step(solver) (not after an error); around
+them: before_test / test_batches / reduce_test for each test, snapshot /
 snapshot_files / restore for snapshots, end(solver) when solve() is done.
 """
 
@@ -46,6 +48,11 @@ class SolverHooks:
 
     def before_forward(self, solver, it, layer):
         """Before layer `layer`'s forward of every pass."""
+
+    def before_backward(self, solver, it):
+        """After the first pass's forward, before the solver zeroes the parameter gradients and
+        the first backward writes them: whatever still reads the last iteration's gradients (or
+        anything else a backward overwrites) must be done with them when this returns."""
 
     def after_forward(self, solver, it, pass_index, loss):
         """After pass `pass_index`'s forward, whose loss is `loss`, before its backward."""
@@ -84,6 +91,10 @@ class SolverHooks:
     def restore(self, solver, path, read):
         """Resume from `path`; `read(path)` loads it into this process's solver."""
         read(path)
+
+    def end_step(self, solver):
+        """After the last iteration of a step() call (also after an early exit): the caller may
+        read the parameters next, so whatever is still changing them must be done."""
 
     def end(self, solver):
         """After solve() has trained, tested and snapshotted."""

@@ -5,11 +5,11 @@
 
 One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
   the iteration's plan (which InnerProduct weights are made from their sufficient factors, block by
-  block inside the update: engine/solvers/factored.py) and the gradients cleared -> test all nets
-  when iter % test_interval == 0 (at iter 0 only if test_initialization) -> forward_backward()
-  (iter_size passes, mean loss) -> check_finite(loss) -> smoothed loss and the display lines ->
-  apply_update() (clip -> 1/iter_size -> regularize -> rule, for every learnable parameter) ->
-  iter += 1 -> snapshot when iter % snapshot == 0.
+  block inside the update: engine/solvers/factored.py) -> test all nets when iter % test_interval
+  == 0 (at iter 0 only if test_initialization) -> forward_backward() (iter_size passes, mean loss;
+  the gradients cleared before the first backward) -> check_finite(loss) -> smoothed loss and the
+  display lines -> apply_update() (clip -> 1/iter_size -> regularize -> rule, for every learnable
+  parameter) -> iter += 1 -> snapshot when iter % snapshot == 0.
 
 It is the one loop for everyone: a SolverHooks object (engine/solvers/hooks.py) sees each iteration
 at fixed points, and with hooks that synchronise each layer after its backward the same loop is a
@@ -263,6 +263,7 @@ class Solver:
             self._factored = {}                 # an early exit or an error mid-step: no plan left
             if bar is not None:
                 bar.close()
+        hooks.end_step(self)
 
     def solve(self, resume_file=None):
         """Train to max_iter (Caffe's Solve): final snapshot, display and test, then 'Optimization Done.'"""
@@ -306,9 +307,7 @@ class Solver:
     # ----- one iteration ----------------------------------------------------------------------------
     def _begin_iteration(self, it):
         """Fix the iteration's plan: the layers whose weight gradient is made from their sufficient
-        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py), and clear the
-        other gradients. A weight gradient made from factors is never stored, so its diff is zeroed
-        only if it may hold something (an earlier iteration wrote it), not every iteration."""
+        factors (the hooks' choice, or the solver's own: engine/solvers/factored.py)."""
         chosen = self.hooks.factored_layers(self, it)
         if chosen is None:
             entries = self.factored.active(self.param)
@@ -317,6 +316,13 @@ class Solver:
         self._factored = {pid: (li, layer) for pid, li, layer in entries}
         for li in {li for li, _ in self._factored.values()}:
             self.net.backward_passes[li] = 0
+        self.replicas.begin_iteration(self._factored)
+
+    def _clear_gradients(self):
+        """Caffe's ClearParamDiffs, after the first forward (which reads no diff: same numbers), so
+        that hooks may still send the last iteration's gradients until `before_backward`. A weight
+        made from factors never stores its gradient: its diff is zeroed only if it may hold
+        something (an earlier iteration wrote it)."""
         to_clear = []
         for pid, blob in enumerate(self.net.learnable_params):
             if pid in self._factored:
@@ -327,7 +333,6 @@ class Solver:
                 self._zeroed.discard(pid)        # its backward writes it
             to_clear.append(blob)
         self.net.clear_diffs(to_clear)
-        self.replicas.begin_iteration(self._factored)
 
     def clear_param_diffs(self):
         """Zero every parameter gradient (Caffe's ClearParamDiffs)."""
@@ -347,6 +352,9 @@ class Solver:
             for li in range(len(net.layers)):
                 hooks.before_forward(self, it, li)
                 group.forward_layer(li, alone=li == len(net.layers) - 1)
+            if pass_index == 0:
+                hooks.before_backward(self, it)
+                self._clear_gradients()
             pass_loss = group.loss()                # a float on numpy, a device scalar on a GPU
             hooks.after_forward(self, it, pass_index, self._for_hooks(pass_loss))
             loss = pass_loss if pass_index == 0 else loss + pass_loss

@@ -8,6 +8,8 @@ dist.session.current(), so every rank runs the same prototxt. param_str is JSON:
   NaNOnRank     {"rank": 1, "iter": 7}                       NaN into the gradient below it
   SlowBackward  {"seconds": 0.03}                            sleep in every backward pass (the
                                                              syncs above it start first for sure)
+  Stamp         (none)                                       notes when each forward ran (the
+                                                             per-layer wait's timing probe)
 """
 import json
 import time
@@ -54,6 +56,19 @@ class SlowBackward(_PassThrough):
     def backward(self, top, propagate_down, bottom):
         time.sleep(float(self.config["seconds"]))
         super().backward(top, propagate_down, bottom)
+
+
+class Stamp(_PassThrough):
+    """Keeps the time.time() of each TRAIN forward in `stamps` (one per iteration)."""
+
+    def setup(self, bottom, top):
+        super().setup(bottom, top)
+        self.stamps = []
+
+    def forward(self, bottom, top):
+        super().forward(bottom, top)
+        if self.phase == TRAIN:
+            self.stamps.append(time.time())
 
 
 class NaNOnRank(_PassThrough):

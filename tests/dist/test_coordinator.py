@@ -95,7 +95,10 @@ def test_services(local0):
         assert {b.digest() for b in books.values()} == {coord.book.digest()}
         book = books[0]
         assert book.data["addresses"]["2"] == clients[2].transport.address
-        assert book.best_scheme(1) == "ps"
+        # the 8x27 convolution, 3 workers, 1 server: the ring's 2·2·(2/3)·224 floats against
+        # PS's 2·216·(3 + 1 − 2)/1 (BestScheme over the three registered schemes)
+        assert book.best_scheme(1) == "allreduce"
+        assert choose_scheme(book.layer(1), 3, 1, sync="ps+sfb") == "ps"
         # Query over the socket
         assert clients[1].query("best_scheme", index=0) == book.best_scheme(0)
         assert clients[3].query("cluster")["workers"] == 3

@@ -75,20 +75,24 @@ def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
         for b in params:
             b.diff[...] = 1.0
 
+    def begin_and_clear():          # the step's plan, then the clear before the first backward
+        ds.solver._begin_iteration(ds.solver.iter)
+        ds.solver._clear_gradients()
+
     written()
-    ds.solver._begin_iteration(ds.solver.iter)       # known zero already: SFB's skipped
+    begin_and_clear()       # known zero already: SFB's skipped
     for b in params:
         assert b.diff.any() == (b in weights)
     with monkeypatch.context() as m:                         # an iteration where all go by PS
         for syncer in ds.hooks.syncers.values():
             m.setattr(syncer, "prepare", lambda it: False)
-        ds.solver._begin_iteration(ds.solver.iter)
+        begin_and_clear()
         assert not any(b.diff.any() for b in params)
         written()
-    ds.solver._begin_iteration(ds.solver.iter)       # back to SFB: cleared once
+    begin_and_clear()       # back to SFB: cleared once
     assert not any(b.diff.any() for b in params)
     written()
-    ds.solver._begin_iteration(ds.solver.iter)
+    begin_and_clear()
     for b in params:
         assert b.diff.any() == (b in weights)
 

@@ -15,9 +15,9 @@ this process for each block and of the server process for each distributed block
 each thread's schedstat where the kernel keeps it, in nanoseconds; null where there is none);
 the same per thread, summed over the blocks of each side (this
 process's threads by their Python names, the server's by their OS names); and the distributed
-side's exposed sync time per iteration (DistributedSolver.last_sync: from the end of backward
-until every sync is done; the job runs without --stats, as users do by default), so the
-overhead can be split into where it goes.
+side's exposed sync time per iteration (DistributedSolver.last_sync: the time the step waited
+on its syncs, all done by the end of a step() call; the job runs without --stats, as users do by
+default), so the overhead can be split into where it goes.
 """
 import json
 import os
