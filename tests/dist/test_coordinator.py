@@ -15,6 +15,7 @@ import pytest
 from poseidon.dist.coordinator import Coordinator, CoordinatorClient
 from poseidon.dist.errors import AbortError, DistError
 from poseidon.dist.kvstore import KVServer
+from poseidon.dist.schemes import choose_scheme
 from poseidon.dist.roles import COORDINATOR, Roles
 from poseidon.dist.transport import Msg, ZmqTransport, free_port
 
@@ -191,7 +192,7 @@ def test_server_sums_in_rank_order_then_handles(handler):
     from poseidon.engine.solvers.rules import make_rule
     from poseidon.dist.book import InformationBook
     desc = _description([("InnerProduct", 2, 3, 1, False)])
-    book = InformationBook.build(desc, 3, 1, dict(OPTIONS, dtype="float64"))
+    book = InformationBook.build(desc, 3, 1, dict(OPTIONS, dtype="float64", sync="ps"))
     book.data["dtype"] = "float64"
     param = solver_param(fc_net("x", 1), base_lr=0.5, momentum=0.0, weight_decay=0.0)
     t = FakeTransport(3)
