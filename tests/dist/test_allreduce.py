@@ -153,11 +153,17 @@ def mixed_net(source, batch):
     return text.replace(head, head + " bias_term: false")
 
 
-def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path, small_pieces):
-    solvers, schemes = run_and_compare(data, tmp_path, mixed_net, 8, 2, 2)
+@pytest.mark.parametrize("P1", [2, 3, 4])
+@pytest.mark.parametrize("no_overlap", [False, True])
+def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path, small_pieces, P1,
+                                                                 no_overlap):
+    # a batch of 16 across the workers: SFB's factors grow with K·P1, so that keeps ip1 on SFB
+    solvers, schemes = run_and_compare(data, tmp_path, mixed_net, 16 // P1, P1, P1,
+                                       no_overlap=no_overlap)
     assert schemes == {"conv1": "ps", "conv2": "ps", "ip1": "sfb", "ip2": "allreduce"}
     for rec in solvers[0].book.layers:                  # what BestScheme picks is the cheapest
-        costs = {name: cls.cost(rec, 2, 2) for name, cls in SCHEMES.items() if cls.applies_to(rec)}
+        costs = {name: cls.cost(rec, P1, P1) for name, cls in SCHEMES.items()
+                 if cls.applies_to(rec)}
         assert costs[rec["scheme"]] == min(costs.values()), (rec["name"], costs)
 
 
