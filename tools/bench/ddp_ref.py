@@ -23,7 +23,7 @@ from . import nets
 from .torch_ref import TorchNet
 
 NETS = {"fc_heavy": nets.fc_heavy, "cifar10_quick": nets.cifar10_quick,
-        "vgg_block": nets.vgg_block}
+        "vgg_block": nets.vgg_block, "vgg_mini": nets.vgg_mini}
 INIT_TIMEOUT_S = 120          # every rank must have joined by then
 
 

@@ -116,6 +116,51 @@ def vgg_block(batch=16, channels=64, size=56):
                     {"base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0005}, shapes, 10)
 
 
+def _conv(name, bottom, out):
+    return (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}"\n'
+            f'  param {{ lr_mult: 1 decay_mult: 1 }} param {{ lr_mult: 2 decay_mult: 0 }}\n'
+            f'  convolution_param {{ num_output: {out} pad: 1 kernel_size: 3\n'
+            f'    weight_filler {{ type: "gaussian" std: 0.01 }} bias_filler {{ type: "constant" }} }} }}\n'
+            f'layer {{ name: "relu_{name}" type: "ReLU" bottom: "{name}" top: "{name}" }}\n')
+
+
+def _pool(name, bottom):
+    return (f'layer {{ name: "{name}" type: "Pooling" bottom: "{bottom}" top: "{name}"\n'
+            f'  pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}\n')
+
+
+def _fc(name, bottom, out, relu=True):
+    text = (f'layer {{ name: "{name}" type: "InnerProduct" bottom: "{bottom}" top: "{name}"\n'
+            f'  param {{ lr_mult: 1 decay_mult: 1 }} param {{ lr_mult: 2 decay_mult: 0 }}\n'
+            f'  inner_product_param {{ num_output: {out}\n'
+            f'    weight_filler {{ type: "gaussian" std: 0.005 }} bias_filler {{ type: "constant" }} }} }}\n')
+    return text + (f'layer {{ name: "relu_{name}" type: "ReLU" bottom: "{name}" top: "{name}" }}\n'
+                   if relu else "")
+
+
+def vgg_mini(batch=8, size=32):
+    """VGG-16's layout at CIFAR's size: two blocks of two 3x3 convolutions (64, then 128 channels)
+    each ending in a 2x2 max pool, then VGG's classifier (fc6 and fc7 4096 wide, fc8 to 1000
+    classes). As in VGG, nearly every parameter is in the classifier (54 M of 54.3 M): the
+    VGG-style net of the distributed parts, where the schemes' choice matters."""
+    side = size // 4
+    text = ('name: "vgg_mini"\n'
+            f'layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ dim: {batch} '
+            f'dim: 3 dim: {size} dim: {size} }} }} }}\n'
+            f'layer {{ name: "label" type: "Input" top: "label" input_param {{ shape {{ dim: {batch} '
+            f'}} }} }}\n'
+            + _conv("conv1_1", "data", 64) + _conv("conv1_2", "conv1_1", 64) + _pool("pool1", "conv1_2")
+            + _conv("conv2_1", "pool1", 128) + _conv("conv2_2", "conv2_1", 128)
+            + _pool("pool2", "conv2_2")
+            + _fc("fc6", "pool2", 4096) + _fc("fc7", "fc6", 4096) + _fc("fc8", "fc7", 1000, relu=False)
+            + 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc8" bottom: "label" top: "loss" }\n')
+    param = prototxt.parse_net_text(text)
+    shapes = {"data": (batch, 3, size, size), "label": (batch,)}
+    return BenchNet("vgg_mini", f"VGG-style: 4 conv 3x3 (64, 128) + 2 pools + fc {128 * side * side}"
+                    f"-4096-4096-1000, {size}x{size} (batch {batch})", param, batch,
+                    {"base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0005}, shapes, 1000)
+
+
 def all_nets(quick=False):
     if quick:   # same architectures, smaller batches: a smoke run, not a measurement
         return [cifar10_quick(20), fc_heavy(8), vgg_block(2)]

@@ -50,8 +50,9 @@ def add(sub):
                    help="send cap per process for part e; part g's link rate")
     p.add_argument("--slow-bandwidth", default="100Mbit",
                    help="part h: the one slow host's link rate (the others at --bandwidth)")
-    p.add_argument("--scheme-nets", default="fc_heavy,vgg_block",
-                   help="nets of part h, comma-separated (default fc_heavy,vgg_block)")
+    p.add_argument("--scheme-nets", default="fc_heavy,vgg_mini",
+                   help="nets of part h, comma-separated: fc_heavy, vgg_mini, vgg_block (default "
+                        "fc_heavy,vgg_mini)")
     p.add_argument("--scaling-nets", default="fc_heavy,cifar10_quick",
                    help="nets of parts e and g, comma-separated (default fc_heavy,cifar10_quick)")
     p.add_argument("--real-nets", default=REAL_NETS,
