@@ -35,13 +35,20 @@ def test_verdicts_compare_the_hybrid_with_the_best_single_scheme_and_ddp(tmp_pat
                 "hybrid static": 4.0, "hybrid measured": 2.5}
     monkeypatch.setattr(netns, "why_unavailable", lambda: None)
     monkeypatch.setattr(schemes_part, "_ddp_unavailable", lambda: None)
-    monkeypatch.setattr(schemes_part, "_poseidon_job",
-                        lambda folder, solver, hosts, caps, flags: _job(
-                            per_mode[folder.name.rsplit("-", 1)[0].replace("_", " ")],
-                            {"fc6": "sfb" if "static" in flags else "ps"}))
+    layouts = {}
+
+    def poseidon_job(folder, solver, hosts, caps, flags, colocate):
+        mode = folder.name.rsplit("-", 1)[0].replace("_", " ")
+        layouts[mode] = (colocate, len(caps), caps[-1] < caps[0])
+        return _job(per_mode[mode], {"fc6": "sfb" if "static" in flags else "ps"})
+    monkeypatch.setattr(schemes_part, "_poseidon_job", poseidon_job)
     monkeypatch.setattr(schemes_part, "_ddp_job", lambda *a: _job(2.4))
-    out = schemes_part.schemes_across_hosts(tmp_path, net_keys=["fc_heavy"])
+    out = schemes_part.schemes_across_hosts(tmp_path, net_keys=["fc_heavy"],
+                                            slow_nets=["fc_heavy"])
     assert out["status"] == "measured" and out["ddp"] == "measured"
+    # worker i and server i share host i; the slow case gives every rank a host, the last slow
+    assert layouts["hybrid"] == layouts["ps"] == (True, 4, False)
+    assert layouts["hybrid static"] == layouts["hybrid measured"] == (False, 8, True)
     v = out["verdicts"]["fc_heavy"]
     assert v["best_single"] == "paper hybrid"
     assert v["hybrid_over_best_single"] == pytest.approx(1.0 / 1.1)

@@ -13,8 +13,11 @@ one job per mode, the order of the modes rotated every round:
                             layers first on the wire
     ddp                     torch DistributedDataParallel over gloo (tools/bench/ddp_ref.py)
 
-Then the slow-host case: one host's link capped at `slow` (the others at `bandwidth`), the hybrid
-with the static cost model against the measured one.
+Then the slow-host case, on `slow_nets`: every rank on a host of its own (workers and servers
+apart), the last server's host capped at `slow` (the others at `bandwidth`); the hybrid with the
+static cost model against the measured one. A slow server host is what a static count cannot see:
+the KV pairs it holds cross its link from every worker, while a scheme without servers (the ring,
+SFB) never touches it; colocated, a slow host slows every scheme alike.
 
 A row's iteration time: the median over rounds of each job's median iteration (worker 0's --stats
 records, or DDP rank 0's own timings; the first iteration left out as warm-up).
@@ -50,12 +53,13 @@ DDP_PORT = 29511
 
 
 def _tiny():
-    return dict(net_keys=("fc_heavy",), hosts=2, iterations=1, runs=1, with_ddp=False,
+    return dict(net_keys=("fc_heavy",), slow_nets=(), hosts=2, iterations=1, runs=1, with_ddp=False,
                 modes=MODES[-1:], slow=None, builders={"fc_heavy": lambda: nets.fc_heavy(4)})
 
 
 def schemes_across_hosts(workdir, bandwidth="1Gbit", slow="100Mbit", runs=1,
-                         net_keys=("fc_heavy", "vgg_mini"), hosts=HOSTS, iterations=None,
+                         net_keys=("fc_heavy", "vgg_mini"), slow_nets=("vgg_mini",),
+                         hosts=HOSTS, iterations=None,
                          modes=MODES, with_ddp=True, builders=None, tiny=False, log=None):
     if tiny:
         return schemes_across_hosts(workdir, bandwidth, log=log, **_tiny())
@@ -67,7 +71,7 @@ def schemes_across_hosts(workdir, bandwidth="1Gbit", slow="100Mbit", runs=1,
     if reason:
         return dist_parts.not_measured(reason)
     builders = builders or {k: v[0] for k, v in NETS.items()}
-    unknown = [k for k in net_keys if k not in builders]
+    unknown = [k for k in tuple(net_keys) + tuple(slow_nets if slow else ()) if k not in builders]
     if unknown:
         return dist_parts.not_measured(f"unknown net(s) {', '.join(unknown)} for part h "
                                        f"(known: {', '.join(builders)})")
@@ -79,19 +83,21 @@ def schemes_across_hosts(workdir, bandwidth="1Gbit", slow="100Mbit", runs=1,
     folder = Path(workdir) / "schemes"
     rows = []
     with netns.sigterm_as_exit():
-        for key in net_keys:
+        for key in dict.fromkeys(tuple(net_keys) + tuple(slow_nets if slow else ())):
             bench_net = builders[key]()
             total = (iterations or NETS.get(key, (None, 3))[1]) + SKIP + 1
             where = folder / bench_net.key
             solver = nets.write_solver_files(bench_net, where, total)
-            caps = [rates["link"]] * hosts
-            jobs = _rounds(where / "even", solver, bench_net, hosts, caps, modes, runs, total,
-                           ddp_reason is None, log, key)
-            rows += [_row(key, mode, bandwidth, None, jobs[mode]) for mode in jobs]
-            if rates["slow"]:
-                caps = [rates["link"]] * (hosts - 1) + [rates["slow"]]
+            if key in net_keys:
+                caps = [rates["link"]] * hosts
+                jobs = _rounds(where / "even", solver, bench_net, hosts, caps, modes, runs, total,
+                               ddp_reason is None, log, key)
+                rows += [_row(key, mode, bandwidth, None, jobs[mode]) for mode in jobs]
+            if rates["slow"] and key in slow_nets:
+                caps = [rates["link"]] * (2 * hosts - 1) + [rates["slow"]]
                 jobs = _rounds(where / "slow", solver, bench_net, hosts, caps, SLOW_MODES, runs,
-                               total, False, log, f"{key}, host {hosts - 1} at {slow}")
+                               total, False, log, f"{key}, server {hosts - 1}'s host at {slow}",
+                               colocate=False)
                 rows += [_row(key, mode, bandwidth, slow, jobs[mode]) for mode in jobs]
     return _summary(rows, bandwidth, slow, hosts, runs, ddp_reason)
 
@@ -105,7 +111,8 @@ def _ddp_unavailable():
         return f"torch is not importable ({type(e).__name__}); pip install torch for the DDP row"
 
 
-def _rounds(folder, solver, bench_net, hosts, caps, modes, runs, total, with_ddp, log, label):
+def _rounds(folder, solver, bench_net, hosts, caps, modes, runs, total, with_ddp, log, label,
+            colocate=True):
     """{mode: [job result per round]} with the mode order rotated every round."""
     order = list(modes) + ([("ddp", None)] if with_ddp else [])
     jobs = {mode: [] for mode, _ in order}
@@ -115,7 +122,7 @@ def _rounds(folder, solver, bench_net, hosts, caps, modes, runs, total, with_ddp
             if flags is None:
                 result = _ddp_job(run, bench_net, hosts, caps, total)
             else:
-                result = _poseidon_job(run, solver, hosts, caps, flags)
+                result = _poseidon_job(run, solver, hosts, caps, flags, colocate)
             jobs[mode].append(result)
             if log:
                 log(f"  {label}, {mode}: {_text(result)}")
@@ -131,9 +138,9 @@ def _network(hosts, caps):
     return network
 
 
-def _poseidon_job(folder, solver, hosts, caps, flags):
+def _poseidon_job(folder, solver, hosts, caps, flags, colocate=True):
     from poseidon.tools.netns.ranks import HostJob
-    job = HostJob(folder, solver, hosts, hosts, threads=1, colocate=True,
+    job = HostJob(folder, solver, hosts, hosts, threads=1, colocate=colocate,
                   flags=list(flags) + ["--ipc", "off", "--stats", "stats.jsonl"])
     t0 = time.perf_counter()
     with _network(job.hosts, caps) as network:
@@ -239,4 +246,5 @@ def _summary(rows, bandwidth, slow, hosts, runs, ddp_reason):
                     f"DistributedDataParallel over gloo, one thread a rank, same net and batch; "
                     f"{max(1, int(runs))} round(s) of one job per mode, the order rotated; "
                     f"iteration time = median over rounds of each job's median iteration, the "
-                    f"first left out. Slow host: host {hosts - 1}'s link at {slow}"}
+                    f"first left out. Slow host: every rank on a host of its own, server "
+                    f"{hosts - 1}'s link at {slow}, the other links at {bandwidth}"}
