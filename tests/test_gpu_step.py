@@ -21,6 +21,7 @@ from poseidon.engine.launches import CountingModule
 from poseidon.engine.prototxt import parse_net_text
 from poseidon.engine.proto import caffe_pb2
 from poseidon.engine.solvers import SolverHooks, get_solver
+from tests import kernel_host
 
 BUDGET = 340            # launches of one cifar10_quick step: the figure before this change, 339
 DESIGN = 60             # with fused kernels and flat solver buffers
@@ -126,6 +127,7 @@ def cifar_counts():
     mp = pytest.MonkeyPatch()
     mp.setenv("POSEIDON_CONV", "im2col")
     xp = CountingModule()
+    xp.use_kernels(kernel_host.runner)                    # the layers' kernels: the host build
     backend.set_array_module_for_tests(xp)
     try:
         from poseidon.tools.bench import nets
@@ -381,7 +383,7 @@ def test_the_probe_report_reads_fake_measurements(tmp_path):
 def test_the_probes_stand_in_count_is_the_tests(cifar_counts):
     from poseidon.tools.bench.gpu_probe_parts import _stand_in_count
     routes = {name: "im2col" for name in ("conv1", "conv2", "conv3")}
-    counted = _stand_in_count(routes)
+    counted = _stand_in_count(routes, kernel_host.runner)
     assert counted["launches_per_step"] == cifar_counts["step"][0]
     assert counted["host_syncs_per_step"] == 0
 
