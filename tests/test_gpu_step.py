@@ -287,6 +287,60 @@ def test_negative_labels_are_caught_on_the_device_too(stand_in):
         solver.step(2)                                    # read when step() returns
 
 
+# ----- the NaN/Inf record's kernel, without a GPU -------------------------------------------------
+def test_the_nan_record_kernel_compiles_with_nvcc(tmp_path):
+    import shutil
+    import subprocess
+    from poseidon.engine.solvers import health
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    source = tmp_path / "first_bad.cu"
+    source.write_text(health.kernel_source("float") + health.kernel_source("double"))
+    done = subprocess.run([nvcc, "--ptx", "-o", str(tmp_path / "first_bad.ptx"), str(source)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "first_bad_double" in (tmp_path / "first_bad.ptx").read_text()
+
+
+def test_the_nan_record_kernel_is_its_numpy_twin(tmp_path):
+    """The kernel body built for the CPU against the twin the stand-in runs: the entry of each
+    parameter with a non-finite element drops to the iteration (never rises), the loss's too."""
+    import ctypes
+    import shutil
+    import subprocess
+    from poseidon.engine.solvers import health
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on PATH")
+    source = tmp_path / "first_bad.cpp"
+    source.write_text("#include <cmath>\nusing std::isfinite;\n"
+                      "static long long atomicMin(long long* a, long long v) "
+                      "{ long long old = *a; if (v < old) *a = v; return old; }\n"
+                      + health.kernel_source("double", host=True))
+    done = subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(tmp_path / "fb.so"),
+                           str(source)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kernel = ctypes.CDLL(str(tmp_path / "fb.so")).first_bad_double
+    off = np.array([0, 5, 6, 20, 31], np.int64)              # 4 parameters in flat order
+    slot = np.array([2, 0, 3, 1], np.int64)                   # their parameter ids
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)     # noqa: E731
+    got = np.full(5, health.NEVER, np.int64)
+    want = got.copy()
+    gen = np.random.default_rng(3)
+    for it, (bad, loss) in enumerate([((), 1.0), ((5, 25), 1.0), ((0, 19), np.inf),
+                                      ((30,), np.nan)]):
+        g = gen.standard_normal(31)
+        g[list(bad)] = [np.nan, np.inf][it % 2]
+        loss = np.array([loss])
+        kernel(pointer(g), pointer(off), pointer(slot), ctypes.c_int(4), pointer(loss),
+               ctypes.c_longlong(it + 3), ctypes.c_longlong(4), pointer(got),
+               ctypes.c_longlong(31))
+        health._first_bad_twin(g, off, slot, np.int32(4), loss[0], it + 3, 4, want)
+        np.testing.assert_array_equal(got, want)
+    assert want.tolist() == [4, 4, 5, 5, 5]
+
+
 # ----- precision: --tf32 ----------------------------------------------------------------------------
 def test_tf32_is_asked_for_through_the_environment(monkeypatch):
     monkeypatch.delenv(backend.TF32_VARIABLE, raising=False)

@@ -66,6 +66,23 @@ if (i == 0 && !isfinite(loss[0])) atomicMin((long long*)&first_bad[loss_slot], (
 """
 
 
+def kernel_source(ctype="float", host=False):
+    """_FIRST_BAD wrapped in a plain C function, for checking it without CuPy: a __global__
+    function (one thread per element) for `nvcc --ptx`, or with `host` a loop over the elements
+    that a C++ compiler builds for the CPU (the test supplies atomicMin and isfinite there)."""
+    args = ("const T* g_, const long long* off, const long long* slot, int nslices, "
+            "const T* loss, long long it, long long loss_slot, long long* first_bad, long long n")
+    if host:
+        head, tail = "  for (long long i = 0; i < n; ++i) {\n", "}}\n"
+    else:
+        head = ("  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+                "  if (i >= n) return;\n")
+        tail = "}\n"
+    return (f"namespace first_bad_{ctype} {{\ntypedef {ctype} T;\n"
+            f"extern \"C\" {'' if host else '__global__ '}void first_bad_{ctype}({args}) {{\n"
+            f"{head}  const T g = g_[i];\n{_FIRST_BAD}{tail}}}\n")
+
+
 @functools.lru_cache(maxsize=None)
 def _first_bad_kernel():
     return backend.cupy.ElementwiseKernel(
