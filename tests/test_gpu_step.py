@@ -287,6 +287,59 @@ def test_negative_labels_are_caught_on_the_device_too(stand_in):
         solver.step(2)                                    # read when step() returns
 
 
+SMALL_CONV = """
+name: "small_conv"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } } }
+layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 }
+                      bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param { num_output: 5 kernel_size: 3 stride: 2 weight_filler { type: "gaussian" std: 0.3 }
+                      bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" relu_param { negative_slope: 0.1 } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv2" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu3" type: "ReLU" bottom: "ip" top: "ip" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_the_stand_in_with_the_kernels_trains_as_numpy(monkeypatch):
+    """Three steps of a net whose ReLUs are fused into the convolutions and the InnerProduct,
+    on numpy and on the stand-in with the layers' kernels (host build): the same parameters
+    (the kernel route writes the fresh diffs that numpy adds to, the NaN record and the update
+    run through their twins)."""
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")
+
+    def trained(xp):
+        sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.01,
+                                       lr_policy="fixed", max_iter=100, display=0, random_seed=5)
+        sp.net_param.CopyFrom(parse_net_text(SMALL_CONV))
+        solver = get_solver(sp, xp=xp)
+        assert solver.net.fused_relus == [(2, 3), (5, 6), (7, 8)]
+        gen = np.random.RandomState(1)
+        for name, value in (("data", gen.standard_normal((4, 3, 8, 8))),
+                            ("label", np.array([0, 1, 2, 1]))):
+            solver.net.blobs[name].data[...] = backend.to_xp(value.astype(np.float32), xp)
+        solver.step(3)
+        return params(solver)
+
+    want = trained(np)
+    xp = CountingModule()
+    xp.use_kernels(kernel_host.runner)
+    backend.set_array_module_for_tests(xp)
+    try:
+        got = trained(xp)
+    finally:
+        backend.set_array_module_for_tests(None)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 # ----- the NaN/Inf record's kernel, without a GPU -------------------------------------------------
 def test_the_nan_record_kernel_compiles_with_nvcc(tmp_path):
     import shutil

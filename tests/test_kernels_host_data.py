@@ -121,6 +121,7 @@ def test_convolution_through_the_layer(bias, group, monkeypatch):
     got, grads, fwd, bwd = run_layer(text, [x], use_kernels=True, prepare=prepare)
     for a, b in zip(seeded[0].blobs, seeded[1].blobs):
         numpy.testing.assert_array_equal(a.data, b.data)
+        numpy.testing.assert_allclose(b.diff, a.diff, rtol=1e-5, atol=1e-6 * abs(a.diff).max())
     # the GEMMs add in another order (the kernel route's columns are channel-major): float32
     # rounding of sums whose terms reach the outputs' largest magnitude
     for a, b in ((got[0], want[0]), (grads[0], want_grads[0])):
@@ -128,6 +129,32 @@ def test_convolution_through_the_layer(bias, group, monkeypatch):
     # the kernel route (engine/layers/conv/kernel_route.py): the whole batch, one launch each
     assert fwd == ["im2col_nhwc", "bias_relu_nchw"]
     assert bwd == ["im2col_nhwc", "col2im_nhwc"]
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_deconvolution_through_the_kernel_route(group, monkeypatch):
+    """Deconvolution runs the convolution's passes transposed: forward the kernel route's input
+    gradient (GEMM, col2im), backward its forward (im2col, GEMM, epilogue) and weight gradient
+    (im2col again), against its numpy branch."""
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    text = (f'type: "Deconvolution" convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 '
+            f'stride: 2 group: {group} weight_filler {{ type: "gaussian" }} '
+            f'bias_filler {{ type: "gaussian" }} }}')
+    x = RS.standard_normal((2, 6, 4, 5))
+    layers = []
+
+    def prepare(layer):
+        rng.seed(0)
+        layers.append(layer)
+
+    want, want_grads, _, _ = run_layer(text, [x], prepare=prepare)
+    got, grads, fwd, bwd = run_layer(text, [x], use_kernels=True, prepare=prepare)
+    pairs = [(got[0], want[0]), (grads[0], want_grads[0])]
+    pairs += [(k.diff, n.diff) for k, n in zip(layers[1].blobs, layers[0].blobs)]
+    for a, b in pairs:                                    # output, input and parameter gradients
+        numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * numpy.abs(b).max())
+    assert fwd == ["col2im_nhwc"]
+    assert bwd == ["im2col_nhwc", "bias_relu_nchw", "im2col_nhwc"]
 
 
 @pytest.mark.parametrize("layer_type", ["Convolution", "InnerProduct"])

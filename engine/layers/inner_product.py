@@ -11,8 +11,8 @@ import numpy
 from .. import kernels
 from ..gemm import matmul
 from ..layer import Layer, register
-from .activation import relu_backward, relu_forward
 from ..parallel import BufferCache, WorkerBuffers, block_rows, l2_cache_bytes, parallel
+from .activation import relu_backward, relu_forward
 
 # Weights at least this large are multiplied by the cores at once (columns of the weight split
 # into one range per core, see engine/parallel.py); smaller ones in one call.
