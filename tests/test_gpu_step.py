@@ -308,12 +308,16 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def test_the_stand_in_with_the_kernels_trains_as_numpy(monkeypatch):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_stand_in_with_the_kernels_trains_as_numpy(monkeypatch, chunked):
     """Three steps of a net whose ReLUs are fused into the convolutions and the InnerProduct,
     on numpy and on the stand-in with the layers' kernels (host build): the same parameters
     (the kernel route writes the fresh diffs that numpy adds to, the NaN record and the update
-    run through their twins)."""
+    run through their twins). chunked: a sample a chunk, the first writing, the others adding."""
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    if chunked:
+        from poseidon.engine.layers.conv.columns import Im2colConvCore
+        monkeypatch.setattr(Im2colConvCore, "GPU_BLOCK_BYTES", 1)
 
     def trained(xp):
         sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.01,

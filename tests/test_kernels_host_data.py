@@ -101,12 +101,17 @@ def test_bias_relu_rows(relu):
     numpy.testing.assert_allclose(y, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("bias", ["true", "false"])
 @pytest.mark.parametrize("group", [1, 2])
-def test_convolution_through_the_layer(bias, group, monkeypatch):
+def test_convolution_through_the_layer(bias, group, chunks, monkeypatch):
     """A strided convolution on the im2col route: its GEMM rows written to NCHW with the bias by
-    bias_relu_nchw, its input gradient gathered by col2im_nhwc."""
+    bias_relu_nchw, its input gradient gathered by col2im_nhwc; the batch in one chunk, or one
+    sample a chunk (columns past GPU_BLOCK_BYTES)."""
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    if chunks > 1:
+        from poseidon.engine.layers.conv.columns import Im2colConvCore
+        monkeypatch.setattr(Im2colConvCore, "GPU_BLOCK_BYTES", 1)
     text = (f'type: "Convolution" convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 '
             f'stride: 2 group: {group} bias_term: {bias} weight_filler {{ type: "gaussian" }} '
             f'bias_filler {{ type: "gaussian" }} }}')
@@ -127,8 +132,8 @@ def test_convolution_through_the_layer(bias, group, monkeypatch):
     for a, b in ((got[0], want[0]), (grads[0], want_grads[0])):
         numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * numpy.abs(b).max())
     # the kernel route (engine/layers/conv/kernel_route.py): the whole batch, one launch each
-    assert fwd == ["im2col_nhwc", "bias_relu_nchw"]
-    assert bwd == ["im2col_nhwc", "col2im_nhwc"]
+    assert fwd == ["im2col_nhwc", "bias_relu_nchw"] * chunks
+    assert bwd == ["im2col_nhwc", "col2im_nhwc"] * chunks
 
 
 @pytest.mark.parametrize("group", [1, 2])
