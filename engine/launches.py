@@ -25,6 +25,11 @@ view), a fill (`a[...] = 0`, zeros, full, fill) and a custom kernel (`counted_ke
 calls would launch on CuPy, up to its own fusions (CuPy launches one kernel per such call too).
 One read goes unseen: numpy.asarray of a device array (a numpy subclass gives itself up without
 a call to count), which CuPy refuses outright, so the GPU tests catch it.
+
+Fused kernels count as one launch each and compute with their exact twins: a solver rule's
+ElementwiseKernel through its numpy twin (`counted_kernel`), the layers' CUDA kernels
+(engine/kernels) through a runner the caller gives `use_kernels` (the tests give the host build
+of the same sources), which engine.kernels.runner_for finds as this module's `kernel_runner`.
 """
 import types
 
@@ -232,6 +237,21 @@ class _Cuda:
             getDeviceProperties=lambda i: {"name": b"counting stand-in"})
 
 
+class _CountedRunner:
+    """A kernel runner on the stand-in's arrays: one launch a call, run by `inner` (a runner for
+    numpy arrays) on the plain arrays underneath."""
+
+    def __init__(self, module, inner):
+        self.module, self.inner, self.dtype = module, inner, inner.dtype
+
+    def real(self, value):
+        return self.inner.real(value)
+
+    def __call__(self, name, count, *args):
+        self.module.count("kernel")
+        self.inner(name, count, *_unwrap(args))
+
+
 class CountingModule:
     """An array module that looks like CuPy to the engine and counts launches and host syncs.
 
@@ -244,6 +264,7 @@ class CountingModule:
         self.cuda = _Cuda(self)
         self.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
             as_strided=self._as_strided))
+        self.kernel_runner = None    # dtype -> runner of the layers' kernels (use_kernels)
         self.reset()
 
     # ----- the counts --------------------------------------------------------------------------------
@@ -264,6 +285,23 @@ class CountingModule:
     @property
     def syncs(self):
         return sum(self.sync_reasons.values())
+
+    def use_kernels(self, factory):
+        """Let the layers take their fused-kernel branch on these arrays: factory(dtype) gives a
+        runner of the kernels (the interface of engine.kernels.CupyRunner) that computes on
+        numpy arrays; each kernel it runs counts as one launch. None: the layers keep their
+        array code again."""
+        if factory is None:
+            self.kernel_runner = None
+            return
+        runners = {}
+
+        def runner_for_dtype(dtype):
+            dtype = numpy.dtype(dtype)
+            if dtype not in runners:
+                runners[dtype] = _CountedRunner(self, factory(dtype))
+            return runners[dtype]
+        self.kernel_runner = runner_for_dtype
 
     def counted_kernel(self, fallback):
         """A custom (fused) kernel under the stand-in: one launch, computed by `fallback` (the

@@ -17,6 +17,7 @@ from .blob import Blob
 from .errors import DataError, ModelError, PoseidonError
 from .layer import TRAIN, TEST, create_layer
 from .layers.batchnorm_scale import BatchNormScalePair, can_pair
+from .layers.fusion import absorb_relus
 from .proto import caffe_pb2
 from . import prototxt
 
@@ -185,6 +186,7 @@ class Net:
                                 needs and any(self.bottom_need_backward[li]))
         self._pairs = {}   # BatchNorm index -> its BatchNormScalePair (_pair_batchnorm_scale)
         self._pair_batchnorm_scale()
+        self.fused_relus = absorb_relus(self)   # (layer, ReLU) pairs: engine/layers/fusion.py
         users = collections.Counter(spec.name for specs in self.layer_param_specs for spec in specs)
         self._sole_params = {id(blob) for blob, spec in zip(self.learnable_params,
                                                              self.learnable_param_specs)

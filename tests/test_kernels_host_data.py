@@ -34,15 +34,18 @@ def reference_columns(x, geom, group):
     return nhwc_window_view(src, geom, out_h, out_w, group, numpy)
 
 
+@pytest.mark.parametrize("channel_major", [False, True])
 @pytest.mark.parametrize("shape,geom,group", CONVS)
-def test_im2col_matches_the_window_view(shape, geom, group):
+def test_im2col_matches_the_window_view(shape, geom, group, channel_major):
     x = RS.standard_normal(shape).astype(F32)
     view = reference_columns(x, geom, group)
+    if channel_major:   # (..., kh, kw, C/g) -> (..., C/g, kh, kw)
+        view = view.transpose(0, 1, 2, 3, 6, 4, 5)
     run = kernel_host.runner(F32)
     out_h = view.shape[1]
     for r0, r1 in ((0, out_h), (1, out_h), (out_h // 2, out_h // 2 + 1)):   # bands of rows
         col = numpy.full((shape[0], r1 - r0) + view.shape[2:], numpy.nan, F32)
-        calls.im2col(run, x, col, geom, r0)
+        calls.im2col(run, x, col, geom, r0, channel_major)
         numpy.testing.assert_array_equal(col, view[:, r0:r1])
 
 
@@ -60,6 +63,12 @@ def test_col2im_is_the_adjoint(shape, geom, group):
     want = padded[:, geom.ph:geom.ph + h, geom.pw:geom.pw + w].transpose(0, 3, 1, 2)
     dx = numpy.full(shape, numpy.nan, F32)
     calls.col2im(kernel_host.runner(F32), gemm, dx, geom, out_h, out_w)
+    numpy.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
+    # the same columns with each cell's numbers in the weight's order (C/g, kh, kw)
+    major = numpy.ascontiguousarray(gemm.reshape(
+        group, -1, geom.kh, geom.kw, c // group).transpose(0, 1, 4, 2, 3)).reshape(gemm.shape)
+    dx[...] = numpy.nan
+    calls.col2im(kernel_host.runner(F32), major, dx, geom, out_h, out_w, channel_major=True)
     numpy.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
 
 
@@ -92,12 +101,17 @@ def test_bias_relu_rows(relu):
     numpy.testing.assert_allclose(y, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("bias", ["true", "false"])
 @pytest.mark.parametrize("group", [1, 2])
-def test_convolution_through_the_layer(bias, group, monkeypatch):
+def test_convolution_through_the_layer(bias, group, chunks, monkeypatch):
     """A strided convolution on the im2col route: its GEMM rows written to NCHW with the bias by
-    bias_relu_nchw, its input gradient gathered by col2im_nhwc."""
+    bias_relu_nchw, its input gradient gathered by col2im_nhwc; the batch in one chunk, or one
+    sample a chunk (columns past GPU_BLOCK_BYTES)."""
     monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    if chunks > 1:
+        from poseidon.engine.layers.conv.columns import Im2colConvCore
+        monkeypatch.setattr(Im2colConvCore, "GPU_BLOCK_BYTES", 1)
     text = (f'type: "Convolution" convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 '
             f'stride: 2 group: {group} bias_term: {bias} weight_filler {{ type: "gaussian" }} '
             f'bias_filler {{ type: "gaussian" }} }}')
@@ -112,10 +126,73 @@ def test_convolution_through_the_layer(bias, group, monkeypatch):
     got, grads, fwd, bwd = run_layer(text, [x], use_kernels=True, prepare=prepare)
     for a, b in zip(seeded[0].blobs, seeded[1].blobs):
         numpy.testing.assert_array_equal(a.data, b.data)
-    numpy.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
-    numpy.testing.assert_allclose(grads[0], want_grads[0], rtol=1e-5, atol=1e-6)
-    # one launch a chunk of samples (on numpy one range per core; on CuPy the batch is one)
-    assert set(fwd) == {"bias_relu_nchw"} and set(bwd) == {"col2im_nhwc"}
+        numpy.testing.assert_allclose(b.diff, a.diff, rtol=1e-5, atol=1e-6 * abs(a.diff).max())
+    # the GEMMs add in another order (the kernel route's columns are channel-major): float32
+    # rounding of sums whose terms reach the outputs' largest magnitude
+    for a, b in ((got[0], want[0]), (grads[0], want_grads[0])):
+        numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * numpy.abs(b).max())
+    # the kernel route (engine/layers/conv/kernel_route.py): the whole batch, one launch each
+    assert fwd == ["im2col_nhwc", "bias_relu_nchw"] * chunks
+    assert bwd == ["im2col_nhwc", "col2im_nhwc"] * chunks
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_deconvolution_through_the_kernel_route(group, monkeypatch):
+    """Deconvolution runs the convolution's passes transposed: forward the kernel route's input
+    gradient (GEMM, col2im), backward its forward (im2col, GEMM, epilogue) and weight gradient
+    (im2col again), against its numpy branch."""
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    text = (f'type: "Deconvolution" convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 '
+            f'stride: 2 group: {group} weight_filler {{ type: "gaussian" }} '
+            f'bias_filler {{ type: "gaussian" }} }}')
+    x = RS.standard_normal((2, 6, 4, 5))
+    layers = []
+
+    def prepare(layer):
+        rng.seed(0)
+        layers.append(layer)
+
+    want, want_grads, _, _ = run_layer(text, [x], prepare=prepare)
+    got, grads, fwd, bwd = run_layer(text, [x], use_kernels=True, prepare=prepare)
+    pairs = [(got[0], want[0]), (grads[0], want_grads[0])]
+    pairs += [(k.diff, n.diff) for k, n in zip(layers[1].blobs, layers[0].blobs)]
+    for a, b in pairs:                                    # output, input and parameter gradients
+        numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * numpy.abs(b).max())
+    assert fwd == ["col2im_nhwc"]
+    assert bwd == ["im2col_nhwc", "bias_relu_nchw", "im2col_nhwc"]
+
+
+@pytest.mark.parametrize("layer_type", ["Convolution", "InnerProduct"])
+@pytest.mark.parametrize("slope", [0.0, 0.2])
+def test_a_fused_relu_is_the_relu_layer(layer_type, slope, monkeypatch):
+    """A layer that runs the ReLU after it (engine/layers/fusion.py) gives, on both branches,
+    the layer's own output rectified and gradients through the ReLU's mask."""
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")
+    param = ("convolution_param { num_output: 4 kernel_size: 3 pad: 1 stride: 2"
+             if layer_type == "Convolution" else "inner_product_param { num_output: 5")
+    text = (f'type: "{layer_type}" {param} weight_filler {{ type: "gaussian" }} '
+            f'bias_filler {{ type: "gaussian" }} }}')
+    x = RS.standard_normal((2, 12, 7, 6))
+    plain_top, _, _, _ = run_layer(text, [x], prepare=lambda layer: rng.seed(0))
+    y = plain_top[0]
+    rectified = numpy.where(y > 0, y, y * slope)
+    dy = RS.standard_normal(y.shape)
+    masked = dy * numpy.where(y > 0, 1.0, slope)
+    _, want_grads, _, _ = run_layer(text, [x], prepare=lambda layer: rng.seed(0),
+                                    top_diffs=lambda tops: [masked])
+
+    def fused(layer):
+        rng.seed(0)
+        assert layer.take_relu(slope)
+
+    for kernels_on in (False, True):
+        tops, grads, fwd, _ = run_layer(text, [x], prepare=fused, use_kernels=kernels_on,
+                                        top_diffs=lambda tops: [dy])
+        for a, b in ((tops[0], rectified), (grads[0], want_grads[0])):
+            numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * numpy.abs(b).max())
+        if kernels_on:   # the ReLU costs no launch of its own
+            assert fwd == (["im2col_nhwc", "bias_relu_nchw"] if layer_type == "Convolution"
+                           else ["bias_relu_rows"])
 
 
 # ----- Eltwise ------------------------------------------------------------------------------------

@@ -102,7 +102,11 @@ def runner_for(array):
     if dtype not in ELEMENT_TYPES:
         return None
     if isinstance(array, numpy.ndarray):
-        return None if _host_factory is None else _host_factory(dtype)
+        # a stand-in array module (engine/launches.py) may bring its own runner; plain numpy
+        # takes the kernels only inside host_runner
+        module = backend.get_array_module(array)
+        factory = _host_factory if module is numpy else getattr(module, "kernel_runner", None)
+        return None if factory is None else factory(dtype)
     cupy = backend.cupy
     if cupy is None or not isinstance(array, cupy.ndarray):
         return None

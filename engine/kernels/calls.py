@@ -83,22 +83,24 @@ def _conv_geometry(geom):
             i32(geom.dh), i32(geom.dw))
 
 
-def im2col(run, x, col, geom, first_row):
+def im2col(run, x, col, geom, first_row, channel_major=False):
     """col (samples, rows, out_w, group, kh, kw, C/group) from x (samples, C, H, W), output rows
-    first_row .. first_row + rows (engine/layers/im2col.py's layout). 1 launch."""
+    first_row .. first_row + rows (engine/layers/im2col.py's layout); channel_major: the last
+    three axes (C/group, kh, kw), a weight blob's order. 1 launch."""
     c, h, w = x.shape[1:]
     rows, out_w, group = col.shape[1:4]
     run("im2col_nhwc", col.size, x, col, i64(col.size), i32(c), i32(h), i32(w),
-        i32(first_row), i32(rows), i32(out_w), i32(group), *_conv_geometry(geom))
+        i32(first_row), i32(rows), i32(out_w), i32(group), *_conv_geometry(geom),
+        i32(channel_major))
 
 
-def col2im(run, col, dx, geom, out_h, out_w):
+def col2im(run, col, dx, geom, out_h, out_w, channel_major=False):
     """dx (samples, C, H, W) = the adjoint of im2col over all output rows, from columns laid out
-    group first, (group, samples * out_h * out_w, kh * kw * C/group): the GEMM's output in the
-    input gradient. 1 launch."""
+    group first, (group, samples * out_h * out_w, kh * kw * C/group) (channel_major: C/group
+    before kh, kw): the GEMM's output in the input gradient. 1 launch."""
     c, h, w = dx.shape[1:]
     run("col2im_nhwc", dx.size, col, dx, i64(dx.size), i32(c), i32(h), i32(w), i32(out_h),
-        i32(out_w), i32(col.shape[0]), *_conv_geometry(geom))
+        i32(out_w), i32(col.shape[0]), *_conv_geometry(geom), i32(channel_major))
 
 
 def bias_relu_nchw(run, gemm, bias, out, cell_offset, relu=False, negative_slope=0.0):

@@ -49,47 +49,61 @@ class ElementwiseLayer(Layer):
         top[0].reshape(bottom[0].shape)
 
 
+def relu_forward(x, y, slope, xp, keep_mask=False):
+    """y = x for x > 0, slope·x otherwise (y may be x). Returns the mask x > 0 when keep_mask
+    (an in-place ReLU with a negative slope: its output's sign no longer tells the input's)."""
+    positive = x > 0 if keep_mask else None
+    if slope == 0.0:
+        split_rows(lambda a, b: relu_into(a, b, xp), (x, y), xp)
+    elif 0.0 < slope <= 1.0:
+        xp.maximum(x, x * x.dtype.type(slope), out=y)   # max(x, s·x) is leaky ReLU for 0 < s <= 1
+    else:
+        negative_part = xp.minimum(x, 0)                # Caffe: max(x, 0) + s·min(x, 0)
+        negative_part *= x.dtype.type(slope)
+        xp.maximum(x, 0, out=y)
+        y += negative_part
+    return positive
+
+
+def relu_backward(dy, y, dx, slope, xp, positive=None):
+    """dx = dy·((x > 0) + slope·(x <= 0)), with x > 0 read from the output y (true for any
+    slope >= 0) unless `positive` (relu_forward's kept mask) is given. dx may be dy."""
+    if slope == 0.0 and positive is None:
+        # in place, y is the output, which is > 0 exactly where the input was
+        split_rows(lambda d, a, out: xp.multiply(d, a > 0, out=out), (dy, y, dx), xp)
+        return
+    positive = y > 0 if positive is None else positive
+    # arithmetic on masks, not `where` (slow on random signs)
+    factor = xp.multiply(~positive, dy.dtype.type(slope), dtype=dy.dtype)
+    factor += positive
+    xp.multiply(dy, factor, out=dx)
+
+
 @register("ReLU")
 class ReLULayer(ElementwiseLayer):
-    """y = x for x > 0, negative_slope·x otherwise; dy/dx = 1 for x > 0, negative_slope otherwise."""
+    """y = x for x > 0, negative_slope·x otherwise; dy/dx = 1 for x > 0, negative_slope otherwise.
+
+    An in-place ReLU right after a Convolution or InnerProduct is run by that layer (the Net hands
+    it over: engine/layers/fusion.py): `absorbed` is then True and this layer does nothing."""
+
+    absorbed = False
 
     def layer_setup(self, bottom, top):
         self.slope = float(self.param.relu_param.negative_slope)
         self._positive = None   # input > 0, kept only when run in place with a negative slope
 
     def forward(self, bottom, top):
-        xp = self.xp
-        x, y = bottom[0].data, top[0].data
-        s = self.slope
-        if s == 0.0:
-            split_rows(lambda a, b: relu_into(a, b, xp), (x, y), xp)
-        elif 0.0 < s <= 1.0:
-            xp.maximum(x, x * self.dtype.type(s), out=y)   # max(x, s·x) is leaky ReLU for 0 < s <= 1
-        else:
-            if s < 0.0 and top[0] is bottom[0]:
-                # the output's sign no longer tells the input's: keep the mask for backward
-                self._positive = x > 0
-            negative_part = xp.minimum(x, 0)                # Caffe: max(x, 0) + s·min(x, 0)
-            negative_part *= self.dtype.type(s)
-            xp.maximum(x, 0, out=y)
-            y += negative_part
+        if self.absorbed:
+            return
+        keep = self.slope < 0.0 and top[0] is bottom[0]
+        self._positive = relu_forward(bottom[0].data, top[0].data, self.slope, self.xp, keep)
 
     def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
+        if not propagate_down[0] or self.absorbed:
             return
-        xp = self.xp
-        dy, dx = top[0].diff, bottom[0].diff
-        if self.slope == 0.0:
-            # in place, bottom.data is the output, which is > 0 exactly where the input was
-            split_rows(lambda d, a, out: xp.multiply(d, a > 0, out=out),
-                       (dy, bottom[0].data, dx), xp)
-            return
-        positive = (self._positive if (self.slope < 0.0 and top[0] is bottom[0])
-                    else bottom[0].data > 0)
-        # dy·((x > 0) + s·(x <= 0)); arithmetic on masks, not `where` (slow on random signs)
-        factor = xp.multiply(~positive, self.dtype.type(self.slope), dtype=self.dtype)
-        factor += positive
-        xp.multiply(dy, factor, out=dx)
+        positive = self._positive if (self.slope < 0.0 and top[0] is bottom[0]) else None
+        relu_backward(top[0].diff, bottom[0].data, bottom[0].diff, self.slope, self.xp,
+                      positive)
 
 
 @register("Sigmoid")

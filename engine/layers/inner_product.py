@@ -8,9 +8,11 @@ rank-1 products: the layer's *sufficient factors*, which a caller can send inste
 """
 import numpy
 
+from .. import kernels
 from ..gemm import matmul
 from ..layer import Layer, register
 from ..parallel import BufferCache, WorkerBuffers, block_rows, l2_cache_bytes, parallel
+from .activation import relu_backward, relu_forward
 
 # Weights at least this large are multiplied by the cores at once (columns of the weight split
 # into one range per core, see engine/parallel.py); smaller ones in one call.
@@ -38,6 +40,14 @@ class InnerProductLayer(Layer):
     # sufficient-factor scheme): it then computes only the bias gradient and the bottom diff,
     # and leaves the weight's diff alone, saving a K·M·N GEMM and two passes over the weight.
     has_sufficient_factors = True
+    fused_relu = None   # the slope of a following ReLU this layer runs (take_relu)
+
+    def take_relu(self, slope):
+        """Run the in-place ReLU (negative slope `slope`) that follows this layer
+        (engine/layers/fusion.py): in the fused bias epilogue where the kernels run, else the
+        ReLU's own code after the GEMM; its mask goes on the top gradient before backward."""
+        self.fused_relu = slope
+        return True
 
     def layer_setup(self, bottom, top):
         p = self.param.inner_product_param
@@ -94,6 +104,12 @@ class InnerProductLayer(Layer):
         w = self.blobs[0].data
         wt = w if self.transpose else w.T                       # N×M
         b = self.blobs[1].data if self.bias_term else None
+        relu = self.fused_relu
+        run = kernels.runner_for(y)
+        if run is not None:   # one GEMM, then the bias and the ReLU in one fused pass
+            matmul(xp, x, wt, out=y)
+            kernels.calls.bias_relu_rows(run, y, b, relu is not None, relu or 0.0)
+            return
 
         if not self.transpose and w.size >= PARALLEL_MIN_WEIGHTS:
             # Yᵀ = W·Xᵀ: with the big weight as the left operand OpenBLAS packs it in cache-sized
@@ -120,9 +136,13 @@ class InnerProductLayer(Layer):
                     y[:, lo:hi] += b[lo:hi]
 
         self._split(self.num_output, part)
+        if relu is not None:
+            relu_forward(y, y, relu, xp)
 
     def backward(self, top, propagate_down, bottom, weight_grad=True):
         xp = self.xp
+        if self.fused_relu is not None:                         # the ReLU's backward, in place
+            relu_backward(top[0].diff, top[0].data, top[0].diff, self.fused_relu, xp)
         g, x = self.sufficient_factors(bottom, top)             # K×M, K×N
         w = self.blobs[0]
         grad_w = self.param_propagate_down[0] and weight_grad
@@ -159,8 +179,12 @@ class InnerProductLayer(Layer):
                     matmul(xp, g[:, lo:hi].T, x, out=buf[lo:hi])
                     if not over:
                         w.diff[lo:hi] += buf[lo:hi]
-            if grad_b:
-                self.blobs[1].diff[lo:hi] += g[:, lo:hi].sum(axis=0)
+            if grad_b:                                          # written over fresh zeros
+                db = self.blobs[1].diff[lo:hi]
+                if self.blobs[1].diff_fresh:
+                    g[:, lo:hi].sum(axis=0, out=db)
+                else:
+                    xp.add(db, g[:, lo:hi].sum(axis=0), out=db)
 
         if grad_w or grad_b:
             self._split(self.num_output, params, with_worker=True)

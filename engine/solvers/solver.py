@@ -390,7 +390,7 @@ class Solver:
         params = self.net.learnable_params
         if self.on_device and not self._factored:
             self._health.record(self.iter, loss, [b.diff for b in params],
-                                squares=self.param.clip_gradients >= 0)
+                                squares=self.param.clip_gradients >= 0, flat=self.net.flat)
             return
         loss = float(loss)
         diffs = [b.diff for pid, b in enumerate(params) if pid not in self._factored]

@@ -344,11 +344,14 @@ def launches(ctx):
     del torch
 
 
-def _stand_in_count(routes):
+def _stand_in_count(routes, kernel_runner=None):
+    """One cifar10_quick step's launches on the counting stand-in; kernel_runner(dtype): a
+    runner of the layers' kernels for numpy arrays (None: the card's, through copies)."""
     from poseidon.engine import backend
     from poseidon.engine.launches import CountingModule
     from poseidon.tools.bench import nets
     xp = CountingModule()
+    xp.use_kernels(kernel_runner or _DeviceTwin)
     backend.set_array_module_for_tests(xp)
     try:
         solver = nets.make_solver(nets.cifar10_quick(100), xp=xp)
@@ -363,6 +366,29 @@ def _stand_in_count(routes):
                 "host_syncs_per_step": (three[1] - xp.syncs) // 2, "by_kind_3_steps": three[2]}
     finally:
         backend.set_array_module_for_tests(None)
+
+
+class _DeviceTwin:
+    """The layers' kernels for numpy arrays on a machine with a GPU: each call copies its arrays
+    to the device, runs the kernel there and copies them back (slow, but the stand-in only
+    counts the call, and the values stay the kernels' own)."""
+
+    def __init__(self, dtype):
+        import cupy
+
+        from poseidon.engine import kernels
+        self.cupy, self.dtype = cupy, numpy.dtype(dtype)
+        self.inner = kernels.CupyRunner(cupy, self.dtype)
+
+    def real(self, value):
+        return self.dtype.type(value)
+
+    def __call__(self, name, count, *args):
+        moved = [self.cupy.asarray(a) if isinstance(a, numpy.ndarray) else a for a in args]
+        self.inner(name, count, *moved)
+        for host, device in zip(args, moved):
+            if isinstance(host, numpy.ndarray):
+                host[...] = self.cupy.asnumpy(device)
 
 
 def _profiled(side, profile, activity):

@@ -28,8 +28,14 @@ the block sizes in routes.py):
 - 1x1 kernels with no pad skip the columns (pointwise.py), and narrow inputs (a net's first
   layer, 3 channels) take Caffe's own column layout in forward and in the input gradient
   (planar.py).
-Scratch buffers are cached per thread and reallocated only when a shape changes. On CuPy the
-whole batch is one range and one chunk (up to GPU_BLOCK_BYTES of columns).
+Scratch buffers are cached per thread and reallocated only when a shape changes. Where the fused
+kernels run (a GPU, or the tests' host build) the passes are kernel_route.py's instead; without
+them CuPy takes these passes with the whole batch as one range and one chunk (up to
+GPU_BLOCK_BYTES of columns).
+
+A ReLU handed to the layer (engine/layers/fusion.py) comes as `relu` (its slope) to forward and
+as `relu` = (the top's data, slope) to backward: here it is the ReLU's own array code after the
+forward and before the backward; on the kernel route it is fused.
 """
 import numpy
 
@@ -37,20 +43,24 @@ from ... import kernels
 from ...backend import get_array_module as _xp
 from ...gemm import matmul
 from ...parallel import BufferCache, WorkerBuffers, parallel
+from ..activation import relu_backward, relu_forward
 from ..im2col import Geometry, nhwc_col2im, nhwc_window_view
 from . import routes
 from .bias import bias_gradient_of, bias_gradient_part, bias_gradient_sum
+from .kernel_route import KernelColumns
 from .planar import PlanarColumns
 from .pointwise import Pointwise
 
 
-class Im2colConvCore(PlanarColumns, Pointwise):
+class Im2colConvCore(PlanarColumns, Pointwise, KernelColumns):
     """Convolution arithmetic for one geometry and group count (input x: N x C x H x W).
 
     Deconvolution shares it as the transpose: its forward is `backward_data`, its input
     gradient `forward` (as Caffe's deconv_layer.cpp does)."""
 
     algorithm = "im2col"
+    takes_relu = True   # forward and backward take a fused ReLU (the module docstring)
+    _xp_of = staticmethod(_xp)
 
     # class attributes, so that tests can make chunks tiny (see routes.py for why these sizes)
     COLUMN_BLOCK_BYTES = routes.COLUMN_BLOCK_BYTES
@@ -64,6 +74,7 @@ class Im2colConvCore(PlanarColumns, Pointwise):
         self.buffers = BufferCache()
         self._wbuf = WorkerBuffers()
         self.sources = {}
+        self._kept = {}       # key -> the NCHW input of a kernel-route forward (kernel_route.py)
         self._unpadded = {}   # key -> the input of a planar forward, padded channels-last on demand
         g = geom
         # 1x1 without padding: no im2col, GEMMs on the NCHW arrays; with a stride (ResNet's
@@ -145,6 +156,7 @@ class Im2colConvCore(PlanarColumns, Pointwise):
         """Keep x (padded, channels-last) under `key` for a later weight gradient."""
         g = self.geom
         self._unpadded.pop(key, None)
+        self._kept[key] = x
         if self.pointwise:
             src = self.sources[key] = self._subsampled(x, key) if self.strided else x
             return src
@@ -180,12 +192,9 @@ class Im2colConvCore(PlanarColumns, Pointwise):
             cmat = col.reshape(cells, grp, kg)
             y = buf.get(f"{name}y{cells}", (grp, cells, og), out.dtype, xp)
             matmul(xp, cmat.transpose(1, 0, 2), wt, out=y)
-            run = kernels.runner_for(out)
             ynchw = y.reshape(grp, m, cells // m, og).transpose(1, 0, 3, 2)
             dst = out[s0:s0 + m].reshape(m, grp, og, plane)[..., r0 * out_w:r1 * out_w]
-            if run is not None:   # the fused epilogue: the GEMM's rows to NCHW, bias added
-                kernels.calls.bias_relu_nchw(run, y, bias, out[s0:s0 + m], r0 * out_w)
-            elif bias is None:
+            if bias is None:
                 dst[...] = ynchw
             else:
                 xp.add(ynchw, bias.reshape(grp, og, 1), out=dst)
@@ -200,8 +209,18 @@ class Im2colConvCore(PlanarColumns, Pointwise):
                 dwp += tmp
 
     # ----- forward ---------------------------------------------------------------------------------
-    def forward(self, x, weight, out, bias=None, key=0):
-        """out (N, O, Ho, Wo) = convolution of x with weight (+ bias); x is kept for backward."""
+    def forward(self, x, weight, out, bias=None, key=0, relu=None):
+        """out (N, O, Ho, Wo) = convolution of x with weight (+ bias), then a fused ReLU of slope
+        `relu` (None: none); x is kept for backward."""
+        run = None if self.pointwise else kernels.runner_for(out)
+        if run is not None:
+            return self._forward_kernels(run, x, weight, out, bias, key, relu)
+        self._forward_arrays(x, weight, out, bias, key)
+        if relu is not None:
+            relu_forward(out, out, relu, _xp(out))
+        return out
+
+    def _forward_arrays(self, x, weight, out, bias, key):
         xp = _xp(x)
         if self.pointwise:
             if self.strided:
@@ -263,11 +282,20 @@ class Im2colConvCore(PlanarColumns, Pointwise):
         return src
 
     # ----- backward --------------------------------------------------------------------------------
-    def backward(self, dy, weight, weight_diff=None, bias_diff=None, dx=None, key=0):
+    def backward(self, dy, weight, weight_diff=None, bias_diff=None, dx=None, key=0, relu=None,
+                 fresh=(False, False)):
         """Gradients for top gradient dy (N, O, Ho, Wo): weight_diff and bias_diff (when given)
         accumulate, dx (when given, N x C x H x W) is overwritten. The weight gradient uses the
-        input that forward (or prepare) kept under `key`."""
+        input that forward (or prepare) kept under `key`. `relu`: (top data, slope) of a fused
+        ReLU, whose mask dy takes first; `fresh`: whether the weight and bias diffs hold only
+        the clear's zeros (the kernel route then writes them instead of adding)."""
         xp = _xp(dy)
+        run = None if self.pointwise else kernels.runner_for(dy)
+        if run is not None:
+            return self._backward_kernels(run, dy, weight, weight_diff, bias_diff, dx, key, relu,
+                                          fresh)
+        if relu is not None:
+            relu_backward(dy, relu[0], dy, relu[1], xp)
         if self.strided and dx is not None:           # strided implies pointwise
             dxs = self.buffers.get("dxsub", dy.shape[:1] + dx.shape[1:2] + dy.shape[2:],
                                    dx.dtype, xp)
@@ -473,10 +501,6 @@ class Im2colConvCore(PlanarColumns, Pointwise):
                 dy[s0:s0 + m].reshape(m, grp, og, plane).transpose(1, 0, 3, 2)
             dcol = buf.get(f"dcolg{m}", (grp, cells, kg), dy.dtype, xp)
             matmul(xp, dyc, data["wmat"], out=dcol)
-            run = kernels.runner_for(dcol)
-            if run is not None:   # fused: a gather per input pixel straight into NCHW
-                kernels.calls.col2im(run, dcol, dx[s0:s0 + m], g, out_h, out_w)
-                continue
             cols = dcol.reshape(grp, m, out_h, out_w, g.kh, g.kw, kg // (g.kh * g.kw)
                                 ).transpose(1, 2, 3, 0, 4, 5, 6)
             dpad = buf.get(f"dxpad{m}", (m, h + 2 * g.ph, w + 2 * g.pw, c), dy.dtype, xp)

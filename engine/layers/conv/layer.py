@@ -11,6 +11,7 @@ from ...backend import device_name
 from ...layer import TRAIN, Layer, register
 from ...parallel import parallel
 from ...proto import caffe_pb2
+from ..activation import relu_backward, relu_forward
 from ..im2col import Geometry
 from . import routes
 from .bias import bias_gradient_sum
@@ -54,6 +55,7 @@ class ConvolutionLayer(Layer):
     min_tops = 1
     equal_bottoms_tops = True
     reverse = False   # Deconvolution swaps the roles of input and output
+    fused_relu = None   # the slope of a following ReLU this layer runs (take_relu)
 
     def layer_setup(self, bottom, top):
         cp = self.param.convolution_param
@@ -205,21 +207,43 @@ class ConvolutionLayer(Layer):
             core = self._cores[route] = CORES[route](self.geom, self.group)
         return core
 
+    def take_relu(self, slope):
+        """Run the in-place ReLU (negative slope `slope`) that follows this layer
+        (engine/layers/fusion.py); a Deconvolution declines."""
+        if self.reverse:
+            return False
+        self.fused_relu = slope
+        return True
+
     def forward(self, bottom, top):
         weight = self.blobs[0].data
         bias = self.blobs[1].data if self.bias_term else None
+        core, relu = self.core, self.fused_relu
         for k, (b, t) in enumerate(zip(bottom, top)):
-            self.core.forward(b.data, weight, t.data, bias, key=k)
+            if relu is not None and getattr(core, "takes_relu", False):
+                core.forward(b.data, weight, t.data, bias, key=k, relu=relu)
+                continue
+            core.forward(b.data, weight, t.data, bias, key=k)
+            if relu is not None:
+                relu_forward(t.data, t.data, relu, self.xp)
 
     def backward(self, top, propagate_down, bottom):
         weight = self.blobs[0]
+        bias = self.blobs[1] if self.bias_term and self.param_propagate_down[1] else None
+        core, slope = self.core, self.fused_relu
         for k, (t, b) in enumerate(zip(top, bottom)):
-            self.core.backward(
+            extra = {}
+            if getattr(core, "takes_relu", False):   # first top: diffs may hold only zeros
+                extra["fresh"] = (k == 0 and weight.diff_fresh,
+                                  k == 0 and bias is not None and bias.diff_fresh)
+                extra["relu"] = None if slope is None else (t.data, slope)
+            elif slope is not None:
+                relu_backward(t.diff, t.data, t.diff, slope, self.xp)
+            core.backward(
                 t.diff, weight.data,
                 weight_diff=weight.diff if self.param_propagate_down[0] else None,
-                bias_diff=self.blobs[1].diff if self.bias_term and self.param_propagate_down[1]
-                else None,
-                dx=b.diff if propagate_down[k] else None, key=k)
+                bias_diff=None if bias is None else bias.diff,
+                dx=b.diff if propagate_down[k] else None, key=k, **extra)
 
 
 @register("Deconvolution")
