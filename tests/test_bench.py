@@ -56,16 +56,20 @@ def test_bench_quick_writes_results(tmp_path):
             assert not any(r["type"] == "SoftmaxWithLoss" for r in torch_rows)
         else:
             assert not torch_rows
-    for part in ("single_node_overhead", "transport", "scaling", "emulated_hosts"):
+    for part in ("single_node_overhead", "transport", "scaling", "emulated_hosts",
+                 "schemes_across_hosts"):
         assert results["distributed"][part]["status"] in ("measured", "not measured", "failed")
         if results["distributed"][part]["status"] != "measured":
             assert results["distributed"][part]["reason"]
     assert len(results["targets"]) == 6
     spent = results["part_seconds"]                 # where the run's time went, part by part
-    assert set(spent) == set("abcdefg") and all(v >= 0 for v in spent.values())
+    assert set(spent) == set("abcdefgh") and all(v >= 0 for v in spent.values())
     assert results["distributed"]["emulated_hosts"] == {       # part g: no jobs in --quick
         "status": "not measured", "reason": "skipped in --quick (it starts jobs of up to 8 "
                                             "processes across network namespaces)"}
+    assert results["distributed"]["schemes_across_hosts"] == {   # part h: none either
+        "status": "not measured", "reason": "skipped in --quick (it starts jobs of 8 processes "
+                                            "across network namespaces)"}
     assert sum(spent.values()) <= results["runtime_s"]
     real, = results["real_nets"]                       # part f, --quick: alexnet at batch 2
     assert (real["model"], real["batch"]) == ("alexnet", 2)
