@@ -161,24 +161,32 @@ class DeviceHealth:
         if bad_at == NEVER:
             return
         pid_of = {id(b): pid for pid, b in enumerate(params)}
-        culprit = None
-        for li in reversed(range(len(net.layers))):
-            layer = net.layers[li]
-            for bi, blob in enumerate(layer.blobs):
-                pid = pid_of.get(id(blob))
-                if pid is not None and first[pid] == bad_at:
-                    culprit = (layer, bi)
-                    break
-            if culprit:
-                break
-        loss = "not finite" if first[-1] == bad_at else "finite"
-        if culprit is None:
-            detail = ("every parameter gradient is finite, so the forward pass made it: check the "
-                      "input data and the loss layer's inputs")
-        else:
-            layer, bi = culprit
-            detail = (f"the first non-finite parameter gradient (in backward order) is in layer "
-                      f"'{layer.name}' (type {layer.type}), param #{bi}")
-        raise PoseidonError(f"iteration {bad_at}: loss is {loss}; {detail}; lower base_lr or set "
-                            f"clip_gradients (no snapshot was written; on a GPU the check is read "
-                            f"at the display, so training ran on to here)")
+        culprit = first_bad_param(net, lambda blob: pid_of.get(id(blob)) is not None
+                                  and first[pid_of[id(blob)]] == bad_at)
+        raise nonfinite_stop(bad_at, "not finite" if first[-1] == bad_at else "finite", culprit,
+                             "; on a GPU the check is read at the display, so training ran on "
+                             "to here")
+
+
+def first_bad_param(net, is_bad):
+    """(layer, blob index) of the first parameter blob, in backward order, that `is_bad`, or None."""
+    for li in reversed(range(len(net.layers))):
+        layer = net.layers[li]
+        for bi, blob in enumerate(layer.blobs):
+            if is_bad(blob):
+                return layer, bi
+    return None
+
+
+def nonfinite_stop(iteration, loss_text, culprit, note=""):
+    """The solver's NaN/Inf stop: one error naming the iteration and the first layer (in backward
+    order) whose gradient is not finite, or the forward pass where every gradient is."""
+    if culprit is None:
+        detail = ("every parameter gradient is finite, so the forward pass made it: check the "
+                  "input data and the loss layer's inputs")
+    else:
+        layer, bi = culprit
+        detail = (f"the first non-finite parameter gradient (in backward order) is in layer "
+                  f"'{layer.name}' (type {layer.type}), param #{bi}")
+    return PoseidonError(f"iteration {iteration}: loss is {loss_text}; {detail}; lower base_lr or "
+                         f"set clip_gradients (no snapshot was written{note})")

@@ -413,15 +413,6 @@ class RMSProp(UpdateRule):
         if not 0 <= self.param.rms_decay < 1:
             raise ModelError(f"solver: rms_decay should lie in [0, 1), got {self.param.rms_decay}")
 
-    def _apply_runs(self, value, grad, state, it, mults, grad_scale, rate, keep_grad=True,
-                    split=True):
-        """The numpy rule over a flat range: the in-place ufuncs of `update` once per run of equal
-        multipliers. With keep_grad (the default) it is the fused kernel's numpy twin, which
-        only reads the gradient."""
-        for lo, hi, lr_mult, decay_mult in mults.runs():
-            self.update(value[lo:hi], grad[lo:hi], [s[lo:hi] for s in state], it, lr_mult,
-                        decay_mult, grad_scale, rate, split=split, keep_grad=keep_grad)
-
     def constants(self, it, s=numpy.float32):
         return dict(super().constants(it, s), rms_decay=self.param.rms_decay)
 
@@ -483,15 +474,6 @@ class Adam(UpdateRule):
         b1, b2 = s(self.momentum), s(self.param.momentum2)
         t = int(it) + 1
         return s(math.sqrt(1.0 - math.pow(float(b2), t)) / (1.0 - math.pow(float(b1), t)))
-
-    def _apply_runs(self, value, grad, state, it, mults, grad_scale, rate, keep_grad=True,
-                    split=True):
-        """The numpy rule over a flat range: the in-place ufuncs of `update` once per run of equal
-        multipliers. With keep_grad (the default) it is the fused kernel's numpy twin, which
-        only reads the gradient."""
-        for lo, hi, lr_mult, decay_mult in mults.runs():
-            self.update(value[lo:hi], grad[lo:hi], [s[lo:hi] for s in state], it, lr_mult,
-                        decay_mult, grad_scale, rate, split=split, keep_grad=keep_grad)
 
     def constants(self, it, s=numpy.float32):
         return dict(super().constants(it, s), momentum2=self.param.momentum2,

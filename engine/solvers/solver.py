@@ -35,7 +35,8 @@ from . import rules
 from .factored import FactoredWeights, update_from_factors
 from .flat_update import update_params
 from ..flat_params import FlatParams
-from .health import DeviceHealth, all_finite, param_label  # noqa: F401 (dist imports them here)
+from .health import (DeviceHealth, all_finite, first_bad_param,  # noqa: F401 (dist imports some)
+                     nonfinite_stop, param_label)
 from .smoothing import SmoothedLoss
 from . import snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
@@ -398,27 +399,14 @@ class Solver:
                 and all(self._param_grad_finite(pid) for pid in self._factored)):
             return
         pid_of = {id(b): pid for pid, b in enumerate(params)}
-        culprit = None
-        for li in reversed(range(len(self.net.layers))):
-            layer = self.net.layers[li]
-            for bi, blob in enumerate(layer.blobs):
-                pid = pid_of.get(id(blob))
-                if not (self._param_grad_finite(pid) if pid is not None else all_finite(blob.diff)):
-                    culprit = (layer, bi)
-                    break
-            if culprit:
-                break
-        if culprit is None:
-            if math.isfinite(loss):
-                return   # the sum of squares overflowed; every gradient is finite
-            detail = ("every parameter gradient is finite, so the forward pass made it: check the "
-                      "input data and the loss layer's inputs")
-        else:
-            layer, bi = culprit
-            detail = (f"the first non-finite parameter gradient (in backward order) is in layer "
-                      f"'{layer.name}' (type {layer.type}), param #{bi}")
-        raise PoseidonError(f"iteration {self.iter}: loss is {loss:g}; {detail}; lower base_lr or "
-                            f"set clip_gradients (no snapshot was written)")
+
+        def bad(blob):
+            pid = pid_of.get(id(blob))
+            return not (self._param_grad_finite(pid) if pid is not None else all_finite(blob.diff))
+        culprit = first_bad_param(self.net, bad)
+        if culprit is None and math.isfinite(loss):
+            return   # the sum of squares overflowed; every gradient is finite
+        raise nonfinite_stop(self.iter, f"{loss:g}", culprit)
 
     def check_recorded(self):
         """Read the device's NaN/Inf record (a GPU step's check_finite) and stop as check_finite
