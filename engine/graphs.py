@@ -70,10 +70,11 @@ def forward_backward(solver):
 
 
 class Call:
-    """One call of a step: `run()` does it; `layer` names the layer for the log."""
+    """One call of a step: `run()` does it; `layer` names the layer for the log; `eager`, when
+    given, says why it never goes into a graph."""
 
-    def __init__(self, label, layer, run):
-        self.label, self.layer, self.run = label, layer, run
+    def __init__(self, label, layer, run, eager=None):
+        self.label, self.layer, self.run, self.eager = label, layer, run, eager
 
     def __repr__(self):
         return self.label
@@ -119,7 +120,8 @@ class StepGraphs:
             calls.append(Call(f"forward of layer '{layer.name}'", layer,
                               lambda li=li: group.forward_layer(li, alone=li == last)))
         calls.append(Call("clearing the gradients", None, solver._clear_gradients))
-        calls.append(Call("the loss", None, self._take_loss))
+        calls.append(Call("the loss", None, self._take_loss,
+                          eager="returns the step's loss (a new array each step)"))
         for li in range(last, -1, -1):
             calls.append(Call(f"backward of layer '{net.layers[li].name}'", net.layers[li],
                               lambda li=li: self._backward(li)))
@@ -187,7 +189,7 @@ class StepGraphs:
     def _static_reason(self, call):
         layer = call.layer
         if layer is None:
-            return None
+            return call.eager
         if not self.net.bottom_vecs[self.net.layers.index(layer)]:
             return "a source layer (host data)"
         if layer.type in _EAGER_TYPES:
@@ -247,7 +249,11 @@ class StepGraphs:
                         failed = (i, "allocates a new array each step")
                         break
         finally:
-            graph = self.stream.end_capture()
+            try:
+                graph = self.stream.end_capture()
+            except Exception as e:                    # a refused host read invalidates a capture
+                if failed is None:
+                    failed = (segment.indices[-1], f"ended its capture with {type(e).__name__}")
         if failed is not None:
             i, why = failed
             log.warning(f"CUDA graphs: the {self.calls[i].label} {why}; it runs eagerly")

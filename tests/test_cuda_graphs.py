@@ -96,7 +96,7 @@ def test_the_segment_plan_of_cifar10_quick(stand_in, monkeypatch):
                      "backward of layer 'data'": "a source layer (host data)",
                      "backward of layer 'label'": "a source layer (host data)",
                      "forward of layer 'loss'": "keeps an array it allocated",
-                     "the loss": "keeps an array it allocated"})
+                     "the loss": "returns the step's loss (a new array each step)"})
     assert eager == expected
     assert segments == [
         ["forward of layer 'pool1'", "forward of layer 'relu1'"],
@@ -164,16 +164,22 @@ def test_a_reshape_captures_again(stand_in, monkeypatch, caplog):
     assert stand_in.graph_launches == before + 8
 
 
-def keep_a_new_array(layer, xp, from_call=1):
-    """Make `layer`'s forward keep a new array from its `from_call`-th call on."""
+def after_forward(layer, action, from_call=1):
+    """Make `layer`'s forward do action(top) after its own work from its `from_call`-th call on."""
     forward, calls = layer.forward, [0]
 
-    def forward_keeping(bottom, top):
+    def forward_then(bottom, top):
         forward(bottom, top)
         calls[0] += 1
         if calls[0] >= from_call:
-            layer.kept = xp.zeros_like(top[0].data)
-    layer.forward = forward_keeping
+            action(top)
+    layer.forward = forward_then
+
+
+def keep_a_new_array(layer, xp, from_call=1):
+    def keep(top):
+        layer.kept = xp.zeros_like(top[0].data)
+    after_forward(layer, keep, from_call)
 
 
 def test_a_layer_that_keeps_a_new_array_runs_eagerly(stand_in, monkeypatch, caplog):
@@ -204,6 +210,24 @@ def test_an_allocation_first_made_inside_a_capture_is_caught(stand_in, monkeypat
     assert "forward of layer 'pool2'" in planned
 
 
+def test_a_host_read_met_in_a_capture_falls_back_to_eager(stand_in, monkeypatch, caplog):
+    """A layer that starts reading a device value on the host at the capture: the capture is
+    refused, the calls rerun eagerly with the same numbers, and one line names the layer."""
+    caplog.set_level(logging.INFO, logger="poseidon")
+    reads = []
+
+    def from_capture(solver, i):
+        if i == 0:
+            after_forward(solver.net.layer_dict["relu2"],
+                          lambda top: reads.append(float(top[0].data.sum())), from_call=2)
+    eager, replayed, solver = run_both(stand_in, monkeypatch, 6, from_capture)
+    assert_bitwise(eager, replayed)
+    lines = [r.getMessage() for r in caplog.records if "relu2" in r.getMessage()]
+    assert len(lines) == 1 and "cannot be captured (CaptureError" in lines[0]
+    _, planned = graphs.graphs_of(solver).describe()
+    assert "forward of layer 'relu2'" in planned
+
+
 def test_graphs_are_off_by_default_and_for_numpy(stand_in, monkeypatch):
     monkeypatch.delenv(graphs.ENV, raising=False)
     assert not graphs.enabled()
@@ -211,6 +235,10 @@ def test_graphs_are_off_by_default_and_for_numpy(stand_in, monkeypatch):
     solver = nets.make_solver(nets.cifar10_quick(2), xp=stand_in)
     solver.step(3)
     assert graphs.graphs_of(solver) is None and stand_in.graph_launches == 0
+    monkeypatch.setenv(graphs.ENV, "on")                   # numpy: nothing to capture
+    solver = nets.make_solver(nets.cifar10_quick(2), xp=np)
+    solver.step(3)
+    assert graphs.graphs_of(solver) is None
 
 
 def test_the_train_flag_sets_the_variable(monkeypatch):
