@@ -12,10 +12,13 @@ the other calls run eagerly between the graphs. A call runs eagerly when it
 
 - launches a GEMM (counted through engine/gemm.py, and by the stand-in's GEMM count);
 - keeps an array it allocated (its memory would be the graph's, and a step that allocates anew
-  each time would see its new array ignored by the replay): the loss, a fresh 0-d array, is one;
+  each time would see its new array ignored by the replay); then the layer's other call too,
+  which may read that array (the softmax loss keeps label indices its backward reads). The
+  loss, a fresh 0-d array the step returns, is eager by declaration;
 - belongs to a layer with no bottoms (a data layer copies from the host, whose buffer the graph
-  would keep), a Python layer, or a layer that draws from the host's random stream (Dropout's
-  seed is a kernel argument, which a replay would repeat).
+  would keep) or a Python layer, or is the forward of a layer that draws from the host's random
+  stream (a replay would repeat the captured draw; Dropout's backward reads the draw from a
+  device buffer, so it may be captured).
 
 How it goes: `warmup` eager iterations (the first allocates the buffers), the last of them
 watched call by call (GEMMs, and bytes kept through a pool of the graphs' own); then each
@@ -48,6 +51,7 @@ ENV = "POSEIDON_CUDA_GRAPHS"
 WARMUP = 2              # eager iterations before capturing: the first allocates, the last is watched
 MAX_RESETS = 8          # recaptures before the graphs give up on a solver whose blobs keep moving
 _EAGER_TYPES = ("Python",)
+KEEPS = "keeps an array it allocated"
 
 
 def enabled():
@@ -70,11 +74,11 @@ def forward_backward(solver):
 
 
 class Call:
-    """One call of a step: `run()` does it; `layer` names the layer for the log; `eager`, when
-    given, says why it never goes into a graph."""
+    """One call of a step: `run()` does it; `layer` names the layer for the log and `way` says
+    'forward' or 'backward'; `eager`, when given, says why it never goes into a graph."""
 
-    def __init__(self, label, layer, run, eager=None):
-        self.label, self.layer, self.run, self.eager = label, layer, run, eager
+    def __init__(self, label, layer, run, eager=None, way=None):
+        self.label, self.layer, self.run, self.eager, self.way = label, layer, run, eager, way
 
     def __repr__(self):
         return self.label
@@ -118,13 +122,14 @@ class StepGraphs:
         calls = []
         for li, layer in enumerate(net.layers):
             calls.append(Call(f"forward of layer '{layer.name}'", layer,
-                              lambda li=li: group.forward_layer(li, alone=li == last)))
+                              lambda li=li: group.forward_layer(li, alone=li == last),
+                              way="forward"))
         calls.append(Call("clearing the gradients", None, solver._clear_gradients))
         calls.append(Call("the loss", None, self._take_loss,
                           eager="returns the step's loss (a new array each step)"))
         for li in range(last, -1, -1):
             calls.append(Call(f"backward of layer '{net.layers[li].name}'", net.layers[li],
-                              lambda li=li: self._backward(li)))
+                              lambda li=li: self._backward(li), way="backward"))
         return calls
 
     def _take_loss(self):
@@ -177,14 +182,26 @@ class StepGraphs:
             if why is None and self._gemms() != before_gemms:
                 why = "GEMM"
             if why is None and self.pool.used_bytes() > before_bytes:
-                why = "keeps an array it allocated"
+                why = KEEPS
             if why is not None:
                 eager.setdefault(i, why)
+        self._with_partners(eager)
         self.plan = self._segments(eager)
         self._eager = eager
         kept = [c for seg in self.plan if isinstance(seg, Segment) for c in seg.indices]
         log.info(f"CUDA graphs: {sum(isinstance(s, Segment) for s in self.plan)} segments of "
                  f"{len(kept)} calls captured, {len(eager)} calls eager")
+
+    def _with_partners(self, eager):
+        """A layer that keeps a new array from one of its calls may read it in the other (a
+        loss layer's forward keeps the label indices its backward reads): a graph would read
+        the array of the step it was captured in, so both calls of that layer run eagerly."""
+        for i, why in list(eager.items()):
+            if self.calls[i].layer is None or KEEPS not in why:
+                continue
+            for j, other in enumerate(self.calls):
+                if other.layer is self.calls[i].layer and j not in eager:
+                    eager[j] = f"its {self.calls[i].way} {why}"
 
     def _static_reason(self, call):
         layer = call.layer
@@ -194,7 +211,7 @@ class StepGraphs:
             return "a source layer (host data)"
         if layer.type in _EAGER_TYPES:
             return f"a {layer.type} layer"
-        if getattr(layer, "draws_random", False):
+        if call.way == "forward" and getattr(layer, "draws_random", False):
             return "draws from the host's random stream"
         return None
 
@@ -246,7 +263,7 @@ class StepGraphs:
                         failed = (i, f"cannot be captured ({type(e).__name__}: {e})")
                         break
                     if self.pool.used_bytes() > before:
-                        failed = (i, "allocates a new array each step")
+                        failed = (i, KEEPS)
                         break
         finally:
             try:
@@ -258,6 +275,7 @@ class StepGraphs:
             i, why = failed
             log.warning(f"CUDA graphs: the {self.calls[i].label} {why}; it runs eagerly")
             self.forced[i] = why
+            self._with_partners(self.forced)
             self._run_eagerly(segment.indices)
             return False
         segment.graph = graph
