@@ -48,7 +48,7 @@ from . import gemm
 log = logging.getLogger("poseidon")
 
 ENV = "POSEIDON_CUDA_GRAPHS"
-WARMUP = 2              # eager iterations before capturing: the first allocates, the last is watched
+WARMUP = 2              # eager steps before a capture: the first allocates, the last is watched
 MAX_RESETS = 8          # recaptures before the graphs give up on a solver whose blobs keep moving
 _EAGER_TYPES = ("Python",)
 KEEPS = "keeps an array it allocated"

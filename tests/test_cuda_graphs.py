@@ -259,7 +259,7 @@ def test_the_train_flag_sets_the_variable(monkeypatch):
     assert graphs.enabled()
 
 
-# ----- a real GPU -----------------------------------------------------------------------------------
+# ----- a real GPU ---------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_a_captured_cifar10_quick_step_matches_eager_on_cupy(monkeypatch):
     cupy = pytest.importorskip("cupy")
