@@ -175,7 +175,7 @@ class StepGraphs:
         through the graphs' pool and alive when it returns). Then the plan."""
         eager = dict(self.forced)
         for i, call in enumerate(self.calls):
-            why = self._static_reason(call)
+            why = self.forced.get(i) or self._static_reason(call)
             before_gemms, before_bytes = self._gemms(), self.pool.used_bytes()
             with self.xp.cuda.using_allocator(self.pool.malloc):
                 call.run()
@@ -183,6 +183,9 @@ class StepGraphs:
                 why = "GEMM"
             if why is None and self.pool.used_bytes() > before_bytes:
                 why = KEEPS
+                if call.layer is not None:
+                    log.info(f"CUDA graphs: the {call.label} {KEEPS} in a warmed-up step; "
+                             f"the layer runs eagerly")
             if why is not None:
                 eager.setdefault(i, why)
         self._with_partners(eager)

@@ -189,11 +189,16 @@ def keep_a_new_array(layer, xp, from_call=1):
 
 def test_a_layer_that_keeps_a_new_array_runs_eagerly(stand_in, monkeypatch, caplog):
     """Seen while watching the warm-up: planned eagerly from the start."""
+    caplog.set_level(logging.INFO, logger="poseidon")
     solver = cifar_solver(stand_in, monkeypatch, True)
     keep_a_new_array(solver.net.layer_dict["pool2"], stand_in)
     solver.step(3)
     _, eager = graphs.graphs_of(solver).describe()
     assert eager["forward of layer 'pool2'"] == "keeps an array it allocated"
+    assert eager["backward of layer 'pool2'"] == "its forward keeps an array it allocated"
+    lines = [r.getMessage() for r in caplog.records if "pool2" in r.getMessage()]
+    assert lines == ["CUDA graphs: the forward of layer 'pool2' keeps an array it allocated in a "
+                     "warmed-up step; the layer runs eagerly"]
 
 
 def test_an_allocation_first_made_inside_a_capture_is_caught(stand_in, monkeypatch, caplog):
