@@ -23,9 +23,12 @@ the other calls run eagerly between the graphs. A call runs eagerly when it
 How it goes: `warmup` eager iterations (the first allocates the buffers), the last of them
 watched call by call (GEMMs, and bytes kept through a pool of the graphs' own); then each
 segment is captured (the captured kernels do not run: the graph is launched right after) and
-replayed. Before a replay the arrays of every blob the segment's layers touch are compared with
-those at capture: a reshape (or any blob given a new array) drops the graphs and the solver
-warms up and captures again. A capture that fails (a GEMM or a host read nobody planned for, a
+replayed. Before a replay the arrays the segment was captured on are compared with those now:
+every blob its layers touch, and the arrays its layers hold in their attributes (following the
+layers' own objects, such as a BatchNorm + Scale pair's shared state). A reshape (or any blob
+given a new array) drops the graphs and the solver warms up and captures again; a layer that
+holds a new array (another call keeps replacing it) finishes that step eagerly, is named in one
+log line and runs eagerly from then on. A capture that fails (a GEMM or a host read nobody planned for, a
 kept allocation) is ended, the segment's calls rerun eagerly, and the offending call is planned
 eagerly from then on, with one log line naming its layer.
 
@@ -52,6 +55,7 @@ WARMUP = 2              # eager steps before a capture: the first allocates, the
 MAX_RESETS = 8          # recaptures before the graphs give up on a solver whose blobs keep moving
 _EAGER_TYPES = ("Python",)
 KEEPS = "keeps an array it allocated"
+_LAYER_MODULES = __name__.rsplit(".", 1)[0] + ".layers"     # whose objects held_arrays follows
 
 
 def enabled():
@@ -85,7 +89,7 @@ class Call:
 
 
 class Segment:
-    """Calls replayed as one graph, and the blob arrays they touched when it was captured."""
+    """Calls replayed as one graph, and the arrays it was captured on (StepGraphs._arrays)."""
 
     def __init__(self, indices):
         self.indices = indices
@@ -245,11 +249,13 @@ class StepGraphs:
                 if not self._capture(item):
                     self._replan_after(k)
                     return
-            elif self._same_arrays(item):
-                item.graph.launch(self.stream)
             else:
-                self._run_rest_eagerly(k)
-                return
+                moved = self._moved(item)
+                if moved is None:
+                    item.graph.launch(self.stream)
+                else:
+                    self._run_rest_eagerly(k, *moved)
+                    return
 
     def _capture(self, segment):
         """Capture the segment's calls and launch the graph (a capture runs nothing). False when
@@ -293,10 +299,20 @@ class StepGraphs:
             self._run_eagerly(item.indices if isinstance(item, Segment) else [item])
         self.plan, self.seen = None, self.warmup - 2
 
-    def _run_rest_eagerly(self, k):
+    def _run_rest_eagerly(self, k, layer, what):
+        """An array segment k was captured on is elsewhere now: finish the step eagerly and
+        capture again; an array a layer holds that moved makes that layer eager for good."""
         for item in self.plan[k:]:
             self._run_eagerly(item.indices if isinstance(item, Segment) else [item])
-        self._drop("a blob has a new array or shape")
+        if layer is None:
+            self._drop("a blob has a new array or shape")
+            return
+        why = f"holds a new array in '{what}' each step"
+        log.warning(f"CUDA graphs: layer '{layer.name}' {why}; its calls run eagerly")
+        for j, call in enumerate(self.calls):
+            if call.layer is layer:
+                self.forced[j] = why
+        self._drop(f"layer '{layer.name}' {why}")
 
     # ----- the arrays a segment touches -----------------------------------------------------------
     def _blobs(self, segment):
@@ -313,13 +329,27 @@ class StepGraphs:
         return list(blobs.values())
 
     def _arrays(self, segment):
-        return [(blob, _where(blob.data), _where(blob.diff)) for blob in self._blobs(segment)]
+        """{key: (layer, what, where)} of the arrays the segment was captured on: its blobs'
+        data and diff (layer None), and the arrays its layers hold (saved state, a pair's)."""
+        touched = {}
+        for blob in self._blobs(segment):
+            touched[("data", id(blob))] = (None, "a blob", _where(blob.data))
+            touched[("diff", id(blob))] = (None, "a blob", _where(blob.diff))
+        layers = {id(c.layer): c.layer for c in (self.calls[i] for i in segment.indices)
+                  if c.layer is not None}
+        for layer in layers.values():
+            for what, array in held_arrays(layer, self.xp.ndarray):
+                touched[(id(layer), what)] = (layer, what, _where(array))
+        return touched
 
-    def _same_arrays(self, segment):
-        for blob, data, diff in segment.arrays:
-            if _where(blob.data) != data or _where(blob.diff) != diff:
-                return False
-        return True
+    def _moved(self, segment):
+        """(layer, what) of the first array the segment was captured on that is elsewhere (or
+        shaped otherwise) now; None when all are where they were."""
+        now = self._arrays(segment)
+        for key, (layer, what, where) in segment.arrays.items():
+            if key not in now or now[key][2] != where:
+                return layer, what
+        return None
 
     def _drop(self, why):
         """Forget the graphs; warm up and capture again."""
@@ -340,6 +370,34 @@ class StepGraphs:
         segments = [[self.calls[i].label for i in s.indices]
                     for s in self.plan if isinstance(s, Segment)]
         return segments, {self.calls[i].label: why for i, why in self._eager.items()}
+
+
+def held_arrays(layer, array_type, depth=3):
+    """(path, array) of the device arrays a layer holds in its attributes, following the
+    objects of the layers' own modules (a BatchNorm + Scale pair's state) a few levels down."""
+    found, seen = [], set()
+
+    def walk(value, path, left):
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, array_type):
+            found.append((path, value))
+            return
+        if left == 0:
+            return
+        if isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        elif isinstance(value, dict):
+            items = value.items()
+        elif type(value).__module__.startswith(_LAYER_MODULES):
+            items = getattr(value, "__dict__", {}).items()
+        else:
+            return
+        for key, item in list(items):
+            walk(item, f"{path}.{key}" if path else str(key), left - 1)
+    walk(layer, "", depth)
+    return found
 
 
 def _where(array):

@@ -220,6 +220,35 @@ def test_an_allocation_first_made_inside_a_capture_is_caught(stand_in, monkeypat
     assert {"forward of layer 'pool2'", "backward of layer 'pool2'"} <= set(planned)
 
 
+def test_an_array_another_layer_holds_is_checked_before_a_replay(stand_in, monkeypatch, caplog):
+    """As a BatchNorm + Scale pair shares state: relu2's forward keeps a copy of its top each
+    step (so it runs eagerly), and pool2 holds relu2 and reads that copy in its backward. The
+    captured backward would read the copy of the capture's step; the check before the replay
+    finds the array moved, finishes the step eagerly, names pool2, and runs it eagerly."""
+    caplog.set_level(logging.INFO, logger="poseidon")
+
+    def share(solver, i):
+        if i == 0:
+            relu2, pool2 = (solver.net.layer_dict[n] for n in ("relu2", "pool2"))
+            after_forward(relu2, lambda top: setattr(relu2, "kept", top[0].data * 1))
+            pool2.partner = relu2
+            backward = pool2.backward
+
+            def backward_reading(top, propagate_down, bottom):
+                backward(top, propagate_down, bottom)
+                bottom[0].diff[...] += pool2.partner.kept.mean() * 1e-3
+            pool2.backward = backward_reading
+    eager, replayed, solver = run_both(stand_in, monkeypatch, 7, share)
+    assert_bitwise(eager, replayed)
+    lines = [r.getMessage() for r in caplog.records if "'pool2'" in r.getMessage()
+             and r.levelno == logging.WARNING]
+    assert lines == ["CUDA graphs: layer 'pool2' holds a new array in 'partner.kept' each step; "
+                     "its calls run eagerly"]
+    segments, planned = graphs.graphs_of(solver).describe()
+    assert "backward of layer 'pool2'" in planned
+    assert not any("pool2" in label for segment in segments for label in segment)
+
+
 def test_a_host_read_met_in_a_capture_falls_back_to_eager(stand_in, monkeypatch, caplog):
     """A layer that starts reading a device value on the host at the capture: the capture is
     refused, the calls rerun eagerly with the same numbers, and one line names the layer."""
