@@ -28,9 +28,9 @@ every blob its layers touch, and the arrays its layers hold in their attributes 
 layers' own objects, such as a BatchNorm + Scale pair's shared state). A reshape (or any blob
 given a new array) drops the graphs and the solver warms up and captures again; a layer that
 holds a new array (another call keeps replacing it) finishes that step eagerly, is named in one
-log line and runs eagerly from then on. A capture that fails (a GEMM or a host read nobody planned for, a
-kept allocation) is ended, the segment's calls rerun eagerly, and the offending call is planned
-eagerly from then on, with one log line naming its layer.
+log line and runs eagerly from then on. A capture that fails (a GEMM or a host read nobody
+planned for, a kept allocation) is ended, the segment's calls rerun eagerly, and the offending
+call is planned eagerly from then on, with one log line naming its layer.
 
 Memory: captures allocate through a CuPy MemoryPool of the graphs' own, so the temporaries a
 graph's kernels use are never handed to code outside the graphs (the default pool would give
