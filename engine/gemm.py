@@ -74,8 +74,17 @@ def padded_row_length(row_len, itemsize):
     return lines * CACHE_LINE // itemsize
 
 
+_made = [0]     # matmuls called so far: CUDA graphs (engine/graphs.py) run a call with one eagerly
+
+
+def calls_made():
+    """How many matmuls went through here (metered or not) since the process started."""
+    return _made[0]
+
+
 def matmul(xp, a, b, out=None):
     """xp.matmul(a, b, out=out), metered when METER.enabled (GPU calls are synchronised then)."""
+    _made[0] += 1
     if not METER.enabled:
         return xp.matmul(a, b, out=out)
     sync = None if xp is numpy else xp.cuda.Stream.null.synchronize

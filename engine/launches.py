@@ -31,9 +31,13 @@ ElementwiseKernel through its numpy twin (`counted_kernel`), the layers' CUDA ke
 (engine/kernels) through a runner the caller gives `use_kernels` (the tests give the host build
 of the same sources), which engine.kernels.runner_for finds as this module's `kernel_runner`.
 """
+import functools
+import operator
 import types
 
 import numpy
+
+from . import fake_graphs
 
 KINDS = ("elementwise", "reduction", "gemm", "copy", "fill", "kernel")
 
@@ -60,32 +64,29 @@ class CountingArray(numpy.ndarray):
 
     # ----- numpy's dispatch: every ufunc and array function on these arrays ----------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        module = self._module
         if method in _REDUCE_METHODS:
-            module.count("reduction")
-        elif ufunc is numpy.matmul:
-            module.count("gemm")
+            kind = "reduction"
         else:
-            module.count("elementwise")
-        result = getattr(ufunc, method)(*_unwrap(inputs), **_unwrap(kwargs))
-        return module.wrap(result)
+            kind = "gemm" if ufunc is numpy.matmul else "elementwise"
+        return self._module.run(kind, getattr(ufunc, method), inputs, kwargs)
 
     def __array_function__(self, func, types_, args, kwargs):
         module = self._module
         name = func.__name__
+        kind = None
         if name in _SYNCS:
             module.count_sync(name)
         elif name in _GEMMS:
-            module.count("gemm")
+            kind = "gemm"
         elif name in _REDUCTIONS:
-            module.count("reduction")
+            kind = "reduction"
         elif name in _FILLS:
-            module.count("fill")
+            kind = "fill"
         elif name in _COPIES:
-            module.count("copy")
+            kind = "copy"
         elif name not in _VIEWS:
-            module.count("elementwise")
-        return module.wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+            kind = "elementwise"
+        return module.run(kind, func, args, kwargs)
 
     # ----- host reads ------------------------------------------------------------------------------
     def _read(self, what):
@@ -120,53 +121,49 @@ class CountingArray(numpy.ndarray):
         if _is_mask(index):
             self._module.count_sync("mask index")
         if _is_advanced(index):
-            self._module.count("elementwise")
+            return self._module.run("elementwise", operator.getitem, (base, index))
         return self._module.wrap(base[index])
 
     def __setitem__(self, index, value):
         index = _unwrap(index)
         if _is_mask(index):
             self._module.count_sync("mask index")
-        self._module.count("copy" if isinstance(value, numpy.ndarray) and value.ndim else "fill")
-        self.view(numpy.ndarray)[index] = _unwrap(value)
+        kind = "copy" if isinstance(value, numpy.ndarray) and value.ndim else "fill"
+        self._module.run(kind, operator.setitem, (self.view(numpy.ndarray), index, value))
 
     # ----- methods numpy does not route through the dispatch above ----------------------------------
     def astype(self, dtype, *args, **kwargs):
         if kwargs.get("copy", True) is False and numpy.dtype(dtype) == self.dtype:
             return self
-        self._module.count("copy")
-        return self._module.wrap(self.view(numpy.ndarray).astype(dtype, *args, **kwargs))
+        return self._module.run("copy", numpy.ndarray.astype,
+                                (self.view(numpy.ndarray), dtype) + args, kwargs)
 
     def copy(self, order="C"):
-        self._module.count("copy")
-        return self._module.wrap(self.view(numpy.ndarray).copy(order))
+        return self._module.run("copy", numpy.ndarray.copy, (self.view(numpy.ndarray), order))
 
     def fill(self, value):
-        self._module.count("fill")
-        self.view(numpy.ndarray).fill(_unwrap(value))
+        self._module.run("fill", numpy.ndarray.fill, (self.view(numpy.ndarray), value))
 
     def dot(self, other, out=None):
-        self._module.count("gemm")
-        return self._module.wrap(self.view(numpy.ndarray).dot(_unwrap(other), out=_unwrap(out)))
+        return self._module.run("gemm", numpy.ndarray.dot, (self.view(numpy.ndarray), other),
+                                {"out": out})
 
     def reshape(self, *shape, **kwargs):
         base = self.view(numpy.ndarray)
         result = base.reshape(*shape, **kwargs)
-        if result.size and not numpy.shares_memory(result, base):
-            self._module.count("copy")
+        if result.size and not numpy.shares_memory(result, base):     # a copy: run it counted
+            return self._module.run("copy", numpy.ndarray.reshape, (base,) + shape, kwargs)
         return self._module.wrap(result)
 
     def ravel(self, order="C"):
         return self.reshape(-1, order=order)
 
     def flatten(self, order="C"):
-        self._module.count("copy")
-        return self._module.wrap(self.view(numpy.ndarray).flatten(order))
+        return self._module.run("copy", numpy.ndarray.flatten, (self.view(numpy.ndarray), order))
 
     def _reduction(self, name, *args, **kwargs):
-        self._module.count("reduction")
-        method = getattr(self.view(numpy.ndarray), name)
-        return self._module.wrap(method(*_unwrap(args), **_unwrap(kwargs)))
+        return self._module.run("reduction", getattr(numpy.ndarray, name),
+                                (self.view(numpy.ndarray),) + args, kwargs)
 
     def mean(self, *args, **kwargs):
         return self._reduction("mean", *args, **kwargs)
@@ -213,25 +210,20 @@ def _is_mask(index):
     return any(isinstance(i, numpy.ndarray) and i.dtype == bool for i in _parts(index))
 
 
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
 class _Cuda:
-    """The bits of `cupy.cuda` the engine calls (events, streams, synchronize, the device's
-    name); a synchronize counts as a host sync."""
+    """The bits of `cupy.cuda` the engine calls (events, streams and their capture, memory
+    pools, synchronize, the device's name); a synchronize counts as a host sync."""
 
     def __init__(self, module):
         sync = lambda: module.count_sync("synchronize")   # noqa: E731
         device = types.SimpleNamespace(id=0, synchronize=sync, use=lambda: None)
         self.Device = lambda *a: device
-        self.Event = lambda *a, **k: _Event()
-        null = types.SimpleNamespace(synchronize=sync, use=lambda: None)
-        self.Stream = types.SimpleNamespace(null=null)
+        self.Event = lambda *a, **k: fake_graphs.Event()
+        self.Stream = functools.partial(fake_graphs.Stream, module)
+        self.Stream.null = fake_graphs.Stream(module, null=True)
+        self.get_current_stream = lambda: (module.streams or [self.Stream.null])[-1]
+        self.MemoryPool = fake_graphs.MemoryPool
+        self.using_allocator = functools.partial(fake_graphs.using_allocator, module)
         self.runtime = types.SimpleNamespace(
             getDeviceCount=lambda: 1,
             getDeviceProperties=lambda i: {"name": b"counting stand-in"})
@@ -248,8 +240,7 @@ class _CountedRunner:
         return self.inner.real(value)
 
     def __call__(self, name, count, *args):
-        self.module.count("kernel")
-        self.inner(name, count, *_unwrap(args))
+        self.module.run("kernel", lambda *plain: self.inner(name, count, *plain), args)
 
 
 class CountingModule:
@@ -265,17 +256,23 @@ class CountingModule:
         self.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
             as_strided=self._as_strided))
         self.kernel_runner = None    # dtype -> runner of the layers' kernels (use_kernels)
+        self.streams = []                  # the current stream's context stack
+        self.capture = self.capture_stream = None   # a stream capture under way
+        self.pool = None                   # the MemoryPool allocating now (using_allocator)
         self.reset()
 
     # ----- the counts --------------------------------------------------------------------------------
     def reset(self):
         self.by_kind = dict.fromkeys(KINDS, 0)
         self.sync_reasons = {}
+        self.graph_launches = 0
 
     def count(self, kind):
         self.by_kind[kind] += 1
 
     def count_sync(self, reason):
+        if self.capture is not None:
+            raise fake_graphs.CaptureError(f"a host read ({reason}) while a stream is capturing")
         self.sync_reasons[reason] = self.sync_reasons.get(reason, 0) + 1
 
     @property
@@ -307,9 +304,29 @@ class CountingModule:
         """A custom (fused) kernel under the stand-in: one launch, computed by `fallback` (the
         kernel's numpy twin, called on plain arrays; what it returns is wrapped)."""
         def kernel(*args, **kwargs):
-            self.count("kernel")
-            return self.wrap(fallback(*_unwrap(args), **_unwrap(kwargs)))
+            return self.run("kernel", fallback, args, kwargs)
         return kernel
+
+    def run(self, kind, func, args=(), kwargs=None):
+        """One launch of `kind` (None: no launch, e.g. `empty`): func on the plain arrays, its
+        result as device arrays. During a stream capture the launch is recorded
+        (engine/fake_graphs.py) and a GEMM is refused, as CuPy's cuBLAS wrapper refuses it."""
+        if kind == "gemm" and self.capture is not None:
+            raise NotImplementedError("cuBLAS during stream capture is not supported "
+                                      "(the stand-in refuses it as CuPy does)")
+        if kind:
+            self.count(kind)
+        args, kwargs = _unwrap(args), _unwrap(kwargs or {})
+        if kind and self.capture is not None:
+            result = self.capture.record(func, args, kwargs)
+        else:
+            result = fake_graphs.normalize(func(*args, **kwargs))
+        wrapped = self.wrap(result)
+        if self.pool is not None:        # the arrays handed out (a graph's own hold is unseen)
+            handed = fake_graphs.arrays_in(wrapped)
+            for i, _ in fake_graphs.fresh_arrays(result, (args, kwargs)):
+                self.pool.track(handed[i])
+        return wrapped
 
     # ----- arrays ------------------------------------------------------------------------------------
     def wrap(self, value):
@@ -327,9 +344,7 @@ class CountingModule:
         return value
 
     def _alloc(self, kind, make, *args, **kwargs):
-        if kind:
-            self.count(kind)
-        return self.wrap(make(*_unwrap(args), **_unwrap(kwargs)))
+        return self.run(kind, make, args, kwargs)
 
     def empty(self, *args, **kwargs):
         return self._alloc(None, numpy.empty, *args, **kwargs)

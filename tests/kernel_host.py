@@ -30,7 +30,7 @@ SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
 SCALARS = {"int": (numpy.int32, ctypes.c_int), "long long": (numpy.int64, ctypes.c_longlong),
            "u64": (numpy.uint64, ctypes.c_ulonglong),
            "unsigned int": (numpy.uint32, ctypes.c_uint)}
-POINTEES = {"int": numpy.int32}
+POINTEES = {"int": numpy.int32, "u64": numpy.uint64}
 
 
 def compiler():

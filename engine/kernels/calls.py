@@ -192,8 +192,9 @@ def concat_copy(run, part, whole, axis, offset, to_whole):
 
 
 # ----- Dropout ------------------------------------------------------------------------------------
-def dropout(run, x, y, seed, iteration, threshold, scale, backward=False):
-    """y = x * scale where the (seed, iteration) draw keeps the unit (counter_rng.keep_mask),
-    else 0; backward recomputes the same mask. 1 launch."""
+def dropout(run, x, y, draw, threshold, scale, backward=False):
+    """y = x * scale where the draw keeps the unit (counter_rng.keep_mask), else 0; backward
+    recomputes the same mask. `draw`: a uint64 array (seed, iteration) in the arrays' memory,
+    read by the kernel (a graph's replay sees the values written since). 1 launch."""
     run("dropout_backward" if backward else "dropout_forward", x.size, x, y, i64(x.size),
-        numpy.uint64(seed), numpy.uint64(iteration), numpy.uint32(threshold), run.real(scale))
+        draw, numpy.uint32(threshold), run.real(scale))

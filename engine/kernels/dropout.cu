@@ -26,17 +26,19 @@ __device__ __forceinline__ int keeps(u64 key, long long i, unsigned int threshol
 }
 
 // y = x * scale where kept, 0 elsewhere (y may be x).
+// draw = {seed, iteration} in device memory, not kernel arguments: a launch captured in a CUDA
+// graph then reads the values written before each replay instead of repeating the captured ones.
 extern "C" __global__ void dropout_forward(
-        const real_t* x, real_t* y, long long count, u64 seed, u64 iteration,
+        const real_t* x, real_t* y, long long count, const u64* draw,
         unsigned int threshold, real_t scale) {
-    u64 key = stream_key(seed, iteration);
+    u64 key = stream_key(draw[0], draw[1]);
     GRID_LOOP(i, count) y[i] = keeps(key, i, threshold) ? x[i] * scale : (real_t)0;
 }
 
 // dx = dy * scale where the forward of the same (seed, iteration) kept the unit (dx may be dy).
 extern "C" __global__ void dropout_backward(
-        const real_t* dy, real_t* dx, long long count, u64 seed, u64 iteration,
+        const real_t* dy, real_t* dx, long long count, const u64* draw,
         unsigned int threshold, real_t scale) {
-    u64 key = stream_key(seed, iteration);
+    u64 key = stream_key(draw[0], draw[1]);
     GRID_LOOP(i, count) dx[i] = keeps(key, i, threshold) ? dy[i] * scale : (real_t)0;
 }

@@ -3,11 +3,15 @@ from engine.rng each forward; in TEST the identity. Runs in place; backward reus
 
 On CuPy the mask comes from the counter-based generator of engine/kernels/dropout.cu: each forward
 draws a seed from engine.rng (so snapshots still replay it) and one launch draws and applies the
-mask; backward recomputes it from the same (seed, iteration) instead of keeping it. The CPU keeps
+mask; backward recomputes it from the same (seed, iteration) instead of keeping it. The pair lives
+in a small device buffer the kernels read, written by the forward, so that a backward captured in
+a CUDA graph (engine/graphs.py) reads each step's draw rather than the one it was captured with. The CPU keeps
 its own draw: the same generator in numpy (engine/kernels/counter_rng.py) is a dozen passes over
 64-bit integers, several times the cost of numpy's own uniform numbers, so a CPU and a GPU run of
 one seed drop different units (with the same probability).
 """
+import numpy
+
 from .. import kernels, rng
 from ..kernels import counter_rng
 from ..layer import TRAIN, Layer, register
@@ -33,6 +37,7 @@ class DropoutLayer(Layer):
         self.mask = None   # the scaled mask of the last TRAIN forward: 0 or 1/(1 − ratio) per element
         self.draws = 0     # TRAIN forwards so far: the iteration of the counter-based draw
         self.draw = None   # (seed, iteration) of the last counter-based draw, for backward
+        self._draw_buf = None   # the same pair in the arrays' memory, which the kernels read
 
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape)
@@ -48,8 +53,8 @@ class DropoutLayer(Layer):
         if run is not None:
             self.draw = (int(rng.generator().integers(SEED_LIMIT)), self.draws)
             self.draws += 1
-            kernels.calls.dropout(run, x, y, *self.draw, counter_rng.threshold(self.ratio),
-                                  self.scale)
+            kernels.calls.dropout(run, x, y, self._store_draw(xp),
+                                  counter_rng.threshold(self.ratio), self.scale)
             return
         u = rng.uniform(x.shape, xp, self.dtype)               # U[0, 1)
         xp.greater_equal(u, self.dtype.type(self.ratio), out=u)  # 1 with probability 1 − ratio
@@ -67,7 +72,18 @@ class DropoutLayer(Layer):
             return
         run = kernels.runner_for(dy)
         if run is not None:
-            kernels.calls.dropout(run, dy, dx, *self.draw, counter_rng.threshold(self.ratio),
+            kernels.calls.dropout(run, dy, dx, self._draw_buf, counter_rng.threshold(self.ratio),
                                   self.scale, backward=True)
             return
         self.xp.multiply(dy, self.mask, out=dx)
+
+    def _store_draw(self, xp):
+        """The device buffer of the draw, holding self.draw (one small host-to-device copy)."""
+        if self._draw_buf is None:
+            self._draw_buf = xp.zeros(2, numpy.uint64)
+        host = numpy.array(self.draw, numpy.uint64)
+        if hasattr(self._draw_buf, "set"):        # CuPy: an asynchronous copy on the stream
+            self._draw_buf.set(host)
+        else:
+            self._draw_buf[...] = host
+        return self._draw_buf

@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import numpy
 
-from .. import backend, rng
+from .. import backend, graphs, rng
 from ..errors import ModelError, PoseidonError
 from ..layer import TEST, TRAIN
 from ..io import manifest
@@ -236,7 +236,7 @@ class Solver:
                     if self.requested_early_exit:
                         break
                 display = p.display and it % p.display == 0
-                loss = hooks.loss(self, it, self._for_hooks(self.forward_backward()))
+                loss = hooks.loss(self, it, self._for_hooks(graphs.forward_backward(self)))
                 if not hooks.updates_parameters:
                     self.check_finite(loss)
                 self._update_smoothed_loss(loss, start_iter)

@@ -21,7 +21,8 @@ own time limit, so that one that fails, hangs or runs out of memory is recorded 
   launches     one cifar10_quick step: the counting stand-in's launch figure (engine/launches.py)
                beside the kernels CUPTI saw (PyTorch's profiler), and PyTorch's own step
   layer_times  CUDA events around each layer's forward and backward, in a pass of its own
-  capture      a CUDA graph capture of forward + backward + update: whether it worked, and why not
+  capture      cifar10_quick's solver step with --cuda-graphs off and on (engine/graphs.py); then
+               a CUDA graph capture of forward + backward + update: whether it worked, and why not
 
 It writes results.json and results.md into --out after every part (so what was measured survives
 whatever comes later), and the parts' own records in --out/parts/. Without a GPU it says so in one

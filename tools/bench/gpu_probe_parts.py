@@ -450,9 +450,44 @@ def layer_times(ctx):
 
 # ----- capture: a stretch of the step as a CUDA graph ------------------------------------------------
 def capture(ctx):
-    """Capture forward, backward and update of cifar10_quick on a side stream, replay it, and
-    compare its time with the same stretch run eagerly. Any failure is the finding (what in the
-    step cannot be captured: a host read, an allocation outside CuPy's pool, ...)."""
+    """Capture forward, backward and update of cifar10_quick on a side stream as one graph,
+    replay it, and compare its time with the same stretch run eagerly; then the solver's step
+    eager and with engine/graphs.py's segments (the column that decides --cuda-graphs'
+    default). Any failure is the finding (what in the step cannot be captured: a host read,
+    an allocation outside CuPy's pool, ...)."""
+    _whole_stretch(ctx)
+    try:
+        if ctx.left() > 5:                       # two solvers of a few dozen steps: seconds
+            _step_graphs(ctx)
+    except Exception as e:
+        ctx.emit(step_graphs_error=f"{type(e).__name__}: {e}"[:500])
+
+
+def _step_graphs(ctx):
+    """ms per solver step of cifar10_quick (batch 100), POSEIDON_CUDA_GRAPHS off and on, the
+    on side after its warm-up and capture, and the plan it captured."""
+    from poseidon.engine import graphs
+    before = os.environ.get(graphs.ENV)
+    try:
+        for mode in ("off", "on"):
+            os.environ[graphs.ENV] = mode
+            engine = EngineStep("cifar10_quick", 100)
+            engine.step(graphs.WARMUP + 2)          # compiled, warmed up, captured, replayed
+            ctx.emit(**{f"step_ms_graphs_{mode}": _timed(engine, 10) * 1000})
+            planned = graphs.graphs_of(engine.solver)
+            if planned is not None and planned.describe() is not None:
+                segments, eager = planned.describe()
+                ctx.emit(graph_segments=len(segments), graph_eager=sorted(eager))
+            engine = None
+            _free_memory(False)
+    finally:
+        if before is None:
+            os.environ.pop(graphs.ENV, None)
+        else:
+            os.environ[graphs.ENV] = before
+
+
+def _whole_stretch(ctx):
     import cupy
     engine = EngineStep("cifar10_quick", 100)
     engine.step(3)                               # kernels compiled, memory pool filled

@@ -88,10 +88,17 @@ def _layer_times(rec):
 
 
 def _capture(rec):
+    lines = []
+    if "step_ms_graphs_off" in rec:
+        lines.append(f"- cifar10_quick step: {_ms(rec['step_ms_graphs_off'])} ms eager, "
+                     f"{_ms(rec.get('step_ms_graphs_on'))} ms with --cuda-graphs on "
+                     f"({rec.get('graph_segments', '?')} graphs)")
+    if "step_graphs_error" in rec:
+        lines.append(f"- --cuda-graphs on failed: {rec['step_graphs_error']}")
     if rec.get("captured") and "replay_ms" in rec:
-        return [f"- captured and replayed: {rec['replay_ms']:.2f} ms per replay, "
-                f"{_ms(rec.get('eager_ms'))} ms eager"]
-    return [f"- captured: {rec.get('captured')}; {rec.get('error', '')}"]
+        return lines + [f"- captured and replayed: {rec['replay_ms']:.2f} ms per replay, "
+                        f"{_ms(rec.get('eager_ms'))} ms eager"]
+    return lines + [f"- captured: {rec.get('captured')}; {rec.get('error', '')}"]
 
 
 SECTIONS = {"env": ("Environment", _env), "tests": ("GPU tests", _tests),

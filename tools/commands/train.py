@@ -47,6 +47,10 @@ def add(sub):
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="float type of the nets (float64 for equivalence tests)")
     add_gpu_option(p)
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
+                   help="with --gpu: replay the stretches of a step between GEMMs as CUDA graphs "
+                        "(engine/graphs.py; POSEIDON_CUDA_GRAPHS); default off: not yet timed "
+                        "on a device")
     p.add_argument("--devices-per-node", type=int, metavar="G",
                    help="run the net as G replicas (batch_size each, gradients averaged layer "
                         "by layer), one per GPU of a --gpu list (G is the list's length), or G "
@@ -74,6 +78,8 @@ def is_distributed(args):
 
 
 def run(args):
+    if args.cuda_graphs:                     # through the environment, as a job's processes see it
+        os.environ["POSEIDON_CUDA_GRAPHS"] = args.cuda_graphs
     if args.demo:
         args.solver = _prepare_demo(args)
     if not args.solver:
