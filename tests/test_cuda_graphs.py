@@ -12,25 +12,13 @@ import pytest
 from poseidon.engine import backend, graphs
 from poseidon.engine.fake_graphs import CaptureError
 from poseidon.engine.launches import CountingModule
-from poseidon.engine.solvers import fused
 
 STEPS = 5
-
-
-def stand_in_update(rule, value, grad, state, mults, grad_scale, rate, constants, scalars):
-    """The fused update as one counted kernel whose body is the numpy rule (the stand-in has no
-    ElementwiseKernel)."""
-    def body(value, grad, scale, *state):
-        for lo, hi, lr_mult, decay_mult in mults.runs():
-            rule.update(value[lo:hi], grad[lo:hi], [s[lo:hi] for s in state], 0, lr_mult,
-                        decay_mult, scale, rate)
-    backend.get_array_module(value).counted_kernel(body)(value, grad, grad_scale, *state)
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
     monkeypatch.setenv("POSEIDON_CONV", "im2col")          # convolutions as GEMMs, as on CuPy
-    monkeypatch.setattr(fused, "apply", stand_in_update)
     xp = CountingModule()
     backend.set_array_module_for_tests(xp)
     try:
