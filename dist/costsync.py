@@ -80,6 +80,11 @@ class CostSync:
     def predicted_seconds(self, li, scheme):
         return (self.predicted.get(li) or {}).get(scheme)
 
+    def due(self, it):
+        """Whether published choices take effect at iteration `it` (before_iteration then moves
+        history, which needs every sync of the iteration before it finished)."""
+        return it in self._due
+
     def before_iteration(self, it, net, history):
         """At an iteration where published choices take effect: take them, move the history of
         the layers that change scheme."""

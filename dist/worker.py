@@ -241,6 +241,8 @@ class WorkerHooks(SolverHooks):
         """Fix each sync's scheme for the iteration; the layers whose scheme makes the weight
         gradient from sufficient factors."""
         self.verdicts.begin(it)
+        if self.costs.due(it):
+            self._settle()                # a scheme change moves values and history: no sync
         self.costs.before_iteration(it, self.net, solver.history)   # newly published schemes
         self._iter = {"start": time.time(), "backward_s": 0.0, "loss_sum": 0.0}
         return {li for li, syncer in self.syncers.items() if syncer.prepare(it)}
