@@ -53,13 +53,10 @@ def emulated_hosts(workdir, bandwidth="1Gbit", runs=1, net_keys=("fc_heavy", "ci
     twin run right after each netns job. `tiny`: one small job (_tiny), its twin beside it."""
     if tiny:
         return emulated_hosts(workdir, bandwidth, 1, log=log, **_tiny())
-    ok, reason = dist_parts.status()
-    if not ok:
-        return dist_parts.not_measured(reason)
-    from poseidon.tools import netns
-    reason = netns.why_unavailable()
+    reason = why_no_hosts()
     if reason:
         return dist_parts.not_measured(reason)
+    from poseidon.tools import netns
     unknown = [k for k in net_keys if k not in HOST_NETS]
     if unknown:
         return dist_parts.not_measured(f"unknown net(s) {', '.join(unknown)} for part g "
@@ -75,6 +72,16 @@ def emulated_hosts(workdir, bandwidth="1Gbit", runs=1, net_keys=("fc_heavy", "ci
         rows = _measure(Path(workdir) / "hosts", bandwidth, tbf, max(1, int(runs)), net_keys,
                         worker_counts, iterations, modes, batch, measured_e, log)
     return _summary(rows, bandwidth, tbf, runs)
+
+
+def why_no_hosts():
+    """Why jobs across emulated hosts cannot run here (the distributed options a part needs, or
+    network namespaces: root and iproute2), or None."""
+    ok, reason = dist_parts.status()
+    if not ok:
+        return reason
+    from poseidon.tools import netns
+    return netns.why_unavailable()
 
 
 def _part_e_rows(part_e, bandwidth):

@@ -32,6 +32,7 @@ from poseidon.dist.transport.bandwidth import parse_bandwidth
 
 from . import dist_parts, nets
 from .env import stats
+from .hosts_part import why_no_hosts
 
 HOSTS = 4
 SKIP = 1
@@ -63,13 +64,10 @@ def schemes_across_hosts(workdir, bandwidth="1Gbit", slow="100Mbit", runs=1,
                          modes=MODES, with_ddp=True, builders=None, tiny=False, log=None):
     if tiny:
         return schemes_across_hosts(workdir, bandwidth, log=log, **_tiny())
-    ok, reason = dist_parts.status()
-    if not ok:
-        return dist_parts.not_measured(reason)
-    from poseidon.tools import netns
-    reason = netns.why_unavailable()
+    reason = why_no_hosts()
     if reason:
         return dist_parts.not_measured(reason)
+    from poseidon.tools import netns
     builders = builders or {k: v[0] for k, v in NETS.items()}
     unknown = [k for k in tuple(net_keys) + tuple(slow_nets if slow else ()) if k not in builders]
     if unknown:
