@@ -63,17 +63,19 @@ def enabled():
     return os.environ.get(ENV, "off").strip().lower() in ("on", "1", "true", "yes")
 
 
-_graphs = weakref.WeakKeyDictionary()     # solver -> its StepGraphs (a cache, not configuration)
+_graphs = weakref.WeakKeyDictionary()     # solver -> its StepGraphs or OFF (a cache)
+OFF = "off"
 
 
 def forward_backward(solver):
     """Solver.forward_backward(), its segments replayed as CUDA graphs when graphs are on and
     the step is one they apply to; the mean loss either way."""
     graphs = _graphs.get(solver)
-    if graphs is None:
-        if not (enabled() and solver.on_device and StepGraphs.supported(solver.net.xp)):
-            return solver.forward_backward()
-        graphs = _graphs[solver] = StepGraphs(solver)
+    if graphs is None:          # decided once per solver (OFF: the environment is not read again)
+        on = enabled() and solver.on_device and StepGraphs.supported(solver.net.xp)
+        graphs = _graphs[solver] = StepGraphs(solver) if on else OFF
+    if graphs is OFF:
+        return solver.forward_backward()
     return graphs.forward_backward()
 
 
@@ -411,5 +413,6 @@ def _where(array):
 
 
 def graphs_of(solver):
-    """The solver's StepGraphs, if graphs ran for it."""
-    return _graphs.get(solver)
+    """The solver's StepGraphs, if graphs ran for it (else None)."""
+    graphs = _graphs.get(solver)
+    return None if graphs is OFF else graphs

@@ -6,7 +6,7 @@ how one iteration's sync runs: `send(it, stats)` then `receive(it, stats)`, whic
 leave the layer's parameters at their new values on this worker. It reaches its worker only
 through the SyncContext its syncer holds (dist/syncer.py).
 """
-from poseidon.engine.solvers.solver import all_finite, param_label
+from poseidon.engine.solvers.health import all_finite, param_label
 
 from ..errors import DistError
 

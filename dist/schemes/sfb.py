@@ -23,7 +23,7 @@ import numpy
 
 from poseidon.engine.parallel import WorkerBuffers
 from poseidon.engine.solvers.factored import update_from_factors
-from poseidon.engine.solvers.solver import all_finite
+from poseidon.engine.solvers.health import all_finite
 
 from ..cost import sfb_cost
 from ..errors import DistError

@@ -64,7 +64,7 @@ class FactoredWeights:
 
     def __init__(self, net, replicas=None):
         self.net = net
-        self.replicas = replicas              # a ReplicaGroup: its factors are all replicas' 
+        self.replicas = replicas              # a ReplicaGroup: the factors are all its replicas'
         self.entries = []                     # (param id, layer index, layer)
         index = {id(blob): pid for pid, blob in enumerate(net.learnable_params)}
         sole = net.sole_params()

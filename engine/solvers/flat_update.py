@@ -1,8 +1,8 @@
 """The update rule over a net's flat parameter buffers: a whole net, a layer, or any parameters.
 
-Every learner calls this: the single-process solver for all the parameters it updates from their
-own gradients, and a distributed worker that summed layer l's gradients with its peers for the
-layer's range alone (`update_layer`). Contiguous parameters are one call of the rule
+The single-process solver calls this for all the parameters it updates from their own gradients;
+`update_layer` is the entry for a scheme that sums layer l's range among workers (the distributed
+schemes still call the rule per parameter, `UpdateRule.update`, the same arithmetic). Contiguous parameters are one call of the rule
 (`UpdateRule.apply`: one fused kernel on a GPU, the in-place ufuncs per run of equal multipliers
 on numpy); a parameter moved out of the buffers (into a KV server's shared memory) is updated on
 its own, with the same rule.

@@ -35,8 +35,7 @@ from . import rules
 from .factored import FactoredWeights, update_from_factors
 from .flat_update import update_params
 from ..flat_params import FlatParams
-from .health import (DeviceHealth, all_finite, first_bad_param,  # noqa: F401 (dist imports some)
-                     nonfinite_stop, param_label)
+from .health import DeviceHealth, all_finite, first_bad_param, nonfinite_stop
 from .smoothing import SmoothedLoss
 from . import snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
