@@ -19,6 +19,8 @@ discrete-event model's own: it calls these same functions.
 """
 from dataclasses import dataclass
 
+from .cost import ps_cost, sfb_cost
+
 SCHEMES = ("ps", "sfb", "allreduce")
 # the plans a by-time choice is checked against: one scheme everywhere it applies
 SINGLE_SCHEME_PLANS = ("ps", "allreduce", "sfb")
@@ -109,9 +111,7 @@ def paper_scheme(rec, P1, P2, devices=1):
     busiest node, 2·K·(P1−1)·(M+N), is at most PS's 2·M·N·(P1+P2−2)/P2; PS elsewhere. A node's
     SFB message carries its G devices' rows."""
     M, N, K = rec["M"], rec["N"], rec["K"] * devices
-    sfb_floats = 2 * K * (P1 - 1) * (M + N)
-    ps_floats = 2 * M * N * (P1 + P2 - 2) / P2
-    return "sfb" if rec.get("sfb") and sfb_floats <= ps_floats else "ps"
+    return "sfb" if rec.get("sfb") and sfb_cost(M, N, K, P1) <= ps_cost(M, N, P1, P2) else "ps"
 
 
 # ------------------------------------------------------------------------------------------------
