@@ -86,20 +86,31 @@ def set_tf32(enabled):
     return "tf32" if enabled else "fp32"
 
 
-def set_mode_from_flag(gpu, local_rank=0):
-    """Caffe's --gpu: None, '', 'cpu' or '-1' for the CPU; a device id; or a comma-separated list of
-    ids, of which the process with this local rank takes one in turn."""
+def gpu_ids(gpu):
+    """Caffe's --gpu as device ids: None for the CPU (None, '', 'cpu', 'none' or '-1'), else the
+    list of ids; a bad value is one PoseidonError line."""
     from .errors import PoseidonError
-    if gpu is None or str(gpu).lower() in ("", "none", "cpu", "-1"):
-        set_mode_cpu()
-        return
+    if gpu is None or str(gpu).strip().lower() in ("", "none", "cpu", "-1"):
+        return None
     try:
         ids = [int(x) for x in str(gpu).split(",")]
     except ValueError:
         raise PoseidonError(f"--gpu takes a device id or a comma-separated list, got "
-                            f"'{gpu}'; give e.g. --gpu 0 (or omit it for the CPU)") from None
+                            f"'{gpu}'; give e.g. --gpu 0 or --gpu 0,1 (or omit it for the "
+                            f"CPU)") from None
     if any(i < 0 for i in ids):
         raise PoseidonError(f"--gpu takes device ids >= 0, got '{gpu}'; omit it for the CPU")
+    return ids
+
+
+def set_mode_from_flag(gpu, local_rank=0):
+    """Caffe's --gpu: None, '', 'cpu' or '-1' for the CPU; a device id; or a comma-separated list of
+    ids, of which the process with this local rank takes one in turn."""
+    from .errors import PoseidonError
+    ids = gpu_ids(gpu)
+    if ids is None:
+        set_mode_cpu()
+        return
     try:
         set_mode_gpu(ids[local_rank % len(ids)])
     except RuntimeError as e:   # no CuPy, no CUDA device, or no device of that id

@@ -57,15 +57,9 @@ def plan_devices(gpu=None, count=None):
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise PoseidonError(f"--devices-per-node {count}: give a whole number of replicas per "
                             f"node, at least 1")
-    if gpu is None or str(gpu).strip().lower() in ("", "none", "cpu", "-1"):
+    ids = backend.gpu_ids(gpu)
+    if ids is None:
         return [None] * (count or 1)
-    try:
-        ids = [int(x) for x in str(gpu).split(",")]
-    except ValueError:
-        raise PoseidonError(f"--gpu takes a device id or a comma-separated list, got '{gpu}'; "
-                            f"give e.g. --gpu 0,1 (or omit it for the CPU)") from None
-    if any(i < 0 for i in ids):
-        raise PoseidonError(f"--gpu takes device ids >= 0, got '{gpu}'; omit it for the CPU")
     if len(ids) == 1:
         return ids * (count or 1)
     if count is not None and count != len(ids):
