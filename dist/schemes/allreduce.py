@@ -163,10 +163,14 @@ class AllReduceScheme(Scheme):
                     total[lo:hi] = self._take(it, ALL_GATHER, step, j, stats)
                     if step < last:
                         self._pass_on(it, ALL_GATHER, step + 1, j, total[lo:hi], stats)
-        self._apply(total, it)
+        # The rule takes its gradient as scratch (engine/solvers/rules.py), and `total` holds the
+        # chunk this worker summed, sent zero-copy to its right neighbour: the sends must be out
+        # of the buffers before the rule writes them, or the neighbour may be sent a half-updated
+        # sum (replicas that differ, run to run).
         for receipt in self.receipts:
             receipt.wait()
         self.receipts = []
+        self._apply(total, it)
         self._own = None
 
     def _apply(self, total, it):
