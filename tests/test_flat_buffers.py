@@ -323,6 +323,69 @@ def test_slice_mults_runs_merge_equal_neighbours():
         SliceMults((0, 4), (1, 2), (0, 0))
 
 
+def test_slice_mults_runs_split_where_only_decay_mult_changes():
+    """Neighbours with the same lr_mult but another decay_mult (a bias with decay_mult 0 after
+    its weight) stay apart; neighbours equal in both merge."""
+    mults = SliceMults((0, 6, 8, 20, 23), (1, 1, 1, 1), (1, 0, 1, 0))
+    assert mults.runs() == [(0, 6, 1.0, 1.0), (6, 8, 1.0, 0.0), (8, 20, 1.0, 1.0),
+                            (20, 23, 1.0, 0.0)]
+    mults = SliceMults((0, 3, 5, 9), (2, 2, 2), (0, 0, 0.5))
+    assert mults.runs() == [(0, 5, 2.0, 0.0), (5, 9, 2.0, 0.5)]
+
+
+# two convolutions (no weight made from sufficient factors: every update goes through the flat
+# buffers); each bias has its weight's lr_mult and decay_mult 0
+BIAS_NET = """
+name: "bias_decay"
+layer { name: "data" type: "Input" top: "data" top: "target"
+        input_param { shape { dim: 2 dim: 2 dim: 4 dim: 4 }
+                      shape { dim: 2 dim: 3 dim: 2 dim: 2 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        param { lr_mult: 1 decay_mult: 1 } param { lr_mult: 1 decay_mult: 0 }
+        convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "gaussian" std: 0.5 }
+                            bias_filler { type: "constant" value: 0.3 } } }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        param { lr_mult: 1 decay_mult: 1 } param { lr_mult: 1 decay_mult: 0 }
+        convolution_param { num_output: 3 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 }
+                            bias_filler { type: "constant" value: -0.4 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "conv2" bottom: "target" top: "loss" }
+"""
+
+
+def test_the_solver_leaves_a_bias_with_decay_mult_0_undecayed():
+    """SGD with momentum and weight decay over the flat buffers, against the formulas applied
+    blob by blob with each blob's own decay_mult: the biases (decay_mult 0, the same lr_mult as
+    their weights) take no decay, although their neighbours in the buffer do."""
+    base_lr, momentum, weight_decay, steps = 0.0625, 0.875, 0.25, 3
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=base_lr, lr_policy="fixed",
+                                      momentum=momentum, weight_decay=weight_decay,
+                                      max_iter=steps, display=0, snapshot_after_train=False)
+    param.net_param.CopyFrom(parse_net_text(BIAS_NET))
+    solver = get_solver(param, dtype=numpy.float64)
+    net, flat = solver.net, solver.net.flat
+    assert not solver.factored.active(solver.param)
+    specs = net.learnable_param_specs
+    assert [(s.lr_mult, s.decay_mult) for s in specs] == [(1.0, 1.0), (1.0, 0.0)] * 2
+    assert flat.runs(range(len(specs)))[0] == [(0, flat.size)]   # one range of four slices
+    rs = numpy.random.RandomState(7)
+    net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
+    net.blobs["target"].data[...] = rs.standard_normal(net.blobs["target"].shape)
+    values = [b.data.copy() for b in net.learnable_params]
+    velocity = [numpy.zeros_like(v) for v in values]
+    for _ in range(steps):
+        net.ClearParamDiffs()
+        net.ForwardBackward()                  # this step's gradient, at the current values
+        for pid, blob in enumerate(net.learnable_params):
+            g = blob.diff + weight_decay * specs[pid].decay_mult * values[pid]
+            velocity[pid] = momentum * velocity[pid] + base_lr * specs[pid].lr_mult * g
+            values[pid] = values[pid] - velocity[pid]
+        solver.step(1)
+        for pid, blob in enumerate(net.learnable_params):
+            numpy.testing.assert_allclose(blob.data, values[pid], rtol=1e-12, atol=1e-14,
+                                          err_msg=f"{specs[pid].name} after {solver.iter} steps")
+    assert len(flat.mults(0, flat.size).runs()) == 4
+
+
 def test_the_solver_keeps_history_as_views_of_the_flat_buffers():
     param = caffe_pb2.SolverParameter(type="Adam", base_lr=0.01, lr_policy="fixed", momentum=0.9,
                                       max_iter=2, display=0, snapshot_after_train=False)

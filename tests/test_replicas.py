@@ -4,6 +4,11 @@
   (float64), for an FC net (whose weights the solver updates from the replicas' stacked
   sufficient factors) and a conv net, and with iter_size 2 (the mean is taken once, after the
   last pass).
+* A weight and bias shared by name between two layers (the same shapes) are reduced once, at
+  their lowest user, whose backward adds the last part of their gradient: G replicas still end
+  with the parameters of one net on the combined batch.
+* The loss the solver gets (and displays) is the mean of the replicas' losses: the loss of one
+  net on the combined batch, not G times it.
 * The leader's parameters reach the other replica before its next forward.
 * A net with Dropout draws the same numbers in every run; a resumed run reads on where every
   replica's data stood (bitwise equal to an uninterrupted one).
@@ -54,6 +59,66 @@ def test_two_replicas_equal_one_net_on_the_combined_batch(data, tmp_path, build,
     if build is fc_net:
         assert solver.factored.active(solver.param), "the FC weights should come from factors"
     assert_params_close(params_of(solver), want, rtol=1e-5, label=f"G={G} {extra}")
+
+
+def shared_net(source, batch, classes=5):
+    """Four InnerProducts (192 -> 24 -> 24 -> 24 -> classes) where the middle two, ip2 and ip3,
+    share their weight and their bias by name: each shared gradient is the sum of two layers'."""
+    shared = ('param { name: "shared_w" } param { name: "shared_b" }\n'
+              '  inner_product_param { num_output: 24 weight_filler { type: "gaussian" std: 0.2 }\n'
+              '    bias_filler { type: "constant" value: 0.05 } } }')
+    return f"""
+name: "shared_small"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+  inner_product_param {{ num_output: 24 weight_filler {{ type: "gaussian" std: 0.05 }}
+    bias_filler {{ type: "constant" value: 0.1 }} }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  {shared}
+layer {{ name: "relu2" type: "ReLU" bottom: "ip2" top: "ip2" }}
+layer {{ name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+  {shared}
+layer {{ name: "relu3" type: "ReLU" bottom: "ip3" top: "ip3" }}
+layer {{ name: "ip4" type: "InnerProduct" bottom: "ip3" top: "ip4"
+  inner_product_param {{ num_output: {classes} weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip4" bottom: "label" top: "loss" }}
+"""
+
+
+def test_a_parameter_shared_by_two_layers_is_reduced_at_its_lowest_user(data, tmp_path):
+    G, K = 2, 4
+    param = solver_param(shared_net(data, K), max_iter=ITERS)
+    probe = get_solver(param, dtype=numpy.float64)
+    users = {}
+    for li, specs in enumerate(probe.net.layer_param_specs):
+        for spec in specs:
+            users.setdefault(spec.name, []).append(probe.net.layer_names[li])
+    probe.net.shutdown()
+    assert users["shared_w"] == users["shared_b"] == ["ip2", "ip3"], users
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(shared_net(data, G * K), max_iter=ITERS), weights_out=weights)
+    solver = trained(param, weights, ITERS, replicas=G)
+    assert_params_close(params_of(solver), want, rtol=1e-5, label="shared parameters, G=2")
+
+
+def test_the_loss_is_the_mean_of_the_replicas_losses(data, tmp_path):
+    """The loss the solver gets each iteration (its smoothed, displayed loss, over the last
+    average_loss iterations) equals that of one net on the combined batch."""
+    G, K, iters = 2, 4, 3
+    weights = str(tmp_path / "init.caffemodel")
+    one = get_solver(solver_param(fc_net(data, G * K), max_iter=iters, average_loss=iters),
+                     dtype=numpy.float64)
+    one.net.save(weights)
+    one.step(iters)
+    one.net.shutdown()
+    solver = trained(solver_param(fc_net(data, K), max_iter=iters, average_loss=iters), weights,
+                     iters, replicas=G)
+    assert 0.1 < one.smoothed_loss < 10
+    assert solver.smoothed_loss == pytest.approx(one.smoothed_loss, rel=1e-9), (
+        f"replicas' loss {solver.smoothed_loss} != one net's {one.smoothed_loss}")
 
 
 def test_the_other_replica_takes_the_leaders_parameters_before_its_forward(data, tmp_path):

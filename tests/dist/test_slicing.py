@@ -4,6 +4,9 @@ a frame much larger than a slice, and large parameters still train.
 - Two transports with a small slice: a message of JSON and arrays larger than a slice arrives whole
   and equal, counted once with its payload; a repeated slice, one that is not one of its message's,
   and a first slice of a whole the rules refuse are dropped and counted.
+- The slices of a message of several arrays, each several slices long, given to the assembler
+  reversed, shuffled or interleaved, are put back by their offsets: the arrays come out bitwise
+  equal to the sent ones, and only the last slice completes the message.
 - A stranger streams a frame claiming 512 MB into every TCP port of a live job (`--ipc off`, so
   every inbox is TCP, and the coordinator): libzmq drops each connection after the frame's header
   (ZMQ_MAXMSGSIZE), the process's peak resident size (VmHWM; every role is a thread of it) grows by
@@ -24,8 +27,8 @@ import pytest
 from poseidon.dist import security
 from poseidon.dist.roles import Roles
 from poseidon.dist.transport import FIXED_HEADER_BYTES, Msg, encode_header
-from poseidon.dist.transport.slices import cut
-from poseidon.dist.transport.wire import encode_slice
+from poseidon.dist.transport.slices import Assembler, cut
+from poseidon.dist.transport.wire import decode_header, encode_slice, make_message
 
 from .gated import run_gated
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
@@ -84,6 +87,45 @@ def test_repeated_foreign_and_refused_slices_are_dropped(pair):
     assert b.counters()["recv_messages"] == 1
     assert "a message of 2147483648 bytes (at most" in b._last_drop[0]
     assert len(b._assembler) == 0
+
+
+def _received_slices(header, arrays, slice_bytes):
+    """The slices of a message as a receiver decodes them, each with its own copy of its bytes."""
+    out = []
+    for head, part in cut(header, arrays, slice_bytes):
+        mtype, flags, sender, iteration, key, aux, _ = decode_header(head)
+        out.append(make_message(head, mtype, flags, sender, iteration, key, aux, [part.copy()],
+                                part.size))
+    return out
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled", "interleaved"])
+def test_slices_arriving_out_of_order_are_put_back_by_their_offsets(order):
+    rs = numpy.random.RandomState(11)
+    first = rs.standard_normal(5000)                          # 40000 bytes: 4 full slices + 1
+    second = rs.randint(-2**31, 2**31 - 1, size=(3, 1700), dtype=numpy.int32)   # 20400: 2 + 1
+    header = encode_header(Msg.GATHER, 1, 6, 4, 0, [first, second])
+    slices = _received_slices(header, [first, second], SLICE)
+    assert len(slices) == 8
+    assert [m.slice[2:4] for m in slices][:2] == [(0, 0), (0, SLICE)]
+    if order == "reversed":
+        slices = slices[::-1]
+    elif order == "shuffled":            # each array's short last slice still comes last
+        slices = [slices[i] for i in (2, 6, 0, 3, 5, 1, 4, 7)]
+    else:                                                     # the arrays' slices alternate
+        slices = [slices[i] for i in (7, 2, 6, 4, 5, 1, 0, 3)]
+    assembler = Assembler(lambda msg, flags, specs: None)
+    for msg in slices[:-1]:
+        assert assembler.add(msg) == (None, None)
+    whole, reason = assembler.add(slices[-1])
+    assert reason is None and whole is not None and len(assembler) == 0
+    assert (whole.type, whole.sender, whole.iteration, whole.key) == (Msg.GATHER, 1, 6, 4)
+    assert whole.payload_bytes == first.nbytes + second.nbytes
+    got_first, got_second = whole.arrays
+    assert got_first.dtype == first.dtype and got_first.shape == first.shape
+    assert got_second.dtype == second.dtype and got_second.shape == second.shape
+    assert got_first.tobytes() == first.tobytes(), f"{order}: array 0 is not the sent bytes"
+    assert got_second.tobytes() == second.tobytes(), f"{order}: array 1 is not the sent bytes"
 
 
 def _vm_hwm_kb():
