@@ -304,14 +304,17 @@ class InformationBook:
                             f"worker's contribution of an iteration; give --sync ps or hybrid "
                             f"(under {relaxed} every layer then goes by PS)")
         model = cost_model(options, hosts, relaxed)
+        itemsize = 8 if description.get("dtype") == "float64" else 4
+        piece = options.get("piece_bytes")
         layers = []
         for rec in description["layers"]:
             rec = dict(rec)
+            if piece:
+                rec["piece_floats"] = max(1, int(piece) // itemsize)
             rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
             rec["candidates"] = (candidates(rec, servers, relaxed, sync) if model == "measured"
                                  else [rec["scheme"]])
             layers.append(rec)
-        itemsize = 8 if description.get("dtype") == "float64" else 4
         param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
         single_host = one_host(local, workers + servers)
         bucket = bucket_bytes(options, single_host)

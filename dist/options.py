@@ -14,6 +14,7 @@ from .transport import MIN_SLICE_BYTES, parse_bandwidth
 IPC_CHOICES = ("auto", "links", "zmq", "off")
 PRIORITY_CHOICES = ("auto", "on", "off")
 COST_MODELS = ("auto", "static", "measured")
+MIN_PIECE_BYTES = 64
 DEFAULT_COST_REFRESH = 20
 
 
@@ -76,6 +77,21 @@ _slice_bytes = _argument(parse_slice_bytes)
 _fusion_bytes = _size(allow_zero=True, what="the fusion size")
 _bucket_bytes = _argument(parse_bucket_bytes)
 _credit_bytes = _size(what="the credit")
+
+
+def parse_piece_bytes(value):
+    """--piece-bytes: the largest piece of a ring all-reduce, in bytes (None: the scheme's
+    default); at least MIN_PIECE_BYTES, at most 1GB."""
+    if value is None:
+        return None
+    size = parse_bytes(value, what="the ring's piece size")
+    if not MIN_PIECE_BYTES <= size <= 1 << 30:
+        raise ValueError(f"the ring's piece size must be between {MIN_PIECE_BYTES} bytes and 1GB, "
+                         f"got '{value}'")
+    return size
+
+
+_piece_bytes = _argument(parse_piece_bytes)
 
 
 def _bandwidth(text):
@@ -157,6 +173,9 @@ def add_dist_options(parser):
         "of them is back (as DDP's buckets: fewer messages, less overlap); 0: each "
         "layer alone (the paper's WFBP); default auto: 1MB when every process of the "
         "job is on one host (no network to overlap), else 0")
+    add("--piece-bytes", type=_piece_bytes, metavar="BYTES",
+        help="the ring all-reduce cuts each worker's chunk of a layer into pieces of at most "
+        "BYTES, each passed on as soon as it is summed (default: 256K floats); at least 64")
     add("--sum-gradients", action="store_true", help="servers and SFB sum the workers' "
         "gradients (the paper) instead of averaging them (one process on P1 x batch)")
     add("--bandwidth", type=_bandwidth, metavar="RATE",
@@ -276,7 +295,8 @@ class DistOptions:
     FIELDS = {"workers": 1, "servers": None, "coordinator": None, "rank": None,
               "sync": "hybrid", "no_overlap": False, "stats": None, "timeline": None,
               "kv_pair_bytes": DEFAULT_PAIR_BYTES, "slice_bytes": None, "fusion_bytes": None,
-              "bucket_bytes": "auto", "priority": "auto", "credit_bytes": None,
+              "bucket_bytes": "auto", "piece_bytes": None, "priority": "auto",
+              "credit_bytes": None,
               "sum_gradients": False, "bandwidth": None, "timeout": 30.0,
               "heartbeat_timeout": 10.0, "start_timeout": 120.0, "stall_warning": 10.0,
               "dtype": "float32", "interface": None, "local": False,
@@ -300,6 +320,7 @@ class DistOptions:
             self.fusion_bytes = parse_bytes(self.fusion_bytes, allow_zero=True,
                                             what="the fusion size")
         self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
+        self.piece_bytes = parse_piece_bytes(self.piece_bytes)
         self.credit_bytes = check_send_order(self.priority, self.credit_bytes)
         hybrid_members(self.sync)           # one line for an unknown name
         check_consistency(self)
@@ -344,7 +365,8 @@ class DistOptions:
         return {"workers": self.workers, "servers": self.servers, "sync": self.sync,
                 "kv_pair_bytes": self.kv_pair_bytes, "slice_bytes": self.slice_bytes,
                 "fusion_bytes": self.fusion_bytes,
-                "bucket_bytes": self.bucket_bytes, "sum_gradients": bool(self.sum_gradients),
+                "bucket_bytes": self.bucket_bytes, "piece_bytes": self.piece_bytes,
+                "sum_gradients": bool(self.sum_gradients),
                 "dtype": self.dtype, "straggler_timeout": self.straggler_timeout,
                 "staleness": int(self.staleness or 0),
                 "devices_per_node": int(self.devices_per_node), "cost_model": self.cost_model,

@@ -7,9 +7,12 @@ distributed snapshot is refused on resume. On resume worker 0 reads the snapshot
 other worker its cursor file; the parameters and solver state reach them when the run starts again
 (dist/replicas.py), as at any start.
 """
+import hashlib
 import json
 import logging
 import os
+
+import numpy
 
 from poseidon.engine import backend
 from poseidon.engine.io import caffemodel
@@ -27,6 +30,17 @@ log = logging.getLogger("poseidon")
 def worker_cursor_path(state_path, rank):
     """<prefix>_iter_N.solverstate -> <prefix>_iter_N.cursors.worker-R.json."""
     return f"{snapshot_base(state_path)}.cursors.worker-{rank}.json"
+
+
+def params_digest(arrays):
+    """A SHA-256 of parameter values (dtype, shape and bytes of each, in order): equal digests
+    mean bitwise-equal replicas."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = numpy.ascontiguousarray(backend.to_numpy(a))
+        h.update(f"{a.dtype.str}{a.shape};".encode("ascii"))
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def state_file_name(solver):
@@ -69,10 +83,12 @@ class JobSnapshots:
     def snapshot(self, solver, write):
         faults.point("snapshot", solver.iter)
         self.average_statistics()
-        mine = dict(solver.cursor_state(), rank=self.rank, workers=self.roles.workers)
+        mine = dict(solver.cursor_state(), rank=self.rank, workers=self.roles.workers,
+                    params_sha256=params_digest(b.data for b in solver.net.learnable_params))
         cursors = self.client.gather("cursors", mine, timeout=self.slow)
         state_file = None
         if self.rank == 0:
+            self._check_replicas(solver.iter, cursors)
             self._fetch_server_state(solver)
             self._peer_cursors = cursors[1:]
             try:
@@ -85,6 +101,19 @@ class JobSnapshots:
         faults.point("snapshot-done", solver.iter)
         self.verdicts.last_snapshot = state_file or state_file_name(solver)
         return state_file
+
+    def _check_replicas(self, iteration, cursors):
+        """Worker 0: under BSP every replica holds the same bits; say which ones do not (the
+        snapshot keeps worker 0's). Under --staleness replicas may lag and are not compared."""
+        if self.staleness:
+            return
+        own = cursors[0]["params_sha256"]
+        differ = [c["rank"] for c in cursors[1:] if c.get("params_sha256") != own]
+        if differ:
+            log.warning(f"iteration {iteration}: the parameters of "
+                        f"{', '.join(self.roles.name(r) for r in differ)} differ from worker 0's "
+                        f"(the replicas should be bitwise identical; the snapshot holds worker "
+                        f"0's)")
 
     def snapshot_files(self, solver, state_file):
         """Worker 0, before the manifest: the other workers' cursor files."""

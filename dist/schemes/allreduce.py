@@ -26,14 +26,15 @@ from ..transport import Msg
 from .base import Scheme, register_scheme
 from .ring import ALL_GATHER, MAX_LAYERS, REDUCE_SCATTER, layer_floats, ring_key, ring_plan
 
-# The largest piece, in floats (1 MB of float32). Small enough that a chunk of a large layer goes
-# as several pieces that overlap their sends with the next pieces' sums; large enough that the
+# The largest piece, in floats (1 MB of float32), unless the job gives --piece-bytes (the book then
+# carries it in each layer's record as piece_floats). Small enough that a chunk of a large layer
+# goes as several pieces that overlap their sends with the next pieces' sums; large enough that the
 # fixed cost of a message (a header, a few thread hand-overs) is small against its bytes.
 PIECE_FLOATS = 1 << 18
 
 
 def plan_of(rec, workers):
-    return ring_plan(layer_floats(rec), workers, PIECE_FLOATS)
+    return ring_plan(layer_floats(rec), workers, rec.get("piece_floats") or PIECE_FLOATS)
 
 
 @register_scheme
@@ -79,7 +80,8 @@ class AllReduceScheme(Scheme):
         for pid in syncer.pids:
             self.params.append((pid, params[pid], offset))
             offset += params[pid].count
-        self.plan = plan_of({"shapes": [params[pid].shape for pid in syncer.pids]}, len(ring))
+        self.plan = plan_of({"shapes": [params[pid].shape for pid in syncer.pids],
+                             "piece_floats": syncer.rec.get("piece_floats")}, len(ring))
         self.receipts = []
         self._own = None
 
