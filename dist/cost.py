@@ -41,16 +41,6 @@ def adam_cost(M, N, K, P1):
     return float(P1 * K * (M + N) + P1 * M * N)
 
 
-def ps_payload_per_worker(M, N, bias=True):
-    """Floats one worker pushes (and then pulls) for a layer synced by PS."""
-    return M * N + (M if bias else 0)
-
-
-def sfb_payload_per_peer(M, N, K, bias=True):
-    """Floats one worker sends to EACH of its P1 − 1 peers for a layer synced by SFB."""
-    return K * (M + N) + (M if bias else 0)
-
-
 def allreduce_cost(floats, P1):
     """Floats per iteration on the busiest node for a ring all-reduce of `floats` floats: sent
     plus received, 2·2·(P1 − 1)/P1·floats (every node is a worker; servers move nothing)."""

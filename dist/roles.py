@@ -64,8 +64,6 @@ class Roles:
 
 
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
-_LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
-                         "LOCAL_RANK")
 
 
 def rank_from_environment(environ=None):
@@ -76,13 +74,3 @@ def rank_from_environment(environ=None):
         if value not in (None, ""):
             return int(value), name
     return None, None
-
-
-def local_rank_from_environment(default, environ=None):
-    """The rank among the processes of this host (for --gpu), else `default`."""
-    environ = os.environ if environ is None else environ
-    for name in _LOCAL_RANK_VARIABLES:
-        value = environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return default

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from .book import InformationBook
 from .placement import DEFAULT_PAIR_BYTES
-from .schemes import best_scheme
 from .simcost import (Shape, algorithm1_plan, candidate_plans, compute_seconds, factor_bytes,
                       intra_bytes, profile_flop_rate, rebuild_flops, reduction_flops, ring_bytes,
                       ring_steps, single_scheme_plan)
@@ -477,13 +476,6 @@ def scaling_table(profile, nodes, modes, net=None, servers=None, devices=1):
     """{mode: {P: Result}} for every mode and node count."""
     return {mode: {p: simulate(profile, p, mode, net, servers, devices) for p in nodes}
             for mode in modes}
-
-
-def algorithm1_schemes(profile, workers, servers, sync="hybrid"):
-    """What BestScheme (dist/schemes/best.py) says for each synced layer (to check the simulator uses it)."""
-    return {rec["name"]: best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], workers, servers,
-                                     sync)
-            for rec in profile["description"]["layers"]}
 
 
 # ------------------------------------------------------------------------------------------------

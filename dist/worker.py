@@ -111,10 +111,6 @@ def spin_seconds(book, roles):
     return onehost.SPIN_SECONDS if roles.workers + roles.servers <= cores else 0.0
 
 
-def _g(x):
-    return f"{float(x):.6g}"
-
-
 class WorkerHooks(SolverHooks):
     """Algorithm 2 for one worker; see the module docstring."""
 
