@@ -1,14 +1,22 @@
-"""Small nets, a small LMDB, and a way to run a whole job (coordinator, servers, workers) as threads
-in this process over real ZeroMQ sockets, for the distributed tests."""
+"""Small nets, a small LMDB, and two ways to run a whole job (coordinator, servers, workers): as
+threads of this process over real ZeroMQ sockets (run_threads), and as the `poseidon train`
+processes a user starts (run_processes), for the distributed tests."""
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy
 from google.protobuf import text_format
 
+from poseidon.dist.snapshots import params_digest
 from poseidon.engine.io.datum import array_to_datum
 from poseidon.engine.io.lmdb_store import write_lmdb
 from poseidon.engine.proto import caffe_pb2
 from poseidon.engine.solvers import get_solver
+
+from .jobs import job_env
 
 
 def make_lmdb(path, n=96, shape=(3, 8, 8), classes=5, seed=0):
@@ -160,6 +168,92 @@ def run_threads(param, workers, servers, weights=None, snapshot=None, timeout=60
         for t in ds.solver.test_nets:
             t.shutdown()
     return solvers
+
+
+# run_threads' keywords that run_processes does not pass on: the launcher sets them (coordinator,
+# local, rank, keys: a local job makes its own), or they are arguments of their own
+_THREAD_ONLY = ("coordinator", "local", "rank", "workers", "servers", "keys")
+
+
+def run_processes(param, workers, servers, tmp_path, weights=None, snapshot=None, timeout=60,
+                  env=None, **options):
+    """The job run_threads runs, as `poseidon train` processes (the launcher, its workers and
+    servers): the SolverParameter `param` (its net inline) goes to a solver file under tmp_path
+    with a snapshot at max_iter; the keywords become the flags of the same name (sync="ps":
+    --sync ps, no_overlap=True: --no-overlap, bucket_bytes=0: --bucket-bytes 0, ...). Asserts
+    that the job exits 0 and (but under --staleness) that every worker's replica at the snapshot
+    is worker 0's, bit for bit; returns the snapshot's parameters in learnable-parameter order
+    (as params_of).
+
+    The processes get tests/dist/jobs.py's environment (POSEIDON_CONV=im2col: pin the same route
+    for an in-process reference), updated by `env` when given."""
+    folder = Path(tmp_path) / "process-job"
+    folder.mkdir(parents=True, exist_ok=True)
+    p = caffe_pb2.SolverParameter()
+    p.CopyFrom(param)
+    p.snapshot_prefix = str(folder / "snap")
+    if not p.snapshot:
+        p.snapshot = p.max_iter
+    p.snapshot_after_train = True               # the snapshot at max_iter, whatever the interval
+    solver_file = folder / "solver.prototxt"
+    solver_file.write_text(text_format.MessageToString(p))
+    dtype = options.pop("dtype", "float64")
+    flags = ["--workers", workers, "--servers", servers, "--dtype", dtype,
+             "--timeout", timeout, "--start-timeout", timeout]
+    if weights:
+        flags += ["--weights", weights]
+    if snapshot:
+        flags += ["--snapshot", snapshot]
+    flags += _train_flags(options)
+    cmd = [sys.executable, "-m", "poseidon.tools.cli", "train", "--solver", str(solver_file),
+           "--no-progress", *map(str, flags)]
+    done = subprocess.run(cmd, cwd=folder, env=dict(job_env(), **(env or {})), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout * 4,
+                          stdin=subprocess.DEVNULL)
+    shown = " ".join(map(str, flags))
+    assert done.returncode == 0, (f"poseidon train {shown}: exit {done.returncode}\n"
+                                  f"{done.stdout[-4000:]}")
+    base = folder / f"snap_iter_{p.max_iter}"
+    params = _snapshot_params(p, f"{base}.caffemodel", dtype)
+    want = params_digest(params)
+    lagging = options.get("staleness")      # under SSP a replica may miss the last updates
+    for rank in range(1, 1 if lagging else workers):
+        cursor = json.loads(Path(f"{base}.cursors.worker-{rank}.json").read_text())
+        assert cursor["params_sha256"] == want, (
+            f"poseidon train {shown}: worker {rank}'s parameters at iteration {p.max_iter} differ "
+            f"from worker 0's snapshot")
+    return params
+
+
+def _train_flags(options):
+    """`poseidon train` flags for run_threads' keywords (DistOptions' fields); a keyword with no
+    flag is refused naming it."""
+    from poseidon.dist.options import DistOptions
+    flags = []
+    for name, value in options.items():
+        if name not in DistOptions.FIELDS or name in _THREAD_ONLY:
+            raise TypeError(f"run_processes cannot give `poseidon train` {name}={value!r}: "
+                            f"no flag of that name, or one run_processes sets itself")
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                flags.append(flag)
+            elif DistOptions.FIELDS[name]:
+                raise TypeError(f"run_processes: {flag} cannot be turned off")
+        elif value is not None:
+            flags += [flag, value]
+    return flags
+
+
+def _snapshot_params(param, path, dtype):
+    """The learnable parameters of the solver's TRAIN net as a .caffemodel sets them."""
+    from poseidon.engine.net import Net
+    net = Net(param.net_param, dtype=numpy.dtype(dtype).type)
+    try:
+        net.copy_from(path)
+        return [numpy.array(b.data) for b in net.learnable_params]
+    finally:
+        net.shutdown()
 
 
 def params_of(solver):

@@ -32,7 +32,7 @@ from poseidon.dist.timeline import role_path
 from poseidon.dist.transport import FIXED_HEADER_BYTES, Message, Msg
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, reference,
-                      run_threads, solver_param)
+                      run_processes, run_threads, solver_param)
 
 ITEM = 8                    # float64
 ITERS = 5
@@ -141,6 +141,20 @@ def test_sync_allreduce_equals_one_process(data, tmp_path, small_pieces, P1, no_
     _, schemes = run_and_compare(data, tmp_path, conv_net, 2, P1, 1, sync="allreduce",
                                  no_overlap=no_overlap)
     assert set(schemes.values()) == {"allreduce"}
+
+
+@pytest.mark.slow
+def test_sync_allreduce_processes_equal_one_process(data, tmp_path, monkeypatch):
+    """The odd ring (3 workers) as `poseidon train` processes, pieces of 32 floats by the flag
+    (--piece-bytes 256): one process on the combined batch within 1e-5, and every replica
+    bitwise worker 0's."""
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")     # the route the processes are pinned to
+    P1, K = 3, 2
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(conv_net(data, P1 * K), max_iter=ITERS), weights_out=weights)
+    got = run_processes(solver_param(conv_net(data, K), max_iter=ITERS), P1, 1, tmp_path,
+                        weights=weights, sync="allreduce", piece_bytes=32 * ITEM)
+    assert_params_close(got, want, rtol=1e-5, label="processes: allreduce P1=3, 32-float pieces")
 
 
 def mixed_net(source, batch):

@@ -1,6 +1,7 @@
 """Convolution routes measured where they run, in a job and across a resume: with POSEIDON_CONV=auto
 worker 0 alone times the routes and every replica runs its choice; a snapshot records the routes, so
 a resume computes with the ones the run had even where a new timing would choose others."""
+import json
 import threading
 
 import numpy
@@ -9,7 +10,8 @@ import pytest
 from poseidon.engine.layers.conv import measure, routes
 from poseidon.engine.solvers import get_solver
 
-from .helpers import assert_params_close, conv_net, make_lmdb, params_of, run_threads, solver_param
+from .helpers import (assert_params_close, conv_net, make_lmdb, params_of, run_processes,
+                      run_threads, solver_param)
 
 pytestmark = pytest.mark.measures_conv_routes
 
@@ -60,6 +62,21 @@ def test_worker_0_measures_and_every_replica_runs_its_routes(timing, data):
     assert "fourier" in chosen[0].values()                 # worker 0's timing decided
     assert timing.get("role-0") and not timing.get("role-1")
     assert_params_close(params_of(solvers[1]), params_of(solvers[0]), rtol=0)
+
+
+@pytest.mark.slow
+def test_processes_run_the_routes_worker_0_measured(data, tmp_path):
+    """As `poseidon train` processes, with the routes really timed (POSEIDON_CONV=auto, a fresh
+    cache): each worker's cursor file names worker 0's routes, and every replica is bitwise
+    worker 0's. (Which route each process would time fastest cannot be forced across processes,
+    so this checks the handing over, not a disagreement it settles.)"""
+    env = {"POSEIDON_CONV": "auto", "POSEIDON_CONV_MEASURE": "1", "POSEIDON_CONV_REFRESH": "1",
+           "POSEIDON_CACHE_DIR": str(tmp_path / "cache")}
+    run_processes(solver_param(conv_net(data, 2), max_iter=3), 2, 1, tmp_path, env=env)
+    folder = tmp_path / "process-job"
+    routes = [json.loads((folder / name).read_text())["conv_routes"]
+              for name in ("snap_iter_3.cursors.json", "snap_iter_3.cursors.worker-1.json")]
+    assert routes[0] and routes[0] == routes[1]
 
 
 def test_a_resume_takes_the_snapshot_routes(timing, data, tmp_path):

@@ -23,8 +23,8 @@ from poseidon.engine.io.lmdb_store import write_lmdb
 from poseidon.engine.solvers import get_solver
 from poseidon.tools import cli
 
-from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
-                      solver_param)
+from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference,
+                      run_processes, run_threads, solver_param)
 
 P1, G, K, ITERS = 2, 2, 4, 10
 
@@ -61,6 +61,16 @@ def test_workers_of_two_replicas_equal_one_process(data, combined, sync):
         assert_params_close(params_of(s), want, rtol=1e-5, label=f"P1={P1} G={G} {sync}")
     for a, b in zip(params_of(solvers[0]), params_of(solvers[1])):
         assert numpy.array_equal(a, b), "the leaders differ"
+
+
+@pytest.mark.slow
+def test_processes_of_two_replicas_equal_one_process(data, combined, tmp_path):
+    """The hybrid case above as `poseidon train --devices-per-node 2` processes: one process on
+    the combined batch P1·G·K within 1e-5, and the leaders bitwise equal."""
+    weights, want = combined
+    got = run_processes(solver_param(fc_net(data, K), max_iter=ITERS), P1, 1, tmp_path,
+                        weights=weights, sync="hybrid", devices_per_node=G)
+    assert_params_close(got, want, rtol=1e-5, label=f"processes: P1={P1} G={G} hybrid")
 
 
 def test_replicas_of_all_workers_share_out_an_epoch(tmp_path):

@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, reference,
-                      run_threads, solver_param)
+                      run_processes, run_threads, solver_param)
 
 ITERS = 20
 NETS = {"fc": (fc_net, 8), "conv": (conv_net, 2)}      # builder, per-worker batch K
@@ -68,6 +68,21 @@ def test_equals_one_process_on_the_combined_batch(data, references, net, P1, P2,
     for s in solvers[1:]:
         for a, b in zip(params_of(s), first):
             assert numpy.array_equal(a, b), "replicas differ"
+
+
+@pytest.mark.slow
+def test_processes_equal_one_process_on_the_combined_batch(data, tmp_path, monkeypatch):
+    """The matrix's conv-w2-s2-hybrid case as `poseidon train` processes (convolutions by PS, the
+    InnerProducts by SFB): the same tolerance against one process on the combined batch, and
+    every worker's replica bitwise worker 0's (by the digest in its cursor file)."""
+    monkeypatch.setenv("POSEIDON_CONV", "im2col")     # the route the processes are pinned to
+    build, K = NETS["conv"]
+    P1, P2 = 2, 2
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(build(data, P1 * K), max_iter=ITERS), weights_out=weights)
+    got = run_processes(solver_param(build(data, K), max_iter=ITERS), P1, P2, tmp_path,
+                        weights=weights, sync="hybrid")
+    assert_params_close(got, want, rtol=1e-5, label="processes: conv P1=2 P2=2 hybrid")
 
 
 def test_hybrid_mixes_schemes_on_the_fc_net(data, references):

@@ -17,8 +17,8 @@ import pytest
 from poseidon.dist.transport import ZmqTransport
 from poseidon.dist.transport.onehost import kvshm
 
-from .helpers import (conv_net, fc_net, make_lmdb, params_of, reference, run_threads,
-                      solver_param)
+from .helpers import (conv_net, fc_net, make_lmdb, params_of, reference, run_processes,
+                      run_threads, solver_param)
 
 ITERS = 6
 
@@ -125,6 +125,22 @@ def test_placed_parameters_carry_their_sharers_along(data, tmp_path):
     for s in solvers:
         for a, b in zip(params_of(s), want):
             numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.slow
+def test_placed_parameters_carry_their_sharers_along_in_processes(data, tmp_path):
+    """The case above as `poseidon train` processes (--ipc auto, --sync ps): the server's memory
+    is mapped across processes, and the job still equals one process on the combined batch to
+    the same tolerance, every replica bitwise worker 0's."""
+    K, P1 = 2, 2
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(shared_weights_net(data, P1 * K), max_iter=ITERS),
+                     weights_out=weights)
+    got = run_processes(solver_param(shared_weights_net(data, K), max_iter=ITERS), P1, 1,
+                        tmp_path, weights=weights, sync="ps", ipc="auto")
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
 def test_a_python_layers_parameter_is_not_placed(data, tmp_path):

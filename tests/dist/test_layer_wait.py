@@ -18,8 +18,8 @@ import pytest
 
 from poseidon.dist.timeline import role_path
 
-from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
-                      solver_param)
+from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference,
+                      run_processes, run_threads, solver_param)
 
 ITERS = 6
 
@@ -140,6 +140,18 @@ def test_a_slow_zero_copy_sync_is_not_overwritten_by_the_next_iteration(data, tm
     assert {rec["scheme"] for rec in solvers[0].book.layers} == {sync}
     for s in solvers:
         assert_params_close(params_of(s), want, rtol=1e-5, label=f"slow ip3, {sync}")
+
+
+@pytest.mark.slow
+def test_a_slow_zero_copy_sync_between_processes_is_not_overwritten(data, tmp_path):
+    """The capped job above under --sync ps as `poseidon train` processes: each diff leaves
+    zero-copy while the next iteration runs, and the job still equals one process (1e-5), every
+    replica bitwise worker 0's."""
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(slow_top_net(data, 2 * 4), max_iter=4), weights_out=weights)
+    got = run_processes(solver_param(slow_top_net(data, 4), max_iter=4), 2, 1, tmp_path,
+                        weights=weights, sync="ps", **CAPPED)
+    assert_params_close(got, want, rtol=1e-5, label="processes: slow ip3, ps")
 
 
 def test_a_layer_sharing_a_parameter_waits_for_the_owners_sync(data):

@@ -11,8 +11,8 @@ import pytest
 
 from poseidon.engine import parallel
 
-from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
-                      solver_param)
+from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference,
+                      run_processes, run_threads, solver_param)
 
 ITERS = 12
 K = 8
@@ -47,6 +47,34 @@ def test_rebuild_in_small_blocks_equals_one_process(data, tmp_path, monkeypatch,
         assert not layer.blobs[0].diff.any(), f"{name} made its own weight gradient under SFB"
         if len(layer.blobs) > 1:
             assert layer.blobs[1].diff.any()                 # the bias gradient is still made
+
+
+def wide_net(source, batch):
+    """fc_net on 3x16x16 images with an ip1 of 1366 x 768 (just over 2**20 floats): at the
+    default block size (twice the L2, at most 8 MiB) its rebuild goes in more than one block,
+    of padded rows, with nothing patched."""
+    head = 'name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"'
+    text = fc_net(source, batch)
+    at = text.index(head)
+    cut = text.index("num_output: 48", at)
+    return text[:cut] + "num_output: 1366" + text[cut + len("num_output: 48"):]
+
+
+@pytest.mark.slow
+def test_rebuild_in_blocks_as_processes_equals_one_process(tmp_path):
+    """Three serverless `poseidon train` workers under --sync sfb (the processes cannot have the
+    block constants patched, so the layer is made large enough to be cut at the defaults): one
+    process on the combined batch within 1e-5, every replica bitwise worker 0's."""
+    P1, iters = 3, 4
+    rows, row_len = 1366, 3 * 16 * 16
+    assert rows * row_len >= parallel.PADDED_ROWS_MIN
+    assert parallel.block_rows(rows, row_len, 8, factor_rows=P1 * K) < rows
+    source = make_lmdb(tmp_path / "wide", n=64, shape=(3, 16, 16))
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(wide_net(source, P1 * K), max_iter=iters), weights_out=weights)
+    got = run_processes(solver_param(wide_net(source, K), max_iter=iters), P1, 0, tmp_path,
+                        weights=weights, sync="sfb")
+    assert_params_close(got, want, rtol=1e-5, label="processes: sfb P1=3 P2=0, blocked rebuild")
 
 
 def test_layers_by_ps_keep_their_weight_gradient(data, tmp_path):

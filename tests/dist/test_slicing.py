@@ -31,8 +31,8 @@ from poseidon.dist.transport.slices import Assembler, cut
 from poseidon.dist.transport.wire import decode_header, encode_slice, make_message
 
 from .gated import run_gated
-from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads,
-                      solver_param, transport_pair)
+from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference,
+                      run_processes, run_threads, solver_param, transport_pair)
 
 SLICE = 8192
 
@@ -216,6 +216,19 @@ def test_parameters_larger_than_a_slice_train_as_in_one_process(big, sync):
         assert numpy.array_equal(a, b), "replicas differ"
     sliced = solvers[1].transport.counters()["slices"]
     assert sliced["received"] > 0, sliced            # worker 0's WEIGHTS at least came in slices
+
+
+@pytest.mark.slow
+def test_parameters_larger_than_a_slice_train_as_processes(big, tmp_path):
+    """The hybrid case above as `poseidon train` processes (--slice-bytes 8192), over TCP alone
+    (--ipc off: no shared memory or direct links, so every push, answer and factor goes in
+    slices): one process on the combined batch within 1e-5, every replica bitwise worker 0's."""
+    data, _ = big
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(fc_net(data, 2 * 8), max_iter=6), weights_out=weights)
+    got = run_processes(solver_param(fc_net(data, 8), max_iter=6), 2, 1, tmp_path,
+                        weights=weights, sync="hybrid", slice_bytes=TRAIN_SLICE, ipc="off")
+    assert_params_close(got, want, rtol=1e-5, label="processes: --sync hybrid, 8 KB slices")
 
 
 def test_a_resume_with_slices_is_bitwise_equal_to_an_uninterrupted_run(big, tmp_path):

@@ -16,8 +16,8 @@ from poseidon.dist.worker import WorkerHooks
 from poseidon.engine.io import caffemodel
 from poseidon.engine.solvers import get_solver
 
-from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, run_threads,
-                      solver_param)
+from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of,
+                      run_processes, run_threads, solver_param)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,27 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(data, tmp_path):
     for x, y in zip(ha.history, hb.history):
         assert numpy.array_equal(numpy.asarray(x), numpy.asarray(y))
     assert any(numpy.abs(numpy.asarray(h)).max() > 0 for h in ha.history)
+
+
+@pytest.mark.slow
+def test_processes_resume_bitwise_equal_to_an_uninterrupted_run(data, tmp_path):
+    """The case above as `poseidon train` processes: a job resumed from the uninterrupted one's
+    snapshot at 10 (--snapshot) ends with its parameters and solver history, bit for bit."""
+    train, test = data
+    full = run_processes(snap_param(train, test, tmp_path / "unused"), 2, 1, tmp_path / "a",
+                         dtype="float32")
+    folder_a = tmp_path / "a" / "process-job"
+    resumed = run_processes(snap_param(train, test, tmp_path / "unused"), 2, 1, tmp_path / "b",
+                            dtype="float32", snapshot=str(folder_a / "snap_iter_10.solverstate"))
+    for a, b in zip(resumed, full):
+        assert numpy.array_equal(a, b), "resumed processes differ from the uninterrupted ones"
+    ha = caffemodel.read_solverstate(str(folder_a / "snap_iter_20.solverstate"))
+    hb = caffemodel.read_solverstate(str(tmp_path / "b" / "process-job" /
+                                         "snap_iter_20.solverstate"))
+    assert ha.iter == hb.iter == 20
+    assert len(ha.history) == len(hb.history) > 0
+    for x, y in zip(ha.history, hb.history):
+        assert numpy.array_equal(numpy.asarray(x), numpy.asarray(y))
 
 
 def test_snapshot_restores_in_one_process(data, tmp_path):

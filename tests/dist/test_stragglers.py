@@ -17,7 +17,8 @@ from poseidon.dist.errors import DistError
 from poseidon.dist.options import DistOptions
 from poseidon.engine.solvers import get_solver
 
-from .helpers import fc_net, make_lmdb, params_of, reference, run_threads, solver_param
+from .helpers import (fc_net, make_lmdb, params_of, reference, run_processes, run_threads,
+                      solver_param)
 
 P1, K, ITERS = 3, 4, 20
 
@@ -156,6 +157,23 @@ def test_a_late_worker_is_dropped_and_the_replicas_stay_identical(job, warnings)
             assert numpy.array_equal(g, w), f"worker {rank}'s replica differs from worker 0's"
     print(f"relative distance to BSP on the combined batch: "
           f"{max_relative_error(final[0], job['want']):.3g}")
+
+
+@pytest.mark.slow
+def test_a_late_worker_process_is_dropped_and_the_replicas_stay_identical(job, tmp_path):
+    """The case above as `poseidon train` processes, shorter (worker 2 sleeps 1.8 s at iteration
+    4, the deadline is 1 s): the server leaves its gradient out there, every iteration closes,
+    and every replica is bitwise worker 0's (by the digests in the cursor files)."""
+    stats = str(tmp_path / "drop.jsonl")
+    net = slowed(fc_net(job["data"], K), rank=2, iters=[4], seconds=1.8)
+    run_processes(solver_param(net, max_iter=ITERS), P1, 1, tmp_path, weights=job["weights"],
+                  straggler_timeout=1.0, stats=stats)
+    server = records(stats.replace(".jsonl", ".server-0.jsonl"))
+    assert [r["iter"] for r in server] == list(range(ITERS))
+    dropped = {r["iter"]: r["dropped"] for r in server if "dropped" in r}
+    assert dropped[4]["2"] == server[4]["pairs"]                    # worker 2, every pair
+    mine = records(stats.replace(".jsonl", ".worker-2.jsonl"))
+    assert [r["iter"] for r in mine] == list(range(ITERS)) and mine[4]["averaged"] == 2
 
 
 def test_bounded_staleness_with_a_slow_worker(job):

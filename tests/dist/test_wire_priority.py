@@ -22,7 +22,7 @@ from poseidon.dist.transport import URGENT, PeerScheduler, at_priority
 from poseidon.dist.transport.scheduler import current_priority
 
 from .helpers import assert_params_close, fc_net, make_lmdb, params_of, reference, run_threads
-from .helpers import solver_param
+from .helpers import run_processes, solver_param
 
 SLICE = 1000
 
@@ -250,3 +250,15 @@ def test_with_priority_on_the_job_still_equals_one_process(data, tmp_path, sync)
     order = solvers[0].transport.counters()["send_order"]
     assert order["order"] == "lower layers first"
     assert 0 < order["peak_in_flight_bytes"] <= 16384
+
+
+@pytest.mark.slow
+def test_with_priority_on_processes_still_equal_one_process(data, tmp_path):
+    """The --sync ps case above as `poseidon train` processes (pushes and answers through each
+    process's sender threads): one process within 1e-5, every replica bitwise worker 0's."""
+    weights = str(tmp_path / "init.caffemodel")
+    want = reference(solver_param(fc_net(data, 2 * 4), max_iter=6), weights_out=weights)
+    got = run_processes(solver_param(fc_net(data, 4), max_iter=6), 2, 1, tmp_path,
+                        weights=weights, sync="ps", bucket_bytes=0, slice_bytes=8192,
+                        priority="on", credit_bytes=16384)
+    assert_params_close(got, want, rtol=1e-5, label="processes: --priority on")
