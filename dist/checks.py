@@ -58,7 +58,7 @@ RULES = {
     Msg.ROUTES: ("worker0", "other worker", (0, 0), ("routes",)),
     Msg.PROBE: ("worker", "rank", (1, 1), ()),
     Msg.PROBE_ECHO: ("rank", "worker", (0, 0), ()),
-    Msg.COSTS: ("worker", "coordinator", (0, 0), ("report",)),
+    Msg.COSTS: ("worker", "coordinator", (0, 0), ()),   # its fields: the coordinator's handler
     Msg.SCHEMES: ("coordinator", "worker", (0, 0), ("choices",)),
 }
 JSON_ONLY_FOR = {Msg.ALLREDUCE, Msg.ALLREDUCE_DONE}    # their one array is a float64 vector
@@ -279,6 +279,13 @@ class WireRules:
             return self._arrays_are(msg, name, [(count,)] * len(msg.arrays),
                                     f"parameter '{self.book.params[msg.key]['name']}'")
         return None
+
+    def ring_label(self, key):
+        """'slot 3 of layer 'ip1'' for a ring piece's key (the layer's index where the book has
+        no such layer), for the lines that name a piece."""
+        li, slot = ring_address(key)
+        rec = self._ring.get(li)
+        return f"slot {slot} of layer " + (f"'{rec['name']}'" if rec else str(li))
 
     def _ring_reason(self, msg, name):
         """A ring piece comes from this worker's left neighbour, for a layer the book syncs peer to

@@ -13,22 +13,33 @@ It runs as a thread beside worker 0 on a ROUTER socket bound at the job's coordi
   (a collective call already completed, a repeat, a REGISTER once the job runs) is dropped here,
   logged and counted the same way (`transport.drop`), and the unfinished collectives are bounded
   (dist/collectives.py). A member that sends nonsense does not stop the job.
+- The cost reports are the exception: every worker waits for the schemes planned from all of a
+  call's reports, so a report of a call the workers wait on that cannot be used (a field that is
+  not what the planner reads, reports of one call that disagree, a planner that fails on them, or
+  a report that does not come while the others have) stops the job at once, naming the rank,
+  rather than leaving the workers to wait out 10 x --timeout for an answer that cannot come.
 - Liveness: every process sends a heartbeat each second; the coordinator sends one to every process.
   A rank silent for --heartbeat-timeout seconds, or one that reports a failure, makes the
   coordinator broadcast ABORT with a reason naming the lost role and rank, so every process stops
-  with that message instead of waiting for ever.
+  with that message instead of waiting for ever. The verdict (the reason and the ranks it blames)
+  is also written to a file when the local launcher asks for one, so that the launcher's last line
+  names the process that stopped the job rather than the first one to exit because of it.
 
 `Coordinator` is the service; `CoordinatorClient` is what a worker or server calls.
 """
+import json
+import os
 import socket
 import threading
 import time
+import types
 import zlib
 
 import numpy
 
+from . import control
 from .book import InformationBook, describe_net, digest, first_difference  # noqa: F401
-from .collectives import Collectives
+from .collectives import FUTURE_CALLS, Collectives
 from .costmodel import Planner, load_cost_table
 from .errors import AbortError, DeadlineError, DistError
 from .roles import COORDINATOR
@@ -41,7 +52,11 @@ def _key(name):
 
 LOSS_KEY = _key("loss")     # the allreduce every worker makes once per iteration
 COSTS_KEY = _key("costs")   # the cost reports and the schemes published from them
+REGISTER_MARGIN_S = 5.0     # a rank waits this much longer for the book than the coordinator
 QUERY_FIELDS = ("index", "param", "server")    # what InformationBook.query reads
+# the share of the collectives' give-up time (a worker's own wait for the schemes) after which a
+# cost report that has not come while others of its call have stops the job, naming the rank
+COSTS_PATIENCE = 0.9
 
 
 class Coordinator:
@@ -49,8 +64,9 @@ class Coordinator:
 
     def __init__(self, roles, bind_host, port, timeout=30.0, start_timeout=120.0, heartbeat=1.0,
                  lost_after=10.0, log=None, stall_warning=0.0, warn=None, keys=None,
-                 cost_table=None):
+                 cost_table=None, verdict_file=None):
         self.roles = roles
+        self.verdict_file = verdict_file  # where the abort's reason and blamed ranks are written
         # a --cost-table file is read and checked here, before anything binds: a fault in it is
         # one line from worker 0 at start
         self.planner = Planner(roles, load_cost_table(cost_table) if cost_table else None)
@@ -76,11 +92,13 @@ class Coordinator:
         self.error = None
         self.aborted_reason = None
         self.failed_rank = None           # the rank whose FAILED stopped the job (it knows why)
+        self.blamed = None                # the ranks an abort blames (None: not decided yet)
         self._thread = None
         # a collective no member still waits for is given up: a member waits for one at most
         # max(10 timeouts, the start timeout) (DistributedSolver's patience for slow peers)
         self.collectives = Collectives(max(10 * timeout, start_timeout), log=self.log)
         self._requested = None        # 'snapshot' or 'stop' (a signal), told with the next loss
+        self._costs_done = -1         # the last cost-report call whose schemes were published
 
     def request(self, action):
         """Have every worker snapshot or stop after the iteration whose loss is reduced next
@@ -111,6 +129,8 @@ class Coordinator:
             self._register_all()
             self._serve()
         except AbortError as e:
+            if self.blamed is None:     # a FAILED names its rank; else a watched rank went silent
+                self.blamed = self._silent_ranks()
             self._abort(str(e))
         except DistError as e:
             self._abort(str(e))
@@ -124,16 +144,27 @@ class Coordinator:
             self.transport.close(linger=0.5 if self.aborted_reason is not None else 2.0)
 
     def _register_all(self):
-        deadline = time.monotonic() + self.start_timeout
+        start = time.monotonic()
+        deadline = start + self.start_timeout
+        warned = start
         roles = self.roles
         while len(self.registered) < roles.size:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
+            missing = [r for r in range(roles.size) if r not in self.registered]
             if left <= 0:
-                missing = [roles.name(r) for r in range(roles.size) if r not in self.registered]
+                self.blamed = missing
                 raise DistError(f"only {len(self.registered)} of {roles.size} processes registered "
                                 f"with the coordinator within {self.start_timeout:g} s; missing: "
-                                f"{', '.join(missing)} (start them with the same --workers, "
-                                f"--servers and --coordinator, each with its own --rank)")
+                                f"{', '.join(roles.name(r) for r in missing)} (start them with the "
+                                f"same --workers, --servers and --coordinator, each with its own "
+                                f"--rank)")
+            if self.stall_warning and now - warned >= self.stall_warning:
+                warned = now        # the ranks that did register wait for these: say which
+                self.warn(f"the coordinator: waiting {now - start:.0f} s for "
+                          f"{', '.join(roles.name(r) for r in missing)} to register "
+                          f"({len(self.registered)} of {roles.size} have; --start-timeout "
+                          f"{self.start_timeout:g})")
             msg = self.transport.next(timeout=min(left, 0.5))
             if msg is not None:
                 self._handle(msg, {Msg.REGISTER: self._on_register, Msg.FAILED: self._on_failed,
@@ -226,6 +257,7 @@ class Coordinator:
                 self._inspect_stalls(now)
             if now - last_beat >= self.heartbeat:
                 last_beat = now
+                self._costs_overdue(now)
                 self.collectives.expire(now)
                 for rank in range(roles.size):
                     if rank not in self.done:
@@ -297,16 +329,94 @@ class Coordinator:
                                 key=msg.key, obj={"items": [entry.arrived[r] for r in workers]})
 
     def _on_costs(self, msg):
-        """Every worker's cost report in: plan, and publish the same choices to every worker."""
-        workers = self.roles.worker_ranks()
-        entry = self._arrive("costs", msg, workers, msg.obj["report"])
-        if entry is None or not entry.complete:
+        """Every worker's cost report of a call in: plan, and publish the same choices to every
+        worker. The report's fields are checked here, not in the receive thread: a bad one of a
+        call the workers wait on stops the job naming its sender; one of no such call (far
+        ahead, already published, in a job of the static model) is dropped."""
+        roles = self.roles
+        call = msg.iteration
+        current = (self.book.measured and roles.is_worker(msg.sender)
+                   and self._costs_done < call <= self._costs_done + FUTURE_CALLS)
+        why = control.costs_reason(msg, roles, {rec["index"] for rec in self.book.layers})
+        if why is not None:
+            self.transport.drop(msg, why)
+            if current:
+                raise DistError(f"{roles.name(msg.sender)} sent a cost report the coordinator "
+                                f"cannot use ({why}); every worker waits for the schemes planned "
+                                f"from all the reports of call {call}")
+            return
+        if not self.book.measured:
+            self.transport.drop(msg, "COSTS in a job of the static cost model, which takes none")
+            return
+        workers = roles.worker_ranks()
+        entry, reason = self.collectives.arrive("costs", msg, workers, msg.obj, name="costs")
+        if reason is not None:
+            self.transport.drop(msg, reason)
+            return
+        self._costs_agree(entry, msg.sender)
+        if not entry.complete:
             return
         self.collectives.finish(entry)
-        published = self.planner.decide(self.book, entry.arrived, msg.obj.get("from", 0))
+        self._costs_done = max(self._costs_done, call)
+        start = msg.obj["from"]
+        try:
+            published = self.planner.decide(self.book, {r: entry.arrived[r]["report"]
+                                                        for r in workers}, start)
+            why = control.SCHEMAS[Msg.SCHEMES].reason(
+                types.SimpleNamespace(type=Msg.SCHEMES, obj=published, sender=COORDINATOR),
+                roles)
+        except Exception as e:        # the reports were checked: the planner's fault, said once
+            what = str(e) if isinstance(e, DistError) else f"{type(e).__name__}: {e}"
+            raise DistError(f"the coordinator cannot choose schemes from the cost reports of call "
+                            f"{call} (choices from iteration {start}): {what}") from None
+        if why is not None:
+            raise DistError(f"the coordinator's schemes from the cost reports of call {call} are "
+                            f"not what a worker takes ({why})")
         for rank in workers:
-            self.transport.send(rank, Msg.SCHEMES, iteration=msg.iteration, key=msg.key,
-                                obj=published)
+            self.transport.send(rank, Msg.SCHEMES, iteration=call, key=msg.key, obj=published)
+
+    def _costs_agree(self, entry, sender):
+        """The report `sender` just filed says what the others of its call say: choices from the
+        same iteration (published under one, a switch would reach some worker at the wrong
+        iteration, without its history move), and the same kind (a probe or sync times)."""
+        others = [r for r in entry.arrived if r != sender]
+        if not others:
+            return
+        rank = min(others)          # every earlier arrival already agreed with the others
+        mine, theirs = entry.arrived[sender], entry.arrived[rank]
+        name = self.roles.name
+
+        def kind(obj):
+            return "link costs" if "links" in obj["report"] else "sync times"
+        if kind(mine) != kind(theirs):
+            raise DistError(f"{name(sender)} reports {kind(mine)} where {name(rank)} reports "
+                            f"{kind(theirs)} (cost report call {entry.call}); the workers of a "
+                            f"job report the same thing at the same call")
+        if mine["from"] != theirs["from"]:
+            raise DistError(f"{name(sender)} reports {kind(mine)} for choices from iteration "
+                            f"{mine['from']}, but {name(rank)} from iteration {theirs['from']} "
+                            f"(cost report call {entry.call}); the workers of a job must agree "
+                            f"on when the choices take effect")
+
+    def _costs_overdue(self, now):
+        """Stop the job naming the workers whose report of the next cost call has not come while
+        the others' came COSTS_PATIENCE of the collectives' give-up time ago: the others wait for
+        the schemes only that long, and would then stop naming no culprit."""
+        patience = COSTS_PATIENCE * self.collectives.expire_after
+        for entry in list(self.collectives.open.values()):
+            if (entry.kind != "costs" or entry.call != self._costs_done + 1
+                    or now - entry.since <= patience):
+                continue
+            name = self.roles.name
+            missing = [r for r in entry.group if r not in entry.arrived]
+            why = (f"{', '.join(name(r) for r in missing)} sent no cost report for call "
+                   f"{entry.call} within {patience:.3g} s of the others "
+                   f"({', '.join(name(r) for r in sorted(entry.arrived))}), who wait for the "
+                   f"schemes planned from every worker's report")
+            drops = getattr(self.transport, "_last_drop", {})
+            notes = [f"the coordinator dropped {name(r)}'s last message: {drops[r]}"
+                     for r in missing if r in drops]
+            raise DistError("; ".join([why] + notes))
 
     def _on_query(self, msg):
         q = dict(msg.obj)             # its fields were checked on arrival (dist/control.py)
@@ -327,14 +437,36 @@ class Coordinator:
     def _on_failed(self, msg):
         reason = msg.obj["reason"]
         self.failed_rank = msg.sender
+        self.blamed = [msg.sender]
         raise AbortError(f"{self.roles.name(msg.sender)} failed: {reason}")
 
     def _on_done(self, msg):
         self.done.add(msg.sender)
         self.transport.unwatch(msg.sender)
 
+    def _silent_ranks(self):
+        """The watched ranks heard from longest ago, if silent past the heartbeat timeout."""
+        transport = self.transport
+        now = time.monotonic()
+        seen = dict(getattr(transport, "_watched", {}))
+        return sorted(r for r, t in seen.items() if now - t > transport.lost_after)
+
+    def _write_verdict(self, reason):
+        """The abort's reason and blamed ranks for the local launcher (written whole, then
+        renamed, before any ABORT is sent: whoever exits because of it exits after this)."""
+        if not self.verdict_file:
+            return
+        tmp = f"{self.verdict_file}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"reason": reason, "ranks": list(self.blamed or [])}, f)
+            os.replace(tmp, self.verdict_file)
+        except OSError:
+            pass
+
     def _abort(self, reason):
         self.aborted_reason = reason
+        self._write_verdict(reason)
         self.log(f"stopping the job: {reason}")
         for rank, info in list(self.registered.items()):
             if rank in self.done or rank == self.failed_rank:   # it stopped by itself
@@ -369,12 +501,15 @@ class CoordinatorClient:
         t.send(COORDINATOR, Msg.REGISTER, obj=dict(info, rank=t.rank, address=t.address,
                                                   local=t.local_info, host=socket.gethostname()))
         t.beat_to_coordinator(True)
+        # a little longer than the coordinator's own wait: when it runs, its ABORT naming the
+        # ranks that did not register comes first, and this rank stops with that reason
+        patience = self.start_timeout + min(REGISTER_MARGIN_S, self.start_timeout / 4)
         try:
-            msg = t.receive(Msg.BOOK, 0, 0, timeout=self.start_timeout,
+            msg = t.receive(Msg.BOOK, 0, 0, timeout=patience,
                             what="the information book", senders=[COORDINATOR])[0]
         except DeadlineError:
             raise DeadlineError(f"{t.name}: no information book from the coordinator at "
-                                f"{self.address} within {self.start_timeout:g} s: is worker 0 "
+                                f"{self.address} within {patience:g} s: is worker 0 "
                                 f"running, and have all {self.roles.size} processes "
                                 f"({self.roles.workers} workers, {self.roles.servers} servers) "
                                 f"been started?") from None

@@ -8,7 +8,7 @@ window after they are reported", and the refresh rules after it):
   scheme from the start iteration on; each waits for that answer before the first iteration, so
   the replicas are initialised for the schemes they will run.
 - Every N iterations (--cost-refresh N; after the iteration it with (it + 1) % N == 0) each
-  worker reports the mean sync seconds of each layer over that window. The coordinator answers
+  worker reports the median sync seconds of each layer over that window. The coordinator answers
   with choices effective from it + 1 + N: one whole window later, which every worker reaches
   after the answer was sent, and by which time the answer has almost always arrived; a worker
   that reaches it first waits for it there, so no rank ever runs an iteration on other schemes
@@ -20,6 +20,7 @@ window after they are reported", and the refresh rules after it):
   so that no push of iteration e reaches a server before them.
 """
 import logging
+import statistics
 
 from poseidon.engine import backend
 
@@ -46,8 +47,8 @@ class CostSync:
         self.slow = slow
         self.prober = Prober(transport, roles)
         self.predicted = {}            # {layer: {scheme: seconds}} of the last publish
-        self.observed = {}             # {layer: mean sync seconds} of the last complete window
-        self._window = {}              # {layer: [seconds, count]} of the window being measured
+        self.observed = {}             # {layer: median sync seconds} of the last complete window
+        self._window = {}              # {layer: [seconds of each iteration]} of the window measured
         self._due = {}                 # {iteration: report call} whose answer takes effect there
         self._told = False             # worker 0 has logged the first choices
 
@@ -125,16 +126,15 @@ class CostSync:
                      pairs=[p for p in self.book.pairs if p["param"] in pids])
 
     def after_iteration(self, it, stats):
-        """Add the iteration's sync times to the window; at its end, report it."""
+        """Add the iteration's sync times to the window; at its end, report it: each layer's
+        median over the window (an iteration the OS or a neighbour stalled moves it little)."""
         if not self.active:
             return
         for st in stats:
-            acc = self._window.setdefault(st.layer, [0.0, 0])
-            acc[0] += st.seconds
-            acc[1] += 1
+            self._window.setdefault(st.layer, []).append(st.seconds)
         if (it + 1) % self.refresh:
             return
-        self.observed = {li: s / n for li, (s, n) in self._window.items() if n}
+        self.observed = {li: statistics.median(s) for li, s in self._window.items() if s}
         self._window = {}
         start = it + 1 + self.refresh
         self._due[start] = self.client.report_costs(

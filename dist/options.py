@@ -18,21 +18,41 @@ MIN_PIECE_BYTES = 64
 DEFAULT_COST_REFRESH = 20
 
 
+def parse_count(text, least):
+    """A whole number >= `least` from a flag's text (or an int from Python); the ValueError's
+    message states the same bound the value is held to, whatever side of it the value is."""
+    try:
+        if isinstance(text, bool) or isinstance(text, float):
+            raise ValueError
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a whole number >= {least}, got '{text}'") from None
+    if value < least:
+        raise ValueError(f"expected a number >= {least}, got '{text}'")
+    return value
+
+
+def check_count(flag, value, least):
+    """parse_count for an option given from Python: one DistError line naming the flag."""
+    try:
+        return parse_count(value, least)
+    except ValueError as e:
+        from .errors import DistError
+        raise DistError(f"{flag}: {e}") from None
+
+
 def _nonneg_int(text):
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got '{text}'")
-    return value
+        return parse_count(text, 0)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(text):
-    value = _nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got '{text}'")
-    return value
+    try:
+        return parse_count(text, 1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _argument(parse):
@@ -149,8 +169,9 @@ def add_dist_options(parser):
         f"iterations, and new choices take effect N iterations later (default "
         f"{DEFAULT_COST_REFRESH})")
     add("--cost-table", metavar="FILE",
-        help="with the measured cost model: take the link costs from this JSON file instead "
-        "of probing (docs/distributed.md; default: POSEIDON_COST_TABLE); read by worker 0")
+        help="with the measured cost model: take the link costs from this JSON file (a "
+        "regular file of at most 4MB) instead of probing (docs/distributed.md; default: "
+        "POSEIDON_COST_TABLE); checked before any process starts, read by worker 0")
     add("--no-overlap", action="store_true",
         help="sync after the whole backward instead of layer by layer (no WFBP)")
     add("--stats", metavar="FILE", help="each process writes one JSON object per "
@@ -281,12 +302,54 @@ def check_consistency(opts):
                         f"server's answer)")
 
 
-def check_devices_per_node(value):
-    """G, the replicas (devices) of each worker: a whole number >= 1 (engine/replicas.py)."""
+def check_sync(value):
+    """--sync: hybrid, a registered scheme, or schemes joined by '+', exactly as written: a value
+    holding white space is refused (rather than read one way here and another where the scheme is
+    built). Returns the value; an unknown name is one DistError line."""
+    from .errors import DistError
+    if not isinstance(value, str) or not value:
+        raise DistError(f"--sync {value!r}: give hybrid, one scheme or several joined by '+'")
+    if any(c.isspace() for c in value):
+        meant = "".join(value.split())
+        try:
+            hybrid_members(meant)
+        except DistError:
+            meant = None
+        raise DistError(f"--sync {value!r} holds white space: give "
+                        + (f"--sync {meant}" if meant else "the names without it") +
+                        " (hybrid, one scheme, or schemes joined by '+' with no spaces)")
+    hybrid_members(value)               # one line for an unknown name
+    return value
+
+
+def check_devices_per_node(value, gpu=None, on_this_machine=False):
+    """G, the replicas (devices) of each worker: a whole number >= 1 (engine/replicas.py). With
+    `on_this_machine` (the command line, before anything starts), also no more replicas than the
+    devices they run on: with a --gpu list, one replica per listed GPU (engine/replicas.py's
+    plan_devices says so); on the CPU, or several replicas sharing one --gpu id, at most the CPU
+    cores (os.cpu_count()): each replica needs threads of its own (its compute on the CPU, its
+    data's prefetch), and far more than the cores only time-share them, or cannot be started."""
+    from .errors import DistError
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        from .errors import DistError
         raise DistError(f"--devices-per-node {value}: give a whole number of replicas per node, "
                         f"at least 1")
+    if not on_this_machine:
+        return value
+    from poseidon.engine import backend
+    ids = backend.gpu_ids(gpu)
+    if ids is not None and len(ids) > 1:
+        return value                    # the list's length is G (checked with the list)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        if ids is None:
+            raise DistError(f"--devices-per-node {value}: more CPU replicas than this machine's "
+                            f"{cores} CPU cores (each computes on threads of its own); give at "
+                            f"most {cores}")
+        raise DistError(f"--devices-per-node {value}: more replicas on --gpu {gpu} than this "
+                        f"machine's {cores} CPU cores (replicas sharing one GPU each need a core "
+                        f"for their host work); give at most {cores}, or list one GPU per "
+                        f"replica (--gpu 0,1,...)")
+    return value
 
 
 class DistOptions:
@@ -322,7 +385,10 @@ class DistOptions:
         self.bucket_bytes = parse_bucket_bytes(self.bucket_bytes)
         self.piece_bytes = parse_piece_bytes(self.piece_bytes)
         self.credit_bytes = check_send_order(self.priority, self.credit_bytes)
-        hybrid_members(self.sync)           # one line for an unknown name
+        self.workers = check_count("--workers", self.workers, 1)
+        self.servers = check_count("--servers", self.servers, 0)
+        self.cost_refresh = check_count("--cost-refresh", self.cost_refresh, 1)
+        check_sync(self.sync)
         check_consistency(self)
         check_devices_per_node(self.devices_per_node)
         if self.cost_model not in COST_MODELS:

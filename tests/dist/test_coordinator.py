@@ -161,6 +161,31 @@ def test_missing_rank_is_named():
         coord.join(5)
 
 
+def test_a_bad_cost_report_from_worker_1_ends_a_job_at_once_naming_it(tmp_path, monkeypatch):
+    """Two workers and a server train under the measured model; worker 1's probe reports a link
+    of bandwidth 0. The job ends within seconds (not the 10 x --timeout the workers would wait
+    for schemes that never come) with an error naming worker 1 and the field."""
+    import time
+    from poseidon.dist import probe
+    real = probe.Prober.report
+
+    def report(self, dtype, xp=numpy):
+        out = real(self, dtype, xp)
+        if self.transport.rank == 1:
+            out["links"]["2"]["beta"] = 0
+        return out
+    monkeypatch.setattr(probe.Prober, "report", report)
+    data = make_lmdb(tmp_path / "db")
+    timeout = 8
+    t0 = time.monotonic()
+    with pytest.raises(AbortError) as e:
+        run_threads(solver_param(fc_net(data, 4), max_iter=4), 2, 1, timeout=timeout,
+                    cost_model="measured")
+    assert time.monotonic() - t0 < 3 * timeout          # the workers' wait is 10 x timeout
+    assert "worker 1 sent a cost report the coordinator cannot use" in str(e.value)
+    assert "the field 'report.links.2.beta' is 0, not a positive number" in str(e.value)
+
+
 # ----- KV server handlers -----------------------------------------------------------------------
 class FakeTransport:
     def __init__(self, rank):

@@ -10,8 +10,8 @@ import pytest
 
 from poseidon.dist.book import cost_model
 from poseidon.dist.cost import ps_cost, sfb_cost
-from poseidon.dist.costmodel import (Link, LinkTable, Planner, correction_from, load_cost_table,
-                                     plan)
+from poseidon.dist.costmodel import (Link, LinkTable, Planner, load_cost_table, plan,
+                                     window_ratios)
 from poseidon.dist.errors import DistError
 from poseidon.dist.roles import Roles
 from poseidon.dist.schemes import best_scheme, scheme_class
@@ -93,10 +93,13 @@ def test_a_measured_choice_is_kept_within_the_margin():
     assert plan([far], roles, t, itemsize=4, current={0: "ps"})[0] == {0: "sfb"}
 
 
-def test_correction_scales_the_link_kind_by_observed_time():
-    got = correction_from({0: 2.0, 1: 30.0}, {0: {"ps": 1.0}, 1: {"sfb": 1.0}},
-                          {0: "ps", 1: "sfb"})
-    assert got == {"servers": 2.0, "peers": 10.0}          # clamped at 10
+def test_a_window_gives_each_layer_the_ratio_of_the_scheme_it_ran():
+    """Observed over the model's seconds alone, after the model's backlog: 2.5 s observed with 0.5
+    s of backlog is a ratio of 2 on 1 s alone."""
+    got = window_ratios({0: 2.5, 1: 300.0, 2: 1.0},
+                        {0: {"ps": (0.5, 1.0), "sfb": (0.0, 4.0)}, 1: {"sfb": (0.0, 1.0)}},
+                        {0: "ps", 1: "sfb"})
+    assert got == {(0, "ps"): 2.0, (1, "sfb"): 100.0}       # clamped at 100; layer 2 not planned
 
 
 def test_measured_is_the_default_across_hosts_only():

@@ -2,14 +2,15 @@
 messages to the coordinator, a worker and the server of a live job while it trains.
 
 Each frame starts from a control message as a member sends it (a barrier, an allreduce, a gather,
-a query, a registration, a failure, an abort, a collective's answer) and is made invalid by one
-mutation: a field of another JSON type, a missing field, a huge number, a negative index or
-iteration, a wrong length (a string too long, an array of the wrong number or shape, a declared
-size that is not the frame's), truncated JSON, an unknown message type (or one the receiver never
-takes), a wrong sender. (A valid control message cannot be told from the truth, so the fuzzer never
-makes one: a valid FAILED or ABORT would rightly stop the job.) The coordinator's frames go over
-the members' own connections to it, so they pass the connection's identity check and reach the
-field checks.
+a query, a registration, a failure, an abort, a collective's answer, a cost report, the schemes
+published from the reports) and is made invalid by one mutation: a field of another JSON type, a
+missing field, a huge number, a negative index or iteration, a wrong length (a string too long, an
+array of the wrong number or shape, a declared size that is not the frame's, a cost report
+lacking a link), truncated JSON, an unknown message type (or one the receiver never takes), a
+wrong sender. (A valid control message cannot be told from the truth, so the fuzzer never makes
+one: a valid FAILED or ABORT would rightly stop the job; so would a bad cost report for a call the
+workers wait on, so its calls are never current.) The coordinator's frames go over the members'
+own connections to it, so they pass the connection's identity check and reach the field checks.
 
 Expected: 0 crashes and 0 aborts, every frame dropped and counted, the trained parameters bitwise
 equal to an undisturbed run (float64); the count per mutation kind is printed and each was tried.
@@ -51,6 +52,8 @@ def _templates():
     vec = [numpy.zeros(1)]
     register = {"rank": 1, "address": "tcp://127.0.0.1:1", "host": "h", "role": "worker",
                 "options": {}, "description": {}, "solver": "", "pid": 1}
+    costs = {"links": {str(r): {"alpha": 1e-4, "beta": 1e9, "encrypted": False}
+                       for r in (0, SERVER)}, "flops": 1e10, "encrypt_cost": 0.0}
     return [
         ("coordinator", Msg.BARRIER, 1, {"name": "start", "group": "workers"}, [], 0),
         ("coordinator", Msg.ALLREDUCE, 1, {"name": "loss"}, vec, 0),
@@ -59,12 +62,14 @@ def _templates():
         ("coordinator", Msg.QUERY, SERVER, {"what": "pairs", "server": 0}, [], 0),
         ("coordinator", Msg.FAILED, SERVER, {"reason": "a fuzzed failure"}, [], 0),
         ("coordinator", Msg.REGISTER, 1, register, [], 0),
+        ("coordinator", Msg.COSTS, 1, {"report": costs, "from": 0}, [], 0),
         (0, Msg.ABORT, COORDINATOR, {"reason": "a fuzzed abort"}, [], 0),
         (0, Msg.ALLREDUCE_DONE, COORDINATOR, {"action": "snapshot"}, vec, 0),
         (0, Msg.GATHER_DONE, COORDINATOR, {"items": [1, 2]}, [], 0),
         (0, Msg.QUERY_REPLY, COORDINATOR, {"error": "no such layer"}, [], 0),
         ("server", Msg.ABORT, COORDINATOR, {"reason": "a fuzzed abort"}, [], 0),
         ("server", Msg.QUERY_REPLY, COORDINATOR, {"error": "no such query"}, [], 0),
+        (0, Msg.SCHEMES, COORDINATOR, {"from": 4, "choices": {"0": "ps", "1": "sfb"}}, [], 0),
     ]
 
 
@@ -133,6 +138,12 @@ class ControlFuzzer:
                 out = _frames(mtype, sender, it, obj, bad, aux)
             elif choice == 1 and "items" in obj:
                 obj["items"] = obj["items"] * 3
+                out = _frames(mtype, sender, it, obj, arrays, aux)
+            elif "report" in obj:                    # a report lacking the link to one rank
+                del obj["report"]["links"][str(int(rs.choice([0, SERVER])))]
+                out = _frames(mtype, sender, it, obj, arrays, aux)
+            elif "choices" in obj:                   # a scheme's name past its limit
+                obj["choices"]["0"] = "x" * 2_000
                 out = _frames(mtype, sender, it, obj, arrays, aux)
             else:                                    # a string past its limit
                 f = [f for f in fields if isinstance(obj[f], str) and f != "solver"]

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from poseidon import prototxt as shipped_prototxt
-from poseidon.dist.options import add_dist_options, dist_flags_given
+from poseidon.dist.options import (add_dist_options, check_devices_per_node,
+                                   dist_flags_given)
 from poseidon.engine.errors import PoseidonError
 from poseidon.engine.solvers import final_accuracy_lines
 
@@ -54,8 +55,9 @@ def add(sub):
     p.add_argument("--devices-per-node", type=int, metavar="G",
                    help="run the net as G replicas (batch_size each, gradients averaged layer "
                         "by layer), one per GPU of a --gpu list (G is the list's length), or G "
-                        "on one --gpu id, or G on the CPU; with --workers each worker is a node "
-                        "of G replicas behind one leader (see docs/distributed.md)")
+                        "on one --gpu id, or G on the CPU (there, and on one id, at most the "
+                        "machine's CPU cores); with --workers each worker is a node of G "
+                        "replicas behind one leader (see docs/distributed.md)")
     add_dist_options(p)
     p.set_defaults(run=run)
 
@@ -88,6 +90,8 @@ def run(args):
         raise PoseidonError("give either --weights or --snapshot, not both")
     if args.resume and args.snapshot:
         raise PoseidonError("give either --snapshot or --resume auto, not both")
+    if args.devices_per_node is not None:   # G against this machine's devices, before any start
+        check_devices_per_node(args.devices_per_node, args.gpu, on_this_machine=True)
     if is_distributed(args):
         from poseidon.engine.solvers import check_solver_file
         check_solver_file(args.solver)   # a bad file: one line, before any process starts
