@@ -2,13 +2,16 @@
 
     POSEIDON_FAILPOINT="worker:1:barrier:5,server:0:push:3"   role:index:point[:iteration]
     POSEIDON_FAILPOINT_ONCE=/some/folder                       each failpoint fires at most once
+    POSEIDON_FAILPOINT_SIGNAL=SIGSTOP                          send this signal instead of SIGKILL
 
 Why: the fault-injection tests need a kill at an exact place (inside the BSP barrier of iteration
 5, between a snapshot's files and its manifest) that an outside `kill` can only hit by luck. A
 failpoint whose iteration is left out or `*` fires the first time the point is reached. With
 POSEIDON_FAILPOINT_ONCE a failpoint leaves a marker file there when it fires and never fires
 again, so a job restarted by `--resume auto` runs past it; without it a failpoint fires on every
-attempt (to exhaust `--max-restarts`).
+attempt (to exhaust `--max-restarts`). POSEIDON_FAILPOINT_SIGNAL=SIGSTOP makes the process stop
+itself instead: alive, but silent, as a hung or suspended process is (after a SIGCONT it goes on
+from the point).
 
 Points: register (any role, before registering with the coordinator); init (worker 0 between the
 servers' INIT and the weights to the other workers, other workers before receiving them, a
@@ -25,6 +28,7 @@ import signal
 import sys
 
 _armed = ()            # (point, iteration or None, marker path or None) of this process
+_signal = signal.SIGKILL
 
 
 def parse(text):
@@ -42,20 +46,35 @@ def parse(text):
 
 def arm(role, index, environ=None):
     """Keep the failpoints of POSEIDON_FAILPOINT that name this process (role, index in role)."""
-    global _armed
+    global _armed, _signal
     environ = os.environ if environ is None else environ
     text = environ.get("POSEIDON_FAILPOINT")
     if not text:
         _armed = ()
         return
+    _signal = parse_signal(environ.get("POSEIDON_FAILPOINT_SIGNAL"))
     once = environ.get("POSEIDON_FAILPOINT_ONCE")
     _armed = tuple((point, it, os.path.join(once, f"{r}-{i}-{point}-{'any' if it is None else it}")
                     if once else None)
                    for r, i, point, it in parse(text) if r == role and i == index)
 
 
+def parse_signal(text):
+    """'SIGSTOP', 'STOP' or '19' -> signal.SIGSTOP; empty -> SIGKILL."""
+    if not text:
+        return signal.SIGKILL
+    text = text.strip().upper()
+    try:
+        return signal.Signals(int(text)) if text.isdigit() else signal.Signals[
+            text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise ValueError(f"POSEIDON_FAILPOINT_SIGNAL '{text}' is not a signal (give e.g. "
+                         f"SIGSTOP)") from None
+
+
 def point(name, iteration=None):
-    """SIGKILL this process here if a failpoint names this point (and iteration)."""
+    """SIGKILL this process here (or send it POSEIDON_FAILPOINT_SIGNAL) if a failpoint names this
+    point (and iteration)."""
     if not _armed:
         return
     for point_name, it, marker in _armed:
@@ -68,9 +87,9 @@ def point(name, iteration=None):
             sys.stdout.flush()
             sys.stderr.write(f"failpoint {name}" + (f" at iteration {iteration}"
                                                     if iteration is not None else "")
-                             + ": SIGKILL\n")
+                             + f": {_signal.name}\n")
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), _signal)
 
 
 def watch_server(transport):

@@ -6,6 +6,13 @@ on a free loopback port, and:
 - when a child fails or is killed, writes the reason where the others' SIGTERM handlers read it,
   gives them a moment to stop on their own (the coordinator aborts the job), then SIGTERMs and
   after a grace period SIGKILLs the rest, and exits non-zero naming the lost role and rank;
+- names the cause, not the first process to exit because of it: a child killed by a signal, else
+  a child that is stopped (SIGSTOP, a debugger: state T in /proc), else the ranks the coordinator
+  blamed when it stopped the job (worker 0 writes its verdict to a file), else the lowest rank
+  that exited with an error;
+- watches that no child stays stopped: one stopped for --heartbeat-timeout seconds is lost, even
+  before it registered (the coordinator, which cannot know of a rank that never spoke, would wait
+  out --start-timeout), and the job stops naming it;
 - runs each child in its own process group, kills them all when it exits (or on SIGTERM, or a
   second SIGINT), and the children die with it if it is SIGKILLed (parent-death signal), so none
   is orphaned;
@@ -42,6 +49,19 @@ SETTLE_S = 0.5          # after a failure: time the others get to stop by themse
 # can take longer than SETTLE_S, and a SIGTERM from here would replace the cause with "exited"
 SETTLE_AFTER_ERROR_S = 2.0
 GRACE_S = 5.0           # after SIGTERM: time before SIGKILL
+STOPPED_STATES = {"T": "SIGSTOP or a job-control stop", "t": "held by a debugger"}
+
+
+def process_state(pid):
+    """The one-letter state of a process from /proc/PID/stat (R, S, D, T, t, Z, ...), or None
+    where there is no /proc or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    rest = text.rpartition(")")[2].split()     # the name, in parentheses, may hold spaces
+    return rest[0] if rest else None
 
 
 def job_from_args(args, options):
@@ -120,6 +140,8 @@ class LocalJob:
         self._readers = []
         self._tmp = tempfile.mkdtemp(prefix="poseidon-job-")
         self.abort_file = os.path.join(self._tmp, "abort")
+        self.verdict_file = os.path.join(self._tmp, "verdict")     # written by the coordinator
+        self._stopped_since = {}           # rank -> when its process was first seen stopped
         self._stopping = False
         self._stop_requested = False       # a graceful stop (SIGINT): no restart after it
         self._signalled = False
@@ -147,6 +169,7 @@ class LocalJob:
             cmd = module_command("poseidon.dist.process", "--job", json.dumps(job),
                                  "--rank", rank, "--parent-pid", os.getpid(),
                                  "--abort-file", self.abort_file,
+                                 "--verdict-file", self.verdict_file,
                                  *(["--keys-on-stdin"] if self.keys else []))
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.PIPE if self.keys else subprocess.DEVNULL,
@@ -164,7 +187,7 @@ class LocalJob:
             self._readers.append(t)
 
     def _describe_exit(self, rank, code):
-        who = f"{self.roles.name(rank)} (pid {self.children[rank].pid})"
+        who = self._who(rank)
         if code < 0:
             try:
                 sig = signal.Signals(-code).name
@@ -186,6 +209,7 @@ class LocalJob:
         alive = [p for p in self.children.values() if p.poll() is None]
         for p in alive:
             _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGCONT)  # a stopped child acts on the SIGTERM (and says why)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in alive):
             time.sleep(0.05)
@@ -277,8 +301,9 @@ class LocalJob:
                 t.join(2)
             atexit.unregister(self._kill_quietly)
             try:
-                if os.path.exists(self.abort_file):
-                    os.remove(self.abort_file)
+                for path in (self.abort_file, self.verdict_file):
+                    if os.path.exists(path):
+                        os.remove(path)
                 os.rmdir(self._tmp)
             except OSError:
                 pass
@@ -286,8 +311,10 @@ class LocalJob:
     def _attempt(self, snapshot):
         """One start of every process; (exit status, reason of a failure or None)."""
         self._stopping = False
-        if os.path.exists(self.abort_file):
-            os.remove(self.abort_file)
+        self._stopped_since = {}
+        for path in (self.abort_file, self.verdict_file):
+            if os.path.exists(path):
+                os.remove(path)
         try:
             self.start(snapshot)
             self._say("poseidon: " + ", ".join(f"{self.roles.short(r)} pid {p.pid}"
@@ -298,32 +325,119 @@ class LocalJob:
                 t.join(2)
 
     def _monitor(self):
+        lost_after = float(getattr(self.options, "heartbeat_timeout", 0) or 0)
         while True:
             codes = {r: p.poll() for r, p in self.children.items()}
             failed = [r for r, c in codes.items() if c not in (None, 0)]
+            stopped = self._watch_stopped(codes)
+            overdue = [r for r in stopped if lost_after
+                       and time.monotonic() - self._stopped_since[r] >= lost_after]
             if failed:
-                # several may be seen at once (the others abort quickly): a signal death is the
-                # cause rather than a consequence; otherwise the lowest rank
+                # several may be seen at once (the others abort quickly): say the first seen
+                # now, and after the others had their moment, the cause (_cause)
                 t0 = time.monotonic()
                 rank = min(failed, key=lambda r: (codes[r] > 0, r))
-                reason = self._describe_exit(rank, codes[rank])
-                self._say(f"poseidon: {reason}; stopping the other processes")
+                self._say(f"poseidon: {self._describe_exit(rank, codes[rank])}; stopping the "
+                          f"other processes")
                 deadline = time.monotonic() + (SETTLE_S if codes[rank] < 0 else
                                                SETTLE_AFTER_ERROR_S)
                 while time.monotonic() < deadline and any(
                         p.poll() is None for p in self.children.values()):
                     time.sleep(0.05)
-                self.stop_all(reason)
-                left = [p.pid for p in self.children.values() if p.poll() is None]
-                self._say(f"poseidon: every process stopped {time.monotonic() - t0:.1f} s after "
-                          f"the failure" if not left else
-                          f"poseidon: pids {left} did not stop after SIGKILL")
-                self._say(f"poseidon: the job failed: {reason}")
-                return 1, reason
+                reason = self._cause()
+                return self._fail(reason, t0)
+            if overdue:          # alive but silent as long as the coordinator lets any rank be
+                t0 = time.monotonic()
+                reason = self._cause()
+                self._say(f"poseidon: {reason}; stopping the other processes")
+                return self._fail(reason, t0)
             if all(c == 0 for c in codes.values()):
                 self._say("poseidon: all processes finished")
                 return 0, None
             time.sleep(0.1)
+
+    def _fail(self, reason, t0):
+        self.stop_all(reason)
+        left = [p.pid for p in self.children.values() if p.poll() is None]
+        self._say(f"poseidon: every process stopped {time.monotonic() - t0:.1f} s after "
+                  f"the failure" if not left else
+                  f"poseidon: pids {left} did not stop after SIGKILL")
+        self._say(f"poseidon: the job failed: {reason}")
+        return 1, reason
+
+    def _watch_stopped(self, codes):
+        """The ranks whose process is stopped now (state T or t); keeps since when."""
+        now = time.monotonic()
+        stopped = []
+        for rank, code in codes.items():
+            state = process_state(self.children[rank].pid) if code is None else None
+            if state in STOPPED_STATES:
+                self._stopped_since.setdefault(rank, now)
+                stopped.append(rank)
+            else:
+                self._stopped_since.pop(rank, None)
+        return stopped
+
+    def _verdict(self):
+        """What worker 0's coordinator wrote when it stopped the job: {"reason", "ranks"}, or
+        None."""
+        try:
+            with open(self.verdict_file, "r", encoding="utf-8") as f:
+                verdict = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(verdict, dict) or not isinstance(verdict.get("reason"), str):
+            return None
+        ranks = verdict.get("ranks")
+        verdict["ranks"] = [r for r in ranks if isinstance(r, int) and r in self.children] \
+            if isinstance(ranks, list) else []
+        return verdict
+
+    def _cause(self):
+        """Why the job stops, naming the process at its root rather than the first to exit
+        because of it (call before stop_all, which wakes stopped children):
+        1. a child killed by a signal (not by this launcher: it has sent none yet);
+        2. a child that is stopped (it answers nothing; the others lose it by heartbeat);
+        3. the ranks the coordinator blamed (a rank lost by heartbeat, a FAILED, a rank that
+           never registered), with the coordinator's words;
+        4. the lowest rank that exited with an error status."""
+        codes = {r: p.poll() for r, p in self.children.items()}
+        verdict = self._verdict()
+        killed = [r for r, c in codes.items() if c is not None and c < 0]
+        if killed:
+            return self._describe_exit(min(killed), codes[min(killed)])
+        stopped = self._watch_stopped(codes)
+        if stopped:
+            now = time.monotonic()
+            parts = []
+            for rank in stopped:
+                state = process_state(self.children[rank].pid) or "T"
+                quiet = now - self._stopped_since[rank]
+                parts.append(f"{self._who(rank)} is stopped ({STOPPED_STATES.get(state, '')}: "
+                             f"process state {state})"
+                             + (f" and has answered nothing for {quiet:.0f} s" if quiet >= 1
+                                else ""))
+            reason = "; ".join(parts)
+            if verdict is not None and not set(verdict["ranks"]) <= set(stopped):
+                reason += f" (the coordinator: {verdict['reason']})"
+            return reason
+        if verdict is not None and verdict["ranks"]:
+            parts = []
+            for rank in verdict["ranks"]:
+                code = codes[rank]
+                parts.append(f"{self._who(rank)}, still running" if code is None else
+                             f"{self._who(rank)}, which had finished" if code == 0 else
+                             self._describe_exit(rank, code))
+            return f"{'; '.join(parts)}: {verdict['reason']}"
+        if verdict is not None:          # the coordinator's words name no single rank
+            return verdict["reason"]
+        errors = [r for r, c in codes.items() if c not in (None, 0)]
+        if errors:
+            return self._describe_exit(min(errors), codes[min(errors)])
+        return "a process was stopped and woke again before the job could be stopped"
+
+    def _who(self, rank):
+        return f"{self.roles.name(rank)} (pid {self.children[rank].pid})"
 
 
 def _signal_group(proc, sig):

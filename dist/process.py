@@ -42,7 +42,8 @@ def _build_solver(job, session):
 def run_role(job, rank, in_thread=False, on_session=None):
     """Run rank `rank` of the job to the end. Returns the DistributedSolver (workers) or None.
 
-    job: {"solver": path or SolverParameter, "weights", "snapshot", "options": DistOptions dict}.
+    job: {"solver": path or SolverParameter, "weights", "snapshot", "options": DistOptions dict,
+    "verdict_file": where worker 0's coordinator writes the cause of an abort (local launcher)}.
     snapshot "auto": worker 0 resumes the newest complete snapshot, if any, and tells the others
     (which read no snapshot file themselves: a multi-host job's snapshots are on worker 0's disk)."""
     from .worker import DistributedSolver
@@ -50,7 +51,7 @@ def run_role(job, rank, in_thread=False, on_session=None):
     if not isinstance(options, DistOptions):
         options = DistOptions(**options)
     log = logging.getLogger("poseidon")
-    session = Session(options, rank, log=log.info)
+    session = Session(options, rank, log=log.info, verdict_file=job.get("verdict_file"))
     if on_session is not None:
         on_session(session)
     if not in_thread:
@@ -168,16 +169,20 @@ def _on_sigterm(name, abort_file):
     return handler
 
 
-def run_main(job, rank, parent_pid=None, abort_file=None, keys=None):
+def run_main(job, rank, parent_pid=None, abort_file=None, keys=None, verdict_file=None):
     """A role as a whole process: logging, GPU choice, signals, exit status. Returns the status.
 
-    keys: the job's JobKeys when the launcher handed them over (else options name a file)."""
+    keys: the job's JobKeys when the launcher handed them over (else options name a file).
+    verdict_file: where the coordinator (worker 0) writes why it stopped the job, for the local
+    launcher."""
     from poseidon.engine import backend
     from poseidon.engine.solvers import final_accuracy_lines, log_to_stderr
     from poseidon.engine.replicas import plan_devices
     from .roles import Roles
     if keys is not None:
         job = dict(job, options=dict(job["options"], keys=keys))
+    if verdict_file:
+        job = dict(job, verdict_file=verdict_file)
     options = DistOptions(**job["options"])
     roles = Roles(options.workers, options.servers)
     name = roles.name(rank) if 0 <= rank < roles.size else f"rank {rank}"
@@ -224,6 +229,7 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--parent-pid", type=int)
     ap.add_argument("--abort-file")
+    ap.add_argument("--verdict-file", help="where the coordinator writes why it stopped the job")
     ap.add_argument("--keys-on-stdin", action="store_true",
                     help="read the job's key file text from standard input")
     args = ap.parse_args(argv)
@@ -232,7 +238,7 @@ def main(argv=None):
     if args.keys_on_stdin:
         from .security import parse_keys
         keys = parse_keys(sys.stdin.read(), "the launcher's keys")
-    status = run_main(job, args.rank, args.parent_pid, args.abort_file, keys)
+    status = run_main(job, args.rank, args.parent_pid, args.abort_file, keys, args.verdict_file)
     sys.stdout.flush()
     sys.stderr.flush()
     _exit(status)        # do not wait on daemon threads (prefetch, zmq) that may linger

@@ -45,7 +45,9 @@ def make_current(session):
 
 
 class Session:
-    def __init__(self, options, rank=None, log=None):
+    def __init__(self, options, rank=None, log=None, verdict_file=None):
+        """verdict_file: on worker 0, where the coordinator writes why it stopped the job and
+        whom it blames (the local launcher reads it for its last line)."""
         self.options = options
         if rank is None:
             rank = options.rank
@@ -80,7 +82,8 @@ class Session:
                                            lost_after=options.heartbeat_timeout,
                                            log=self.log, stall_warning=options.stall_warning,
                                            warn=_warn, keys=self.keys,
-                                           cost_table=options.cost_table).start()
+                                           cost_table=options.cost_table,
+                                           verdict_file=verdict_file).start()
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
