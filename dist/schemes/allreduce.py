@@ -15,13 +15,19 @@ same bits; each worker then applies the solver's rule to the summed gradient wit
 the layer's solver history (as SFB does), scaled like every scheme by the job's grad_scale.
 
 Messages: one RING message per piece, keyed by (layer, slot) (ring.ring_key), checked on receipt
-against the plan (dist/checks.py: from the left neighbour only, the piece's exact length). Waits
-have the job's --timeout and name the layer, the piece and the awaited worker; an abort of the job
-ends them as it ends any receive.
+against the plan (dist/checks.py: from the left neighbour only, the piece's exact length; the
+transport keeps the first piece of a slot and refuses pieces far ahead of this worker's
+iteration). Waits have the job's --timeout and name the layer, the piece and the awaited worker;
+an abort of the job ends them as it ends any receive. A piece holding NaN/Inf stops the job before
+it is added or passed on (`_take`): every worker checks its own gradient before sending, so such
+a piece is a member's fault (or a sum that overflowed), and taking it would put NaN into every
+replica with nothing to say where it came from.
 """
 import numpy
+from poseidon.engine.solvers.health import all_finite
 
 from ..cost import allreduce_cost
+from ..errors import DistError
 from ..transport import Msg
 from .base import Scheme, register_scheme
 from .ring import ALL_GATHER, MAX_LAYERS, REDUCE_SCATTER, layer_floats, ring_key, ring_plan
@@ -114,11 +120,18 @@ class AllReduceScheme(Scheme):
         plan, syncer = self.plan, self.syncer
         chunk = plan.received_chunk(phase, step, self.position)
         stage = "reduce-scatter" if phase == REDUCE_SCATTER else "all-gather"
+        piece = (f"piece {j} of chunk {chunk} of layer '{syncer.name}' ({stage} step {step}, "
+                 f"all-reduce ring)")
         msg = self.ctx.transport.receive(
             Msg.RING, ring_key(syncer.li, plan.slot(phase, step, j)), it, senders=[self.left],
-            what=f"piece {j} of chunk {chunk} of layer '{syncer.name}' ({stage} step {step}, "
-                 f"all-reduce ring) for iteration {it}")[0]
+            what=f"{piece} for iteration {it}")[0]
         stats.received(msg)
+        if not all_finite(msg.arrays[0]):
+            ctx = self.ctx
+            raise DistError(f"{ctx.roles.name(ctx.rank)}: iteration {it}: {piece} from "
+                            f"{ctx.roles.name(msg.sender)} holds NaN/Inf; stopping (its own "
+                            f"gradient is checked before it is sent: a member sent a bad piece, "
+                            f"or the partial sum overflowed)")
         return msg.arrays[0]
 
     def send(self, it, stats):

@@ -7,6 +7,10 @@ process can do to a job's processes, and what they must not.
   would stop its receive thread with it: no answers, no heartbeats.
 - 300 copies of one 1 MB KV_VALUE, and of one KV_PUSH to a server's queue: one is filed, 299
   are dropped and counted (the copies were filed, 300 MB of them).
+- The mailbox's bytes: per sender and in all, a message that does not fit is refused; a ring
+  piece makes room by letting go of its sender's pieces of later iterations.
+  (tests/dist/test_ring_pieces.py floods a worker with ring pieces for iterations it has not
+  reached.)
 
 Run: python -m pytest tests/dist/test_bounded.py -q -s
 """
@@ -137,6 +141,45 @@ def test_the_mailbox_is_bounded(monkeypatch):
     assert "5 messages already wait" in box.put(msgs[5])
     assert box.take(Msg.SF, 1, 0, timeout=1)[0].iteration == 0
     assert box.put(msgs[5]) is None                      # taking one made room
+
+
+def test_the_mailbox_is_bounded_in_bytes(monkeypatch):
+    """Per sender and in all: a message that does not fit is refused, saying which limit; taking
+    makes room, in a box and in the FIFO queue. A ring piece that does not fit lets go of its
+    sender's pieces of later iterations, farthest first, when that is enough."""
+    from poseidon.dist.transport import Message, Mailbox
+    from poseidon.dist.transport import mailbox as module
+    monkeypatch.setattr(module, "PEER_BYTES", 1000)
+    monkeypatch.setattr(module, "HELD_BYTES", 2500)
+    box = Mailbox(lambda r: f"worker {r}")
+    gone = []
+    box.on_evict = lambda msgs, why: gone.extend((m.iteration, why) for m in msgs)
+
+    def msg(mtype, sender, it, n, key=1):
+        return Message(mtype, sender, it, key, 0, [], None, 0, n)
+    assert box.put(msg(Msg.SF, 0, 1, 600)) is None
+    why = box.put(msg(Msg.SF, 0, 2, 600))
+    assert "worker 0 waiting to be taken already hold 0.0 MB" in why and why.kind == "sender bytes"
+    assert box.put(msg(Msg.SF, 1, 1, 900)) is None and box.put(msg(Msg.SF, 2, 1, 900)) is None
+    why = box.put(msg(Msg.SF, 3, 1, 200))
+    assert "at most 0.0 MB in all" in why and why.kind == "all bytes", why
+    assert box.held_bytes() == 2400 and box.held_bytes(0) == 600
+    assert box.take(Msg.SF, 1, 1, count=3, timeout=1)[0].sender == 0
+    assert box.held_bytes() == 0
+    box.set_fifo([Msg.KV_PUSH])
+    assert box.put(msg(Msg.KV_PUSH, 0, 1, 1000)) is None
+    assert box.put(msg(Msg.KV_PUSH, 0, 2, 1)).kind == "sender bytes"
+    assert box.next(timeout=1).iteration == 1 and box.held_bytes() == 0
+    for it in (5, 6):                                     # messages of no payload come and go
+        assert box.put(msg(Msg.KV_PUSH, 0, it, 0)) is None
+    assert [box.next(timeout=1).iteration for _ in range(2)] == [5, 6]
+    # ring pieces of later iterations make room for an earlier one of their sender
+    for it in (10, 11, 12, 13):
+        assert box.put(msg(Msg.RING, 0, it, 250)) is None
+    assert box.put(msg(Msg.RING, 0, 14, 250)).kind == "sender bytes"     # the farthest: refused
+    assert box.put(msg(Msg.RING, 0, 3, 400)) is None                     # 13 and 12 go
+    assert gone == [(13, "room"), (12, "room")] and box.held_bytes(0) == 900
+    assert box.take(Msg.RING, 1, 3, timeout=1)[0].iteration == 3
 
 
 def test_a_receipt_waits_at_most_its_deadline_and_names_the_receiver():

@@ -12,6 +12,9 @@ Wrong shapes and dtypes are also sent with the iterations the job is at, so the 
 Expected: 0 crashes, every frame dropped and counted (the receivers' dropped counters add up to the
 frames sent), and the trained parameters bitwise equal to an undisturbed run (float64).
 
+A second test sends valid ring pieces (the right sender, key and length) for iterations the job
+never reaches: refused at the door for being too far ahead, the result bitwise unchanged.
+
 Run: python -m pytest tests/dist/test_hostile.py -q -s
 """
 import struct
@@ -217,7 +220,65 @@ def test_ten_thousand_bad_frames_change_nothing(data, tmp_path):
           + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
 
 
-# ----- real disagreements are reported naming both ranks ---------------------------------------------
+# ----- valid ring pieces for iterations not reached -----------------------------------------------
+def test_ring_pieces_far_ahead_are_refused_during_training(data, tmp_path, capfd):
+    """A member with the job's keys sends worker 1 300 ring pieces of valid length for every slot
+    of its ring layers, claiming its left neighbour, for iterations the job never reaches: all
+    300 refused at the door and counted, one line logged for them, nothing of them left waiting,
+    and the parameters bitwise equal to an undisturbed run."""
+    from poseidon.dist.schemes.allreduce import plan_of
+    from poseidon.dist.schemes.ring import ring_key
+    param = solver_param(conv_net(data, 8), max_iter=ITERS)
+    weights = initial_weights(param, tmp_path / "init.caffemodel")
+    keys = security.make_keys()
+    job = dict(keys=keys, weights=weights, sync="allreduce")
+    want, quiet = run_gated(param, P1, P2, CHUNKS, **job)
+    book = InformationBook(quiet[0].book.data)
+    ring = [rec for rec in book.layers if rec["scheme"] == "allreduce"]
+    assert ring, "need layers on the ring"
+    dtype = numpy.dtype(book.data["dtype"])
+    pieces = [(ring_key(rec["index"], slot), plan_of(rec, P1).expected_length(slot, 1))
+              for rec in ring for slot in range(plan_of(rec, P1).slots)]
+    flood, seen = 300, {}
+
+    def gate(chunk, sessions):
+        import threading
+        if threading.current_thread().name != "role-0" or chunk != 2:
+            return
+        t = sessions[1].transport
+        ctx = zmq.Context()
+        sock = member_sockets(ctx, keys, sessions, {"w1": 1})["w1"]
+        def taken_in():          # pieces filed or dropped
+            c = t.counters()
+            return c["received_by_type"].get("RING", 0) + c["dropped_messages"]
+        before, dropped = taken_in(), t.counters()["dropped_messages"]
+        for i in range(flood):
+            key, length = pieces[i % len(pieces)]
+            arrays = [numpy.ones(length, dtype)]
+            sock.send_multipart([encode_header(Msg.RING, 0, ITERS + 10 + i, key, 0, arrays)]
+                                + [a.tobytes() for a in arrays])
+        deadline = time.monotonic() + 60
+        while taken_in() - before < flood and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["dropped"] = t.counters()["dropped_messages"] - dropped
+        seen["held"] = t.mailbox.held_bytes(0)
+        sock.close(linger=0)
+        ctx.term()
+    got, sessions = run_gated(param, P1, P2, CHUNKS, gate=gate, **job)
+    assert seen["dropped"] == flood, seen
+    assert all(m.iteration < ITERS for box in sessions[1].transport.mailbox._boxes.values()
+               for m in box)
+    log = capfd.readouterr().err
+    lines = [line for line in log.splitlines() if "ahead of the iteration" in line]
+    assert len(lines) == 1 and "dropped a message from worker 0" in lines[0], lines
+    for a, b in zip(got, want):
+        numpy.testing.assert_array_equal(a, b)
+    print(f"\n{flood} valid ring pieces for iterations {ITERS + 10} to {ITERS + 9 + flood} into "
+          f"worker 1 during training: all refused and counted, parameters bitwise equal\n"
+          f"{lines[0]}")
+
+
+# ----- real disagreements are reported naming both ranks ------------------------------------------
 def _small_book(workers=2, servers=1, dtype="float64"):
     from .test_cost_book import _description
     desc = _description([("Convolution", 4, 6, 2, False), ("InnerProduct", 50, 70, 3, True)])
