@@ -58,17 +58,17 @@ class PendingSyncs:
 
     def __init__(self, on_error):
         self._on_error = on_error
-        self.it, self.info, self.futures = None, None, {}
+        self.it, self.futures = None, {}
         self.exposed_s = 0.0
         self._waited = set()
 
     def __bool__(self):
         return bool(self.futures)
 
-    def add(self, it, info, key, future):
-        """A sync of iteration `it` started; `info`: that iteration's own record (loss, times)."""
+    def add(self, it, key, future):
+        """A sync of iteration `it` started."""
         if not self.futures:
-            self.it, self.info, self.exposed_s = it, info, 0.0
+            self.it, self.exposed_s = it, 0.0
         self.futures[key] = future
 
     def wait_for(self, keys):
@@ -84,15 +84,14 @@ class PendingSyncs:
 
     def wait_all(self):
         """Block until every sync in flight is done (raise if one failed); returns (iteration,
-        its info, the syncs' results, the seconds this last wait took) and forgets them."""
+        the syncs' results, the seconds this last wait took) and forgets them."""
         futures = list(self.futures.values())
         t0 = time.time()
         done, _ = wait(futures, timeout=None, return_when=FIRST_EXCEPTION)
         t1 = time.time()
         self._check(futures, done)
         self.exposed_s += t1 - t0
-        results = [f.result() for f in futures]
-        settled = (self.it, self.info, results, t1 - t0)
+        settled = (self.it, [f.result() for f in futures], t1 - t0)
         self.futures, self._waited = {}, set()
         return settled
 

@@ -7,7 +7,7 @@
 The engine's Solver runs Caffe's loop (tests, display, smoothed loss, snapshots, early exit) and
 calls its hooks at fixed points (engine/solvers/hooks.py). WorkerHooks fills them in:
 
-    factored_layers   each synced layer's scheme for the iteration (BestScheme(l)); a scheme that
+    begin_iteration   each synced layer's scheme for the iteration (BestScheme(l)); a scheme that
                       rebuilds the weight gradient from sufficient factors (SFB) tells the solver
                       to leave it to the sync
     before_forward    layer l's forward waits for the syncs of the last iteration it depends on:
@@ -40,12 +40,10 @@ Under --straggler-timeout / --staleness (dist/consistency.py does the servers' s
 goes by PS, and the displayed loss is worker 0's own (a mean over workers would wait for the
 slowest).
 """
-import json
 import logging
 import math
 import os
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 
@@ -57,8 +55,9 @@ from . import faults, replicas
 from .book import describe_net, relaxed_consistency
 from .costsync import CostSync
 from .errors import DistError
+from .iterrecord import IterationRecorder
 from .kvclient import KVClient
-from .layerwait import PendingSyncs, forward_waits
+from .layerwait import forward_waits
 from .schemes import may_send_bottom_data
 from .session import current, make_current
 from .snapshots import JobSnapshots
@@ -66,6 +65,7 @@ from .syncer import StreamPool, SyncContext, Syncer
 from .timeline import Timeline, role_path, slice_recorder, write_trace
 from .transport import onehost
 from .verdicts import Verdicts
+from .wfbp import WaitFreeBackprop
 
 log = logging.getLogger("poseidon")
 
@@ -162,37 +162,38 @@ class WorkerHooks(SolverHooks):
                                       self.transport, self.verdicts, opts.staleness,
                                       self._average_statistics, self._slow)
         # the sync that starts after the last backward has nothing left to overlap with: the main
-        # thread runs it itself rather than wake a pool thread and then wait to be woken by it
-        # (only if no layer below it has a backward to run, as under force_backward)
+        # thread runs it itself (only if no layer below it has a backward to run, as under
+        # force_backward)
         need = self.net.layer_need_backward
         lowest = min((li for li in self.syncers if need[li]), default=None)
-        self._inline_layer = lowest if lowest is not None and not any(need[:lowest]) else None
-        if self._inline_layer is not None:
-            self.syncers[self._inline_layer].spin = spin_seconds(self.book, self.roles)
+        inline = lowest if lowest is not None and not any(need[:lowest]) else None
+        if inline is not None:
+            self.syncers[inline].spin = spin_seconds(self.book, self.roles)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
                                        thread_name_prefix="sync",
                                        initializer=_start_sync_thread,
                                        initargs=(_current_device(self.net.xp),))
+        # the per-layer wait (dist/layerwait.py); --no-overlap and relaxed consistency keep the
+        # full barrier in before_update
+        self.layer_wait = not (opts.no_overlap or self.relaxed)
+        waits = (forward_waits(self.net, self.syncers,
+                               lambda s: may_send_bottom_data(self.book, s.members, self.relaxed))
+                 if self.layer_wait else {})
+        self.wfbp = WaitFreeBackprop(self.syncers, self.pool, not opts.no_overlap, waits, inline,
+                                     self._sync_failed)
         self.timeline = Timeline(self.rank, enabled=bool(opts.timeline))
         if opts.timeline:
             self.transport.slice_log = slice_recorder(self.timeline, self.net.layer_names)
-        self._stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
-                       if opts.stats else None)
+        stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
+                 if opts.stats else None)
+        self.record = IterationRecorder(self.rank, self.timeline, self.net.layer_names, stats)
         # the last iteration's barrier wait and exposed sync (seconds), kept without --stats for
         # callers in this process (the bench's part c, which must not pay for writing a --stats
         # line every iteration while it measures the sync path's cost)
         self.last_sync = None
-        self._pending = PendingSyncs(self._sync_failed)
-        # the per-layer wait (dist/layerwait.py); --no-overlap and relaxed consistency keep the
-        # full barrier in before_update
-        self.layer_wait = not (opts.no_overlap or self.relaxed)
-        self._forward_waits = (forward_waits(self.net, self.syncers,
-                                             lambda s: may_send_bottom_data(self.book, s.members,
-                                                                            self.relaxed))
-                               if self.layer_wait else {})
+        self._mean_loss = None                  # the pending mean of the loss over the workers
         self._started = False
         self._finished = False
-        self._iter = {}                         # this iteration's times, loss and its wait
         if self.rank == 0:
             self._log_job()
 
@@ -232,87 +233,55 @@ class WorkerHooks(SolverHooks):
         replicas.place_in_kv_memory(self.book, self.transport, self.kv, self.rank, net,
                                     solver.test_nets, self.placed)
 
-    # ----- Algorithm 2 ------------------------------------------------------------------------------
-    def factored_layers(self, solver, it):
-        """Fix each sync's scheme for the iteration; the layers whose scheme makes the weight
-        gradient from sufficient factors."""
+    # ----- Algorithm 2 (the schedule itself: dist/wfbp.py) -------------------------------------------
+    def begin_iteration(self, solver, it):
+        """A new iteration: its verdicts, any scheme change the cost model published (which moves
+        values and history, so no sync may be in flight), each layer's scheme; the layers whose
+        scheme makes the weight gradient from sufficient factors."""
         self.verdicts.begin(it)
         if self.costs.due(it):
-            self._settle()                # a scheme change moves values and history: no sync
+            self._settle()
         self.costs.before_iteration(it, self.net, solver.history)   # newly published schemes
-        self._iter = {"start": time.time(), "backward_s": 0.0, "loss_sum": 0.0}
-        return {li for li, syncer in self.syncers.items() if syncer.prepare(it)}
+        self.record.begin(it)
+        return self.wfbp.begin_iteration(it)
 
     def before_forward(self, solver, it, layer):
         if layer == 0:
-            self._iter["forward_start"] = time.time()
-        if self._pending:
-            self._pending.wait_for(self._forward_waits.get(layer, ()))
+            self.record.forward_started(it)
+        self.wfbp.before_forward(layer)
 
     def before_backward(self, solver, it):
         """The solver clears the gradients next, and the backward writes the top diffs: no sync
         of the last iteration may still be sending them."""
-        self._iter["forward_end"] = time.time()
+        self.record.forward_ended(it)
         self._settle()
 
     def after_forward(self, solver, it, pass_index, loss):
         faults.point("forward", it)
-        now = time.time()
-        self.timeline.event("forward", "forward", self._iter["forward_start"],
-                            self._iter.pop("forward_end", now), thread="compute",
-                            args={"iter": it})
-        self._iter["mark"] = self._iter["backward_end"] = now
-        self._iter["loss_sum"] += loss
+        self.record.loss_known(it, loss)
         if pass_index < solver.param.iter_size - 1:
             return
-        mean = self._iter["loss_sum"] / solver.param.iter_size
+        mean = self.record.of(it).loss_sum / solver.param.iter_size
         if self.relaxed or self._solo:           # relaxed: no collective, it would wait
-            self._iter["loss"] = lambda: [mean]
+            self._mean_loss = lambda: [mean]
         else:
-            self._iter["loss"] = self.client.allreduce_async("loss", [mean])
+            self._mean_loss = self.client.allreduce_async("loss", [mean])
 
     def after_backward(self, solver, it, layer, pass_index, event):
-        now = time.time()
-        if self.net.layer_need_backward[layer]:
-            t0 = self._iter["mark"]
-            self._iter["backward_s"] += now - t0
-            self._iter["backward_end"] = now
-            self.timeline.event(f"backward {self.net.layer_names[layer]}", "backward", t0, now,
-                                thread="compute", args={"iter": it, "layer": layer})
-        self._iter["mark"] = now
+        self.record.backward_done(it, layer, self.net.layer_need_backward[layer])
         if pass_index < solver.param.iter_size - 1:
             return
-        if not self.options.no_overlap:
-            if layer in self.syncers:
-                self._start_sync(layer, it, event)       # WFBP
-                faults.point("backward", it)
-        elif layer == 0:                         # the whole backward is done: every sync now
-            for li in sorted(self.syncers, reverse=True):
-                self._start_sync(li, it, event)
+        self.wfbp.backward_done(it, layer, event)
+        if not self.options.no_overlap and layer in self.syncers:
+            faults.point("backward", it)
 
     wants_backward_events = True        # a sync's device-to-host moves wait for its backward
-
-    def _start_sync(self, li, it, event):
-        """Layer li's sync of iteration it, on the pool, or done here if it is the last to start
-        (its Future among the pending either way; one run here counts as exposed time)."""
-        if li != self._inline_layer:
-            future = self.pool.submit(self.syncers[li].sync, it, event)
-            self._pending.add(it, self._iter, li, future)
-            return
-        done = Future()
-        t0 = time.time()
-        try:
-            done.set_result(self.syncers[li].sync(it, event))
-        except Exception as e:                  # the waits report it, as for the pool's
-            done.set_exception(e)
-        self._pending.add(it, self._iter, li, done)
-        self._pending.exposed_s += time.time() - t0
 
     def loss(self, solver, it, loss):
         """The mean loss over the workers, and a requested snapshot or stop, which every worker
         takes at this iteration."""
         try:
-            loss = float(self._iter["loss"]()[0])
+            loss = float(self._mean_loss()[0])
         except DistError:
             self._drain()
             raise
@@ -321,13 +290,13 @@ class WorkerHooks(SolverHooks):
             action = self.session.coordinator.take_request()
         if action:
             solver.request(action)
-        self._iter["mean_loss"] = loss
+        self.record.of(it).mean_loss = loss
         return loss
 
     def _drain(self):
         """After a failure: cancel the syncs not yet started, so the pool is not left blocked, and
         forget them (a later iteration waits for its own syncs only)."""
-        self._pending.cancel()
+        self.wfbp.cancel()
 
     def _sync_failed(self, it, errors):
         """A waited sync of iteration `it` failed: stop the job naming the first bad layer in
@@ -355,48 +324,35 @@ class WorkerHooks(SolverHooks):
         self._settle()          # the caller of step() reads the parameters next
 
     def _settle(self):
-        """Wait for every sync still in flight, then report their iteration: last_sync, the
+        """Wait for every sync still in flight, then record their iteration: last_sync, the
         timeline's sync events and the --stats line. barrier_wait_s: this last wait;
         exposed_sync_s: every wait on that iteration's syncs (the per-layer ones of the next
         forward too) and the sync run on the training thread."""
-        if not self._pending:
+        settled = self.wfbp.wait_all()
+        if settled is None:
             return
-        pending = self._pending
-        it, info, stats, barrier_s = pending.wait_all()
-        exposed_s = pending.exposed_s
+        it, stats, barrier_s, exposed_s = settled
         self.last_sync = {"iter": it, "barrier_wait_s": barrier_s, "exposed_sync_s": exposed_s}
-        for st in stats:
-            self.timeline.event(f"sync {st.name}", f"sync {st.scheme}", st.start, st.end,
-                                thread=st.thread,
-                                args={"iter": it, "scheme": st.scheme, "layer": st.layer,
-                                      "sent_payload": st.sent_payload,
-                                      "recv_payload": st.recv_payload})
-        if self._stats is not None:
-            self._write_stats(it, info, stats, barrier_s, exposed_s)
+        self.record.settled(it, stats, barrier_s, exposed_s,
+                            self._cost_fields if self.costs.active else None,
+                            self._consistency_notes(stats))
         self.costs.after_iteration(it, stats)
 
-    def _write_stats(self, it, info, stats, barrier_s, exposed_s):
-        layers = {st.name: st.as_dict() for st in sorted(stats, key=lambda x: -x.layer)}
-        if self.costs.active:                   # the measured model: predicted and observed
-            for st in stats:
-                layers[st.name]["predicted_s"] = self.costs.predicted_seconds(st.layer, st.scheme)
-                layers[st.name]["observed_s"] = self.costs.observed.get(st.layer)
-        record = {"iter": it, "role": "worker", "rank": self.rank, "time": time.time(),
-                  "loss": info.get("mean_loss"),
-                  "forward_backward_s": round(info.get("backward_end", info["start"])
-                                              - info["start"], 6),
-                  "backward_s": round(info.get("backward_s", 0), 6),
-                  "barrier_wait_s": round(barrier_s, 6),
-                  "exposed_sync_s": round(exposed_s, 6), "layers": layers}
-        for key in ("sent_payload", "recv_payload", "sent_header", "recv_header"):
-            record[key] = sum(v[key] for v in layers.values())
+    def _cost_fields(self, st):
+        """The measured model's predicted and observed seconds of a layer's sync (--stats)."""
+        return {"predicted_s": self.costs.predicted_seconds(st.layer, st.scheme),
+                "observed_s": self.costs.observed.get(st.layer)}
+
+    def _consistency_notes(self, stats):
+        """Under relaxed consistency, what the servers noted on their replies: the fewest
+        gradients any pair averaged (--straggler-timeout) or the most iterations this worker ran
+        ahead of the slowest (--staleness)."""
         notes = [a for st in stats for a in st.reply_aux]
         if notes and self.options.straggler_timeout is not None:
-            record["averaged"] = min(notes)        # fewest gradients in any pair's update
-        elif notes and self.relaxed:
-            record["lead"] = max(notes)            # iterations ahead of the slowest worker
-        self._stats.write(json.dumps(record) + "\n")
-        self._stats.flush()
+            return {"averaged": min(notes)}
+        if notes and self.relaxed:
+            return {"lead": max(notes)}
+        return None
 
     # ----- testing ----------------------------------------------------------------------------------
     def _average_statistics(self):
@@ -468,8 +424,7 @@ class WorkerHooks(SolverHooks):
         self.client.barrier("end", timeout=self._slow)
         if self.rank == 0:
             self.kv.shutdown()
-        if self._stats is not None:
-            self._stats.close()
+        self.record.close()
         self.pool.shutdown(wait=True)
         self.session.close()
 

@@ -9,7 +9,8 @@ being computed (the solver's `iter` before it advances).
 One iteration, in order:
 
     begin(solver)                            each step() call, before its first iteration
-    factored_layers(solver, it)              which weight gradients come from sufficient factors
+    begin_iteration(solver, it)              the iteration begins; which weight gradients come
+                                             from sufficient factors
     (a test or display may run here)
     for each of iter_size passes:
         before_forward(solver, it, l)        layer l's forward may need something first
@@ -41,9 +42,10 @@ class SolverHooks:
     def begin(self, solver):
         """Before the iterations of a step() call (called again after a restore)."""
 
-    def factored_layers(self, solver, it):
-        """Layer indices whose weight gradient iteration `it` makes from sufficient factors instead
-        of the layer's own backward (the hooks then make it), or None to let the solver choose."""
+    def begin_iteration(self, solver, it):
+        """Iteration `it` begins (before its forward). Returns the layer indices whose weight
+        gradient it makes from sufficient factors instead of the layer's own backward (the hooks
+        then make it), or None to let the solver choose."""
         return None
 
     def before_forward(self, solver, it, layer):

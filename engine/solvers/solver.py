@@ -308,7 +308,7 @@ class Solver:
     def _begin_iteration(self, it):
         """Fix the iteration's plan: the layers whose weight gradient is made from their sufficient
         factors (the hooks' choice, or the solver's own: engine/solvers/factored.py)."""
-        chosen = self.hooks.factored_layers(self, it)
+        chosen = self.hooks.begin_iteration(self, it)
         if chosen is None:
             entries = self.factored.active(self.param)
         else:

@@ -195,7 +195,7 @@ def test_the_last_sync_runs_on_the_training_thread_unless_a_backward_follows_it(
     conv1 = solver.net.layer_names.index("conv1")
     assert min(solver.syncers) == conv1
     assert solver.net.layer_need_backward[conv1 - 1] == force          # relu0
-    assert solver.hooks._inline_layer == (None if force else conv1)
+    assert solver.hooks.wfbp.inline_layer == (None if force else conv1)
     for r in read_jsonl(role_path(stats, "worker", 0)):
         assert r["exposed_sync_s"] >= r["barrier_wait_s"] >= 0
         assert r["exposed_sync_s"] > 0        # conv1's sync always starts after its backward

@@ -82,7 +82,8 @@ def test_each_forward_waits_for_its_own_sync_and_for_those_that_send_what_it_wri
                           bucket_bytes=0)
     hooks = solvers[0].hooks
     names = hooks.net.layer_names
-    got = {names[li]: sorted(names[k] for k in keys) for li, keys in hooks._forward_waits.items()}
+    got = {names[li]: sorted(names[k] for k in keys)
+           for li, keys in hooks.wfbp.forward_waits.items()}
     if sync == "ps":
         want = {"data": [], "ip1": ["ip1"], "relu1": [], "ip2": ["ip2"], "relu2": [],
                 "ip3": ["ip3"], "loss": []}
