@@ -83,14 +83,18 @@ def parse_bucket_bytes(value):
 _bytes = _size()
 
 
+def _bytes_between(value, low, what):
+    """A size in bytes from `low` to 1GB, or a ValueError naming `what`."""
+    size = parse_bytes(value, what=what)
+    if not low <= size <= 1 << 30:
+        raise ValueError(f"{what} must be between {low} bytes and 1GB, got '{value}'")
+    return size
+
+
 def parse_slice_bytes(value):
     """--slice-bytes: a size in bytes, at least MIN_SLICE_BYTES (so a message is not thousands of
     slices, each with its header) and at most 1GB."""
-    size = parse_bytes(value, what="the slice size")
-    if not MIN_SLICE_BYTES <= size <= 1 << 30:
-        raise ValueError(f"the slice size must be between {MIN_SLICE_BYTES} bytes and 1GB, "
-                         f"got '{value}'")
-    return size
+    return _bytes_between(value, MIN_SLICE_BYTES, "the slice size")
 
 
 _slice_bytes = _argument(parse_slice_bytes)
@@ -102,13 +106,8 @@ _credit_bytes = _size(what="the credit")
 def parse_piece_bytes(value):
     """--piece-bytes: the largest piece of a ring all-reduce, in bytes (None: the scheme's
     default); at least MIN_PIECE_BYTES, at most 1GB."""
-    if value is None:
-        return None
-    size = parse_bytes(value, what="the ring's piece size")
-    if not MIN_PIECE_BYTES <= size <= 1 << 30:
-        raise ValueError(f"the ring's piece size must be between {MIN_PIECE_BYTES} bytes and 1GB, "
-                         f"got '{value}'")
-    return size
+    return None if value is None else _bytes_between(value, MIN_PIECE_BYTES,
+                                                     "the ring's piece size")
 
 
 _piece_bytes = _argument(parse_piece_bytes)

@@ -284,3 +284,24 @@ def transport_pair(roles, ranks, **options):
     yield a, b
     a.close(0)
     b.close(0)
+
+
+def skip_ring_part(monkeypatch, rank, layer, iteration):
+    """Worker `rank` neither sends nor takes its part of layer `layer`'s ring at `iteration`: a
+    peer that went missing, as its neighbours see it."""
+    from poseidon.dist.schemes import allreduce
+    scheme = allreduce.AllReduceScheme
+    real_send, real_receive = scheme.send, scheme.receive
+
+    def absent(self, it):
+        return self.ctx.rank == rank and self.syncer.name == layer and it == iteration
+
+    def send(self, it, stats):
+        if not absent(self, it):
+            real_send(self, it, stats)
+
+    def receive(self, it, stats):
+        if not absent(self, it):
+            real_receive(self, it, stats)
+    monkeypatch.setattr(scheme, "send", send)
+    monkeypatch.setattr(scheme, "receive", receive)

@@ -24,15 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 180
 
 
-def job_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "")
-                                                       .split(os.pathsep) if p])
-    env["PYTHONUNBUFFERED"] = "1"
-    env["POSEIDON_CONV"] = "im2col"
+def env():
+    """This environment for a test's child processes: the checkout first on the path, output
+    unbuffered, no rank variables of an mpirun around the test."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in e.get("PYTHONPATH", "")
+                                                     .split(os.pathsep) if p])
+    e["PYTHONUNBUFFERED"] = "1"
     for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        env.pop(name, None)
-    return env
+        e.pop(name, None)
+    return e
+
+
+def job_env():
+    """The test processes' environment, with the convolution route pinned."""
+    return dict(env(), POSEIDON_CONV="im2col")
 
 
 class DigitsData:

@@ -32,7 +32,7 @@ from poseidon.dist.timeline import role_path
 from poseidon.dist.transport import FIXED_HEADER_BYTES, Message, Msg
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, reference,
-                      run_processes, run_threads, solver_param)
+                      run_processes, run_threads, solver_param, skip_ring_part)
 
 ITEM = 8                    # float64
 ITERS = 5
@@ -311,20 +311,7 @@ def test_a_bad_piece_is_dropped_at_the_door():
 def test_a_missing_peer_stops_the_job_within_the_deadline(data, monkeypatch):
     """Worker 1 skips its part of ip2's ring at iteration 1: worker 0 waits for ip2's piece no
     longer than --timeout and the job stops with one line naming the layer and worker 1."""
-    real_send, real_receive = allreduce.AllReduceScheme.send, allreduce.AllReduceScheme.receive
-
-    def absent(self, it):
-        return self.ctx.rank == 1 and self.syncer.name == "ip2" and it == 1
-
-    def send(self, it, stats):
-        if not absent(self, it):
-            real_send(self, it, stats)
-
-    def receive(self, it, stats):
-        if not absent(self, it):
-            real_receive(self, it, stats)
-    monkeypatch.setattr(allreduce.AllReduceScheme, "send", send)
-    monkeypatch.setattr(allreduce.AllReduceScheme, "receive", receive)
+    skip_ring_part(monkeypatch, 1, "ip2", 1)
     timeout = 3.0
     start = time.monotonic()
     with pytest.raises(DistError) as err:

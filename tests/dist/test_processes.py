@@ -22,18 +22,9 @@ from poseidon.engine.io import caffemodel, manifest
 from poseidon.engine.solvers import get_solver
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, run_threads, solver_param)
+from .jobs import env
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in e.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    e["PYTHONUNBUFFERED"] = "1"
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        e.pop(name, None)
-    return e
 
 
 def write_solver(folder, net_text, max_iter, snapshot=0, extra=""):

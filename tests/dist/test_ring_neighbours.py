@@ -26,7 +26,7 @@ from poseidon.dist.schemes import allreduce
 from poseidon.dist.schemes.ring import ALL_GATHER, REDUCE_SCATTER, ring_address, ring_key
 from poseidon.dist.transport import Message, Msg
 
-from .helpers import fc_net, make_lmdb, run_threads, solver_param
+from .helpers import fc_net, make_lmdb, run_threads, solver_param, skip_ring_part
 
 LAYER = 3                            # the layer index the stand-in syncs
 SHAPES = [(7, 9), (7,)]              # weight and bias: 70 floats, chunks of 23 or 17 floats
@@ -224,20 +224,7 @@ def test_a_stalled_worker_is_named_by_its_right_neighbour(data, monkeypatch):
     """Three workers; worker 2 skips its part of ip2's ring at iteration 1. Worker 0, whose left
     neighbour is worker 2, waits for ip2's piece no longer than --timeout, and the job stops with
     one line naming the layer, the iteration and worker 2 (not worker 1, its right neighbour)."""
-    real_send, real_receive = allreduce.AllReduceScheme.send, allreduce.AllReduceScheme.receive
-
-    def absent(self, it):
-        return self.ctx.rank == 2 and self.syncer.name == "ip2" and it == 1
-
-    def send(self, it, stats):
-        if not absent(self, it):
-            real_send(self, it, stats)
-
-    def receive(self, it, stats):
-        if not absent(self, it):
-            real_receive(self, it, stats)
-    monkeypatch.setattr(allreduce.AllReduceScheme, "send", send)
-    monkeypatch.setattr(allreduce.AllReduceScheme, "receive", receive)
+    skip_ring_part(monkeypatch, 2, "ip2", 1)
     timeout = 3.0
     start = time.monotonic()
     with pytest.raises(DistError) as err:
