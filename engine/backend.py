@@ -135,7 +135,7 @@ def on_device_of(array, like):
 
 
 def set_array_module_for_tests(xp):
-    """Make `xp`, a stand-in that looks like CuPy (engine/launches.py's CountingModule), the array
+    """Make `xp`, a stand-in that looks like CuPy (poseidon/testing/launches.py's CountingModule), the array
     module of nets built from now on, as set_mode_gpu makes CuPy: the engine then runs the code
     path it runs on a GPU. None puts back the module that was in use before."""
     if xp is None:

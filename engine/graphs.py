@@ -39,7 +39,7 @@ them to the next eager allocation on the stream, which a replay would then overw
 On with `poseidon train --cuda-graphs on` or POSEIDON_CUDA_GRAPHS=on (the flag sets the
 variable); off by default until a device run shows a gain. It applies to a solver training
 alone on one device with iter_size 1 and no layer updated from its sufficient factors; any
-other step runs Solver.forward_backward unchanged. engine/fake_graphs.py gives the counting
+other step runs Solver.forward_backward unchanged. poseidon/testing/fake_graphs.py gives the counting
 stand-in the same capture API, so tests/test_cuda_graphs.py checks all this on the CPU.
 """
 import logging

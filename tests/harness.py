@@ -6,44 +6,10 @@ every bottom element and every parameter element. Keep test blobs small (tens to
 elements) so the check stays fast.
 """
 import numpy
-from google.protobuf import text_format
 
 from poseidon.engine import backend
-from poseidon.engine.blob import Blob
-from poseidon.engine.layer import TRAIN, create_layer
-from poseidon.engine.proto import caffe_pb2
-
-
-def layer_param(text):
-    """A LayerParameter from prototxt text, e.g. 'type: "ReLU" relu_param { negative_slope: 0.1 }'."""
-    param = caffe_pb2.LayerParameter()
-    text_format.Parse(text, param)
-    if not param.name:
-        param.name = "under_test"
-    return param
-
-
-def make_layer(text, phase=TRAIN, dtype=numpy.float64, xp=numpy):
-    return create_layer(layer_param(text), phase, dtype, xp)
-
-
-def blobs_from(arrays, dtype=numpy.float64, xp=numpy):
-    blobs = []
-    for a in arrays:
-        b = Blob(numpy.shape(a), dtype, xp)
-        b.data[...] = xp.asarray(a)
-        blobs.append(b)
-    return blobs
-
-
-def run_forward(layer, bottom_arrays, n_tops=1, dtype=numpy.float64, xp=numpy):
-    """Set up the layer on copies of the arrays and run forward; returns (bottom, top) blobs."""
-    bottom = blobs_from(bottom_arrays, dtype, xp)
-    top = [Blob((), dtype, xp) for _ in range(n_tops)]
-    layer.setup(bottom, top)
-    layer.reshape(bottom, top)
-    layer.forward(bottom, top)
-    return bottom, top
+# the layer set-up the GPU probe shares (re-exported for the tests that import them from here)
+from poseidon.testing.layer_cases import blobs_from, layer_param, make_layer, run_forward  # noqa: F401
 
 
 def _objective(layer, bottom, top, weights):

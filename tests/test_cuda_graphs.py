@@ -1,5 +1,5 @@
 """CUDA graphs of a training step (engine/graphs.py), checked on the CPU: the counting stand-in
-(engine/launches.py) with its fake capture (engine/fake_graphs.py) records the launches between
+(poseidon/testing/launches.py) with its fake capture (poseidon/testing/fake_graphs.py) records the launches between
 begin_capture and end_capture as closures, undoes them, and reruns them at each graph launch;
 GEMMs and host reads raise during a capture, as on CuPy. Numbers are numpy's underneath, so a
 step replayed from graphs must give bitwise the parameters of the same step run eagerly.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from poseidon.engine import backend, graphs
-from poseidon.engine.fake_graphs import CaptureError
-from poseidon.engine.launches import CountingModule
+from poseidon.testing.fake_graphs import CaptureError
+from poseidon.testing.launches import CountingModule
 
 STEPS = 5
 

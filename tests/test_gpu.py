@@ -10,94 +10,13 @@ from poseidon.engine import TRAIN, backend
 from poseidon.engine.net import Net
 from poseidon.engine.prototxt import parse_net_text
 
+from poseidon.testing.layer_cases import CONFIGS, labelled, run_case
+
 from .harness import check_gradient, make_layer, run_forward
 from .test_reference_nets import CIFAR10_QUICK
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")]
-
-CONFIGS = [
-    ('type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 pad: 1 stride: 2 '
-     'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }', [(2, 3, 7, 7)], 1),
-    ('type: "Convolution" convolution_param { num_output: 4 kernel_h: 3 kernel_w: 2 group: 2 dilation: 2 '
-     'weight_filler { type: "gaussian" std: 0.5 } }', [(2, 4, 8, 8)], 1),
-    ('type: "Deconvolution" convolution_param { num_output: 3 kernel_size: 3 stride: 2 pad: 1 '
-     'weight_filler { type: "gaussian" std: 0.5 } }', [(2, 2, 4, 4)], 1),
-    ('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', [(2, 3, 7, 7)], 1),
-    ('type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }', [(2, 3, 7, 7)], 1),
-    ('type: "Pooling" pooling_param { pool: AVE global_pooling: true }', [(2, 3, 5, 5)], 1),
-    ('type: "InnerProduct" inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.5 } '
-     'bias_filler { type: "gaussian" std: 0.5 } }', [(3, 2, 2, 2)], 1),
-    ('type: "InnerProduct" inner_product_param { num_output: 5 transpose: true '
-     'weight_filler { type: "gaussian" std: 0.5 } }', [(3, 6)], 1),
-    ('type: "ReLU" relu_param { negative_slope: 0.1 }', [(2, 3, 4)], 1),
-    ('type: "Sigmoid"', [(2, 5)], 1),
-    ('type: "TanH"', [(2, 5)], 1),
-    ('type: "PReLU"', [(2, 3, 2, 2)], 1),
-    ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 }', [(2, 5, 3, 3)], 1),
-    ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }', [(2, 2, 5, 5)], 1),
-    ('type: "BatchNorm" batch_norm_param { use_global_stats: false }', [(4, 3, 2, 2)], 1),
-    ('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } '
-     'bias_filler { type: "gaussian" std: 0.5 } }', [(2, 3, 2, 2)], 1),
-    ('type: "Bias" bias_param { filler { type: "gaussian" std: 0.5 } }', [(2, 3, 2)], 1),
-    ('type: "Softmax"', [(3, 4)], 1),
-    ('type: "Concat"', [(2, 3, 2), (2, 1, 2)], 1),
-    ('type: "Slice" slice_param { slice_point: 1 }', [(2, 3, 2)], 2),
-    ('type: "Eltwise" eltwise_param { operation: SUM coeff: 0.5 coeff: -2 }', [(2, 3), (2, 3)], 1),
-    ('type: "Eltwise" eltwise_param { operation: PROD }', [(2, 3), (2, 3)], 1),
-    ('type: "Eltwise" eltwise_param { operation: MAX }', [(2, 3), (2, 3)], 1),
-    ('type: "Flatten"', [(2, 3, 2)], 1),
-    ('type: "Reshape" reshape_param { shape { dim: 0 dim: -1 } }', [(2, 3, 2)], 1),
-    ('type: "Crop" crop_param { axis: 2 offset: 1 }', [(2, 2, 5, 5), (2, 2, 3, 3)], 1),
-    ('type: "Split"', [(2, 3)], 2),
-    ('type: "EuclideanLoss"', [(3, 4), (3, 4)], 1),
-    ('type: "SoftmaxWithLoss"', [(4, 5), (4,)], 1),
-    ('type: "SoftmaxWithLoss" loss_param { ignore_label: 2 normalization: BATCH_SIZE }',
-     [(3, 4, 2, 2), (3, 1, 2, 2)], 1),
-    # shapes large enough for the batch-wide blocks and several window rows a call
-    ('type: "Convolution" convolution_param { num_output: 32 kernel_size: 5 pad: 2 '
-     'weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "gaussian" std: 0.1 } }',
-     [(4, 3, 32, 32)], 1),
-    ('type: "Convolution" convolution_param { num_output: 16 kernel_size: 3 pad: 1 group: 2 '
-     'weight_filler { type: "gaussian" std: 0.1 } }', [(3, 8, 12, 12)], 1),
-    ('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', [(4, 8, 16, 16)], 1),
-    ('type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 }', [(4, 8, 15, 15)], 1),
-    ('type: "LRN" lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 }', [(2, 16, 8, 8)], 1),
-    ('type: "InnerProduct" inner_product_param { num_output: 64 '
-     'weight_filler { type: "gaussian" std: 0.1 } }', [(8, 32, 4, 4)], 1),
-]
-
-# layers whose label input takes no gradient; its values are class indices
-LABELLED = ("SoftmaxWithLoss",)
-
-
-def _labelled(text):
-    return any(t in text for t in LABELLED)
-
-
-def _run(text, arrays, n_tops, xp, params=None, top_diffs=None):
-    propagate = [True] * len(arrays)
-    if _labelled(text):
-        propagate[-1] = False
-    from poseidon.engine import rng
-    rng.seed(7)
-    layer = make_layer(text, TRAIN, np.float64, xp)
-    bottom, top = run_forward(layer, arrays, n_tops, np.float64, xp)
-    if params is not None:
-        for blob, value in zip(layer.blobs, params):
-            blob.data[...] = xp.asarray(value)
-        layer.reshape(bottom, top)
-        layer.forward(bottom, top)
-    for t, d in zip(top, top_diffs or []):
-        t.diff[...] = xp.asarray(d)
-    for p in layer.blobs:
-        p.diff[...] = 0
-    layer.backward(top, propagate, bottom)
-    as_np = backend.to_numpy
-    return ([as_np(t.data) for t in top],
-            [as_np(b.diff) for b, down in zip(bottom, propagate) if down],
-            [as_np(p.data) for p in layer.blobs], [as_np(p.diff) for p in layer.blobs])
-
 
 @pytest.mark.parametrize("text, shapes, n_tops", CONFIGS, ids=[c[0].split('"')[1] + str(i) for i, c in enumerate(CONFIGS)])
 def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
@@ -106,13 +25,13 @@ def test_layer_on_cupy_matches_numpy(text, shapes, n_tops):
     arrays = [rs.standard_normal(s) for s in shapes]
     if "Crop" in text:
         arrays = arrays[:1] + [np.zeros(shapes[1])]
-    if _labelled(text):
+    if labelled(text):
         classes = shapes[0][1]
         arrays[-1] = rs.randint(0, classes, size=shapes[-1]).astype(np.float64)
-    tops, _, params, _ = _run(text, arrays, n_tops, np)
+    tops, _, params, _ = run_case(text, arrays, n_tops, np)
     diffs = [rs.standard_normal(t.shape) for t in tops]
-    ref = _run(text, arrays, n_tops, np, params, diffs)
-    got = _run(text, arrays, n_tops, cupy, params, diffs)
+    ref = run_case(text, arrays, n_tops, np, params, diffs)
+    got = run_case(text, arrays, n_tops, cupy, params, diffs)
     for a, b in zip(ref, got):
         for x, y in zip(a, b):
             np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-11)
@@ -130,10 +49,10 @@ def test_convolution_routes_on_cupy_match_numpy(route, extra, monkeypatch):
             f'weight_filler {{ type: "gaussian" std: 1 }} bias_filler {{ type: "gaussian" std: 1 }} }}')
     rs = np.random.RandomState(3)
     arrays = [rs.standard_normal((3, 4, 7, 6))]
-    tops, _, params, _ = _run(text, arrays, 1, np)
+    tops, _, params, _ = run_case(text, arrays, 1, np)
     diffs = [rs.standard_normal(t.shape) for t in tops]
-    ref = _run(text, arrays, 1, np, params, diffs)
-    got = _run(text, arrays, 1, cupy, params, diffs)
+    ref = run_case(text, arrays, 1, np, params, diffs)
+    got = run_case(text, arrays, 1, cupy, params, diffs)
     for a, b in zip(ref, got):
         for x, y in zip(a, b):
             np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-10)

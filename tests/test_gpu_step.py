@@ -1,5 +1,5 @@
 """A GPU training step on the CPU: the engine's CuPy code path run on the counting stand-in
-(engine/launches.py), which counts what CuPy would launch and every host read. The layers' fused
+(poseidon/testing/launches.py), which counts what CuPy would launch and every host read. The layers' fused
 kernels run through the host build of their sources (tests/kernel_host.py), one launch a call;
 the solver's fused rule and NaN/Inf record through their numpy twins, one launch each.
 
@@ -25,7 +25,7 @@ import pytest
 
 from poseidon.engine import backend
 from poseidon.engine.errors import ModelError, PoseidonError
-from poseidon.engine.launches import CountingModule
+from poseidon.testing.launches import CountingModule
 from poseidon.engine.prototxt import parse_net_text
 from poseidon.engine.proto import caffe_pb2
 from poseidon.engine.solvers import SolverHooks, get_solver

@@ -100,8 +100,25 @@ def test_every_package_folder_is_installed():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT)
             found.add(".".join(["poseidon"] + list(rel.parts)))
+    for init in (ROOT / "poseidon").rglob("__init__.py"):    # poseidon/testing, ...
+        found.add(".".join(init.parent.relative_to(ROOT).parts))
     assert found - listed == set(), "add these to setup.cfg's packages"
     assert listed - found - {"poseidon"} == set(), "setup.cfg lists packages that do not exist"
+
+
+def test_nothing_installed_imports_the_tests():
+    """The installed packages stand alone: no module of them imports the repository's tests
+    (what a bench or a probe shares with the tests lives in poseidon.testing)."""
+    bad = []
+    for path in [p for folder in FOLDERS + ("poseidon",) for p in sources(folder)]:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                    if n == "tests" or n.startswith("tests.")]
+    assert not bad, bad
 
 
 def test_modules_stay_small():

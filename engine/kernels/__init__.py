@@ -102,7 +102,7 @@ def runner_for(array):
     if dtype not in ELEMENT_TYPES:
         return None
     if isinstance(array, numpy.ndarray):
-        # a stand-in array module (engine/launches.py) may bring its own runner; plain numpy
+        # a stand-in array module (poseidon/testing/launches.py) may bring its own runner; plain numpy
         # takes the kernels only inside host_runner
         module = backend.get_array_module(array)
         factory = _host_factory if module is numpy else getattr(module, "kernel_runner", None)

@@ -11,14 +11,14 @@ own time limit, so that one that fails, hangs or runs out of memory is recorded 
                image lacks (pyzmq, lmdb: the parts that need them are named as skipped; with
                --wheels DIR they are installed from that folder first, no network needed)
   tests        the suite's GPU tests (pytest -m gpu)
-  layers       every layer configuration of tests/test_gpu.py on CuPy against numpy (forward and
+  layers       every layer case of poseidon/testing/layer_cases.py on CuPy against numpy (forward and
                backward), the registered layer types no configuration covers, and the modules
                of the engine's kernels package where there is one (their self_check(xp))
   timings      the engine's training step (forward, backward, update) beside PyTorch CUDA's, the
                sides taking turns in one process: cifar10_quick (100), fc_heavy (32), the VGG
                block (16), AlexNet (128), GoogLeNet (64), ResNet-50 (32); FP32 on both sides,
                then TF32 on both sides
-  launches     one cifar10_quick step: the counting stand-in's launch figure (engine/launches.py)
+  launches     one cifar10_quick step: the counting stand-in's launch figure (poseidon/testing/launches.py)
                beside the kernels CUPTI saw (PyTorch's profiler), and PyTorch's own step
   layer_times  CUDA events around each layer's forward and backward, in a pass of its own
   capture      cifar10_quick's solver step with --cuda-graphs off and on (engine/graphs.py); then

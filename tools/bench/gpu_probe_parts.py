@@ -103,12 +103,11 @@ def tests(ctx):
 # ----- layers: every layer type on CuPy against numpy ----------------------------------------------
 def layers(ctx):
     import cupy
-    sys.path.insert(0, str(ROOT))
     from poseidon.engine.layer import _REGISTRY
-    from tests import test_gpu           # its CONFIGS and the numpy/CuPy comparison (_run)
+    from poseidon.testing import layer_cases as cases   # the layer cases tests/test_gpu.py runs
     rs = numpy.random.RandomState(0)
     results, covered = [], set()
-    for i, (text, shapes, n_tops) in enumerate(test_gpu.CONFIGS):
+    for i, (text, shapes, n_tops) in enumerate(cases.CONFIGS):
         kind = text.split('"')[1]
         covered.add(kind)
         if ctx.left() < 3:
@@ -116,12 +115,12 @@ def layers(ctx):
             continue
         try:
             arrays = [rs.standard_normal(s) for s in shapes]
-            if test_gpu._labelled(text):
+            if cases.labelled(text):
                 arrays[-1] = rs.randint(0, shapes[0][1], size=shapes[-1]).astype(numpy.float64)
-            tops, _, params, _ = test_gpu._run(text, arrays, n_tops, numpy)
+            tops, _, params, _ = cases.run_case(text, arrays, n_tops, numpy)
             diffs = [rs.standard_normal(t.shape) for t in tops]
-            want = test_gpu._run(text, arrays, n_tops, numpy, params, diffs)
-            got = test_gpu._run(text, arrays, n_tops, cupy, params, diffs)
+            want = cases.run_case(text, arrays, n_tops, numpy, params, diffs)
+            got = cases.run_case(text, arrays, n_tops, cupy, params, diffs)
             err = max((float(numpy.max(numpy.abs(x - y) / (numpy.abs(x) + 1e-9)))
                        for a, b in zip(want, got) for x, y in zip(a, b) if x.size), default=0.0)
             results.append({"case": f"{kind}#{i}", "status": "ok" if err < 1e-6 else "differs",
@@ -322,7 +321,7 @@ def _free_memory(with_torch):
 
 # ----- launches: what one step launches, counted two ways -------------------------------------------
 def launches(ctx):
-    """cifar10_quick (batch 100): the counting stand-in's figure on the CPU (engine/launches.py,
+    """cifar10_quick (batch 100): the counting stand-in's figure on the CPU (poseidon/testing/launches.py,
     the same convolution routes as the GPU's) beside what CUPTI saw in one GPU step (PyTorch's
     profiler; CuPy has no counter of its own), and PyTorch's own step."""
     engine = EngineStep("cifar10_quick", 100)
@@ -348,7 +347,7 @@ def _stand_in_count(routes, kernel_runner=None):
     """One cifar10_quick step's launches on the counting stand-in; kernel_runner(dtype): a
     runner of the layers' kernels for numpy arrays (None: the card's, through copies)."""
     from poseidon.engine import backend
-    from poseidon.engine.launches import CountingModule
+    from poseidon.testing.launches import CountingModule
     from poseidon.tools.bench import nets
     xp = CountingModule()
     xp.use_kernels(kernel_runner or _DeviceTwin)

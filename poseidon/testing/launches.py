@@ -310,7 +310,7 @@ class CountingModule:
     def run(self, kind, func, args=(), kwargs=None):
         """One launch of `kind` (None: no launch, e.g. `empty`): func on the plain arrays, its
         result as device arrays. During a stream capture the launch is recorded
-        (engine/fake_graphs.py) and a GEMM is refused, as CuPy's cuBLAS wrapper refuses it."""
+        (poseidon/testing/fake_graphs.py) and a GEMM is refused, as CuPy's cuBLAS wrapper refuses it."""
         if kind == "gemm" and self.capture is not None:
             raise NotImplementedError("cuBLAS during stream capture is not supported "
                                       "(the stand-in refuses it as CuPy does)")

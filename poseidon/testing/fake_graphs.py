@@ -1,4 +1,4 @@
-"""CUDA graph capture on the counting stand-in (engine/launches.py): CuPy's, done on numpy.
+"""CUDA graph capture on the counting stand-in (poseidon/testing/launches.py): CuPy's, done on numpy.
 
 On a GPU `stream.begin_capture()` makes the launches that follow on that stream into nodes of a
 graph instead of running them, `stream.end_capture()` returns the graph, and `graph.launch()`
