@@ -34,12 +34,9 @@ def reuse_buffer(holder, name, shape, dtype, xp, zero=False):
 
 
 # LRN's passes (a dozen over arrays of the bottom's size) take runs of samples of about this many
-# bytes a run, so that a run's arrays stay in cache from one pass to the next. 2 threads, Zen 3
-# EPYC, forward / backward ms: AlexNet's norm1 (96 channels at 55x55, batch 32) 94.6 / 64.9 with
-# the whole range at once, 22.1 / 21.5 with runs of 1 MiB (one sample; 256 KiB and 4 MiB within
-# 10% of it, 16 MiB 49 / 52); GoogLeNet's 192 channels at 56x56, batch 16, 89.1 / 52.6 -> 23.9 /
-# 23.5 (both with the square roots below). BatchNorm's passes take runs of channels of the same
-# size: 256 channels at 56x56, batch 8, 12.4 / 18.1 -> 9.9 / 11.9 ms; smaller layers unchanged.
+# bytes a run, so that a run's arrays stay in cache from one pass to the next; BatchNorm's passes
+# take runs of channels of the same size (docs/performance.md, "Pooling, LRN, BatchNorm", has the
+# timings that chose it).
 RUN_BYTES = 1 << 20
 
 

@@ -172,10 +172,8 @@ PLANAR_MAX_RUN_BYTES = 132
 #   weight) once per thread range for only samples-per-thread rows, so with many channels and few
 #   samples that read, not the arithmetic, sets the time: it is charged
 #   FALLBACK_SPECTRUM_FLOPS_PER_BYTE FLOPs per byte.
-# The two constants were fitted on forward + both gradients of the bench nets' 5x5 and 3x3 shapes
-# (8-56 px, 16-512 channels, batches 10-128) on a 2-core CPU, so that shapes where one route was
-# clearly faster get that route; where the fit errs it errs towards im2col. They apply only with
-# measuring off, where a wrong guess costs time, never results.
+# The two constants were fitted on one machine's timings (docs/performance.md, "Convolutions");
+# they apply only with measuring off, where a wrong guess costs time, never results.
 FALLBACK_FOURIER_WORK_SHARE = 0.65
 FALLBACK_SPECTRUM_FLOPS_PER_BYTE = 18.0
 
