@@ -44,8 +44,7 @@ def describe_net(net, iter_size=1, replicas=1):
     builds the book and which it compares between workers. Parameter ids are indexes into
     net.learnable_params (the solver's history order). `replicas`: the worker runs the net as
     that many replicas (engine/replicas.py), so a layer's sufficient factors have K·replicas rows."""
-    stats_layers = {li for li, layer in enumerate(net.layers)
-                    if getattr(layer, "stores_statistics", False)}
+    stats_layers = {li for li, layer in enumerate(net.layers) if layer.stores_statistics}
     users = {}
     for li, specs in enumerate(net.layer_param_specs):
         for bi, spec in enumerate(specs):
@@ -66,21 +65,11 @@ def describe_net(net, iter_size=1, replicas=1):
     for li in sorted(by_layer):
         layer = net.layers[li]
         pids = by_layer[li]
-        first = layer.blobs[0]
-        if hasattr(layer, "num_output") and hasattr(layer, "n_in"):
-            M, N = int(layer.num_output), int(layer.n_in)
-        else:
-            M = int(first.shape[0]) if first.shape else 1
-            N = int(first.count // max(M, 1))
-        if hasattr(layer, "k"):
-            K = int(layer.k)
-        else:
-            bottoms = net.bottom_vecs[li]
-            K = int(bottoms[0].shape[0]) if bottoms and bottoms[0].shape else 1
+        M, N, K = layer.gemm_dims(net.bottom_vecs[li])
         K *= int(replicas)
         own = [params[p] for p in pids]
         weight_ok = any(p["owner"] == [li, 0] and not p["shared"] for p in own)
-        sfb = bool(getattr(layer, "has_sufficient_factors", False) and iter_size == 1 and weight_ok
+        sfb = bool(layer.has_sufficient_factors and iter_size == 1 and weight_ok
                    and all(p["owner"][0] == li and not p["shared"] for p in own))
         layers.append({"index": li, "name": net.layer_names[li], "type": layer.type, "M": M,
                        "N": N, "K": K, "sfb": sfb, "params": pids,

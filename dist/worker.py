@@ -200,7 +200,7 @@ class WorkerHooks(SolverHooks):
     def _log_job(self):
         opts = self.options
         batch = next((layer.batch_size for layer in self.net.layers
-                      if hasattr(layer, "batch_size")), "?")
+                      if layer.batch_size is not None), "?")
         per_node = self.solver.replicas.count
         devices = f" x {per_node} devices" if per_node > 1 else ""
         log.info(f"Distributed: {self.roles.workers} workers{devices} x batch {batch} , "
@@ -359,7 +359,7 @@ class WorkerHooks(SolverHooks):
         """Mean over workers of the stored statistics (BatchNorm) of the train net."""
         if self.roles.workers == 1:
             return
-        blobs = [b for layer in self.net.layers if getattr(layer, "stores_statistics", False)
+        blobs = [b for layer in self.net.layers if layer.stores_statistics
                  for b in layer.blobs]
         if not blobs:
             return

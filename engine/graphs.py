@@ -148,9 +148,8 @@ class StepGraphs:
 
     def applies(self):
         """Whether this iteration's step is one the graphs replay (else the solver's own)."""
-        from .solvers.hooks import SolverHooks
         s = self.solver
-        return (not self.disabled and type(s.hooks) is SolverHooks and s.param.iter_size == 1
+        return (not self.disabled and s.hooks.passive and s.param.iter_size == 1
                 and s.replicas.count == 1 and not s._factored)
 
     # ----- the step -------------------------------------------------------------------------------

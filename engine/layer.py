@@ -69,6 +69,10 @@ class Layer:
     # weight_grad_from_factors(), for a caller that makes the weight gradient from the factors
     # (the solver's factored update, or a sufficient-factor scheme); see inner_product.py.
     has_sufficient_factors = False
+    # BatchNorm-like layers set this: their blobs are running statistics, not learned parameters
+    stores_statistics = False
+    # data layers set this: the samples of a batch they make
+    batch_size = None
 
     def __init__(self, param, phase=TRAIN, dtype=numpy.float32, xp=numpy):
         self.param = param
@@ -79,6 +83,15 @@ class Layer:
         self.blobs = []                  # learnable (or stored) parameter blobs
         self.param_propagate_down = []   # per blob: compute its gradient?
         self.loss_weights = []
+
+    def gemm_dims(self, bottom):
+        """(M, N, K) of the layer's product with its first blob, for a cost model: M outputs and
+        N inputs per sample (the first blob's rows and the rest), K samples (the first bottom's
+        first axis). Layers with another layout (InnerProduct's axis) say so themselves."""
+        first = self.blobs[0]
+        M = int(first.shape[0]) if first.shape else 1
+        K = int(bottom[0].shape[0]) if bottom and bottom[0].shape else 1
+        return M, int(first.count // max(M, 1)), K
 
     # ----- the contract -------------------------------------------------------------------------
     def setup(self, bottom, top):

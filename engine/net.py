@@ -595,7 +595,7 @@ class Net:
                 if id(blob) in seen:
                     continue
                 seen.add(id(blob))
-                if getattr(layer, "stores_statistics", False):
+                if layer.stores_statistics:
                     stats += blob.count
                 else:
                     learnable += blob.count

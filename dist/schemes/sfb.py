@@ -59,7 +59,7 @@ class SFBScheme(Scheme):
         super().__init__(syncer)
         ctx = self.ctx
         layer = syncer.layer
-        if not getattr(layer, "has_sufficient_factors", False):
+        if not layer.has_sufficient_factors:
             raise DistError(f"layer '{syncer.name}' ({layer.type}) cannot give sufficient "
                             f"factors; it must be synced by PS")
         self.layer = layer

@@ -97,6 +97,10 @@ class InnerProductLayer(Layer):
             return
         parallel().run(call, n, self.xp, min_per_worker=64)
 
+    def gemm_dims(self, bottom):
+        """(num_output, inputs per sample, samples): Y (K×M) = X (K×N) · Wᵀ."""
+        return int(self.num_output), int(self.n_in), int(self.k)
+
     def forward(self, bottom, top):
         xp = self.xp
         x = bottom[0].data.reshape(self.k, self.n_in)           # K×N view

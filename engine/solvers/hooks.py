@@ -39,6 +39,13 @@ class SolverHooks:
     #: copy on another stream must wait for it); on the CPU the event is always None.
     wants_backward_events = False
 
+    @property
+    def passive(self):
+        """True when these hooks override none of the calls within a step (the single-process
+        solver's): the solver may then keep the loss on the device and replay whole steps as
+        CUDA graphs, since nothing outside the engine needs to see inside one."""
+        return all(getattr(type(self), name) is getattr(SolverHooks, name) for name in _STEP_CALLS)
+
     def begin(self, solver):
         """Before the iterations of a step() call (called again after a restore)."""
 
@@ -100,3 +107,8 @@ class SolverHooks:
 
     def end(self, solver):
         """After solve() has trained, tested and snapshotted."""
+
+
+# the calls made within a step (between begin_iteration and before_update)
+_STEP_CALLS = ("begin_iteration", "before_forward", "before_backward", "after_forward",
+               "after_backward", "loss", "before_update")

@@ -370,7 +370,7 @@ class Solver:
         """The loss as hooks get it: hooks that do something get a float (they may add, reduce
         over processes or format it); the no-op hooks of a solver training alone take the device
         scalar as it is, so a GPU step reads nothing back."""
-        if type(self.hooks) is SolverHooks:
+        if self.hooks.passive:
             return loss
         return float(loss)
 
