@@ -11,9 +11,10 @@ What forward(l) must see finished, from iteration t (`forward_waits`, computed o
   - the syncs that write a parameter layer l reads: the syncer of each parameter the layer uses
     (a parameter shared by name with another layer is synced with its owner);
   - the syncs that may still read a blob forward(l) writes: forward(l) writes its top blobs (an
-    in-place layer's top is its bottom too), and a scheme that sends a layer's bottom data
-    (`Scheme.sends_bottom_data`: SFB's X factor, sent zero-copy on the CPU) reads the bottom of
-    each member of its syncer, so every sync whose scheme may send bottom data, of a layer one of
+    in-place layer's top is its bottom too, and a Split's tops are its bottom's storage: blobs
+    are compared as objects and by the memory they cover), and a scheme that sends a layer's
+    bottom data (`Scheme.sends_bottom_data`: SFB's X factor, sent zero-copy on the CPU) reads
+    the bottom of each member of its syncer, so every sync whose scheme may send bottom data, of a layer one of
     whose bottoms is a top of l, is waited for as well.
 Forward writes nothing else a sync reads: the syncs read the parameters' diffs and the top diffs
 (SFB's G), which only the clearing of the gradients and the backward write; before those the
@@ -27,6 +28,19 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, wait
 
 
+def _span(blob):
+    """(first, last + 1) address of a blob's data: blobs that share storage (a Split's tops and
+    its bottom, an in-place layer's top and bottom) overlap, whichever Blob objects they are."""
+    data = blob.data
+    iface = getattr(data, "__array_interface__", None) or data.__cuda_array_interface__
+    start = iface["data"][0]
+    return start, start + data.nbytes
+
+
+def _overlap(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def forward_waits(net, syncers, sends_bottom_data):
     """{layer index: the keys of `syncers` whose syncs forward(layer) must see finished}.
 
@@ -35,18 +49,18 @@ def forward_waits(net, syncers, sends_bottom_data):
     data."""
     pid_of = {spec.name: pid for pid, spec in enumerate(net.learnable_param_specs)}
     writer = {pid: key for key, syncer in syncers.items() for pid in syncer.pids}
-    readers = {}                                    # id(blob) -> syncs that may send its data
+    readers = []                               # (blob, its memory, sync that may send it)
     for key, syncer in syncers.items():
         if sends_bottom_data(syncer):
             for li in syncer.members:
-                for blob in net.bottom_vecs[li]:
-                    readers.setdefault(id(blob), set()).add(key)
+                readers += [(blob, _span(blob), key) for blob in net.bottom_vecs[li]]
     waits = {}
     for li in range(len(net.layers)):
         keys = {writer[pid_of[spec.name]] for spec in net.layer_param_specs[li]
                 if spec.name in pid_of and pid_of[spec.name] in writer}
-        for blob in net.top_vecs[li]:
-            keys |= readers.get(id(blob), set())
+        for top in net.top_vecs[li]:
+            mine = _span(top)
+            keys |= {key for blob, span, key in readers if blob is top or _overlap(span, mine)}
         waits[li] = tuple(sorted(keys))
     return waits
 

@@ -93,6 +93,27 @@ def test_each_forward_waits_for_its_own_sync_and_for_those_that_send_what_it_wri
     assert got == want
 
 
+def test_a_forward_waits_for_a_sync_that_sends_a_split_of_what_it_writes(data):
+    """ip2's output feeds ip3 and an InnerProduct off the loss path (aux, to an Accuracy), so the
+    net splits it: ip3's bottom is a Split's top, another Blob over the same memory. SFB sends
+    that memory as ip3's X, so ip2's and relu2's forwards, which write it, wait for ip3's sync
+    (compared by object alone they did not, and the next forward overwrote X while it was still
+    being sent: replicas that differed now and then)."""
+    text = fc_net(data, 4).replace(
+        'layer { name: "loss"',
+        'layer { name: "aux" type: "InnerProduct" bottom: "ip2" top: "aux"\n'
+        '  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }\n'
+        'layer { name: "aux_accuracy" type: "Accuracy" bottom: "aux" bottom: "label" '
+        'top: "aux_accuracy" }\nlayer { name: "loss"')
+    solvers = run_threads(solver_param(text, max_iter=1), 2, 1, sync="sfb", bucket_bytes=0)
+    hooks = solvers[0].hooks
+    names = hooks.net.layer_names
+    got = {names[li]: sorted(names[k] for k in keys)
+           for li, keys in hooks.wfbp.forward_waits.items()}
+    assert any("split" in n for n in names), names
+    assert "ip3" in got["ip2"] and "ip3" in got["relu2"], got
+
+
 def probe(data, folder, **options):
     """(worker 0's stamp times per iteration, its sync spans of ip3 per iteration) of a 4-iteration
     job of 2 workers whose top layer's sync is slow; checks worker 0's --stats lines."""
