@@ -11,6 +11,7 @@ Run: python -m pytest tests/dist/test_train_equivalence.py -q
 """
 import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,7 +21,8 @@ from .jobs import (DigitsData, cifar10_quick, digest_of_snapshot, replica_digest
                    train, weights, worst_relative, write_solver)
 
 BATCH = 8            # per worker
-ITERATIONS = 12
+ITERATIONS = 6       # the momentum history and the ring's buffers in use from the second on
+JOBS_AT_ONCE = 2
 TOLERANCE = 1e-6     # relative, per blob, against one process on the combined batch
 
 SYNCS = ("ps", "sfb", "allreduce", "hybrid", "ps+sfb")
@@ -53,31 +55,41 @@ def setup(tmp_path_factory):
     return models, DigitsData(folder), folder
 
 
+def flags_of(cell):
+    sync, workers, servers, overlap, ipc = cell
+    flags = ["--workers", workers, "--servers", servers, "--sync", sync, "--ipc", ipc]
+    return flags + (["--no-overlap"] if overlap == "no-overlap" else [])
+
+
 @pytest.fixture(scope="module")
-def references(setup):
-    """{P1: weights of one process on batch P1·BATCH}, made on first use."""
+def jobs(setup):
+    """Every job of this module run once, JOBS_AT_ONCE at a time (a job's processes leave a core
+    idle while they start, register and stop), before any cell is checked: {name: (solver,
+    finished process)}, the one-process references under ("one", P1)."""
     models, data, folder = setup
-    made = {}
+    todo = {("one", p1): (cifar10_quick(models, data, p1 * BATCH), [])
+            for p1 in sorted({cell[1] for cell in CELLS})}
+    todo.update({cell_id(cell): (cifar10_quick(models, data, BATCH), flags_of(cell))
+                 for cell in CELLS})
+    for name in ("twice-a", "twice-b"):
+        todo[name] = (cifar10_quick(models, data, BATCH), ["--workers", 4, "--servers", 2])
 
-    def reference(workers):
-        if workers not in made:
-            solver = write_solver(folder / f"one-{workers}",
-                                  cifar10_quick(models, data, workers * BATCH), ITERATIONS)
-            done = train(solver)
-            assert done.returncode == 0, done.stdout[-3000:]
-            made[workers] = weights(snapshot_of(solver, ITERATIONS))
-        return made[workers]
-    return reference
+    def run(name):
+        net, flags = todo[name]
+        label = name if isinstance(name, str) else f"one-{name[1]}"
+        solver = write_solver(folder / label, net, ITERATIONS)
+        return solver, train(solver, *flags)
+    with ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
+        return dict(zip(todo, pool.map(run, todo)))
 
 
-def run_job(setup, name, workers, flags):
-    models, data, folder = setup
-    solver = write_solver(folder / name, cifar10_quick(models, data, BATCH), ITERATIONS)
-    done = train(solver, "--workers", workers, *flags)
+def finished(jobs, name):
+    """The job's solver path, after checking it ended well and named no replica that drifted."""
+    solver, done = jobs[name]
     assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-3000:]}"
     drifted = [line for line in done.stdout.splitlines() if "differ from worker 0's" in line]
     assert not drifted, f"{name}: {drifted[0]}"
-    return solver, done
+    return solver
 
 
 def check_replicas(solver, workers):
@@ -91,24 +103,20 @@ def check_replicas(solver, workers):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS, ids=cell_id)
-def test_workers_train_as_one_process_on_the_combined_batch(setup, references, cell):
-    sync, workers, servers, overlap, ipc = cell
-    flags = ["--servers", servers, "--sync", sync, "--ipc", ipc]
-    if overlap == "no-overlap":
-        flags.append("--no-overlap")
-    solver, _ = run_job(setup, cell_id(cell), workers, flags)
-    err, where = worst_relative(weights(snapshot_of(solver, ITERATIONS)), references(workers))
+def test_workers_train_as_one_process_on_the_combined_batch(jobs, cell):
+    workers = cell[1]
+    solver = finished(jobs, cell_id(cell))
+    want = weights(snapshot_of(finished(jobs, ("one", workers)), ITERATIONS))
+    err, where = worst_relative(weights(snapshot_of(solver, ITERATIONS)), want)
     assert err <= TOLERANCE, (f"{cell_id(cell)}: blob {where} differs from one process on batch "
                               f"{workers * BATCH} by {err:.3g} (relative)")
     check_replicas(solver, workers)
 
 
 @pytest.mark.slow
-def test_the_same_job_twice_gives_bitwise_identical_snapshots(setup):
+def test_the_same_job_twice_gives_bitwise_identical_snapshots(jobs):
     """The default hybrid at 4 workers and 2 servers (the ring for most layers) run twice."""
-    flags = ["--servers", 2]
-    first, _ = run_job(setup, "twice-a", 4, flags)
-    second, _ = run_job(setup, "twice-b", 4, flags)
+    first, second = finished(jobs, "twice-a"), finished(jobs, "twice-b")
     a = snapshot_of(first, ITERATIONS).read_bytes()
     b = snapshot_of(second, ITERATIONS).read_bytes()
     assert a == b, "two runs of one job wrote different caffemodels"
