@@ -119,6 +119,10 @@ class PendingSyncs:
     def _check(self, futures, done):
         errors = [f.exception() for f in futures if f in done and f.exception() is not None]
         if errors:
-            it = self.it
-            self.cancel()
-            self._on_error(it, errors)
+            # on_error first: it waits for every sync of the iteration to give its NaN/Inf
+            # verdict (dist/verdicts.py), and a sync still queued on the pool gives none once
+            # cancelled; the job stops naming the first bad layer, not the first to fail
+            try:
+                self._on_error(self.it, errors)
+            finally:
+                self.cancel()
