@@ -130,7 +130,7 @@ class Coordinator:
             self._serve()
         except AbortError as e:
             if self.blamed is None:     # a FAILED names its rank; else a watched rank went silent
-                self.blamed = self._silent_ranks()
+                self.blamed = self.transport.silent_ranks()
             self._abort(str(e))
         except DistError as e:
             self._abort(str(e))
@@ -413,10 +413,7 @@ class Coordinator:
                    f"{entry.call} within {patience:.3g} s of the others "
                    f"({', '.join(name(r) for r in sorted(entry.arrived))}), who wait for the "
                    f"schemes planned from every worker's report")
-            drops = getattr(self.transport, "_last_drop", {})
-            notes = [f"the coordinator dropped {name(r)}'s last message: {drops[r]}"
-                     for r in missing if r in drops]
-            raise DistError("; ".join([why] + notes))
+            raise DistError("; ".join([why] + self.transport.drop_notes(missing)))
 
     def _on_query(self, msg):
         q = dict(msg.obj)             # its fields were checked on arrival (dist/control.py)
@@ -443,13 +440,6 @@ class Coordinator:
     def _on_done(self, msg):
         self.done.add(msg.sender)
         self.transport.unwatch(msg.sender)
-
-    def _silent_ranks(self):
-        """The watched ranks heard from longest ago, if silent past the heartbeat timeout."""
-        transport = self.transport
-        now = time.monotonic()
-        seen = dict(getattr(transport, "_watched", {}))
-        return sorted(r for r, t in seen.items() if now - t > transport.lost_after)
 
     def _write_verdict(self, reason):
         """The abort's reason and blamed ranks for the local launcher (written whole, then

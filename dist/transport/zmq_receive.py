@@ -316,10 +316,9 @@ class ZmqReceiveSide:
             except DistError:
                 pass
         if self.mailbox.error is None:
-            for rank, seen in list(self._watched.items()):
-                if now - seen > self.lost_after:
-                    self.fail(AbortError(
-                        f"{self.name}: lost contact with {self._namer(rank)}: nothing heard from it "
-                        f"for {self.lost_after:g} s (it has probably died; see its output)"))
-                    break
+            silent = self.silent_ranks(now)
+            if silent:
+                self.fail(AbortError(
+                    f"{self.name}: lost contact with {self._namer(silent[0])}: nothing heard from "
+                    f"it for {self.lost_after:g} s (it has probably died; see its output)"))
 

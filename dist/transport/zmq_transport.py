@@ -209,6 +209,17 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
     def unwatch(self, rank):
         self._watched.pop(rank, None)
 
+    def silent_ranks(self, now=None):
+        """The watched ranks heard from longer than `lost_after` seconds ago, in rank order."""
+        now = time.monotonic() if now is None else now
+        return sorted(r for r, seen in list(self._watched.items()) if now - seen > self.lost_after)
+
+    def drop_notes(self, ranks):
+        """One line for each of `ranks` whose last message this transport dropped, saying why."""
+        with self.counters_lock:
+            return [f"{self.name} dropped {self._namer(s)}'s last message: {self._last_drop[s]}"
+                    for s in ranks if s in self._last_drop]
+
     def beat_to_coordinator(self, on=True):
         self._beat_to_coordinator = on
 
@@ -349,9 +360,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
                                     self.timeout if timeout is None else timeout, what, senders,
                                     self._pump_for(mtype, key, iteration, spin))
         except DeadlineError as e:
-            with self.counters_lock:
-                notes = [f"{self.name} dropped {self._namer(s)}'s last message: "
-                         f"{self._last_drop[s]}" for s in (senders or []) if s in self._last_drop]
+            notes = self.drop_notes(senders or [])
             if notes:
                 raise DeadlineError(f"{e}; {'; '.join(notes)}") from None
             raise

@@ -15,22 +15,20 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from poseidon.dist import faults
 from poseidon.dist.coordinator import Coordinator
-from poseidon.dist.errors import AbortError, DistError
+from poseidon.dist.errors import AbortError
 from poseidon.dist.launch import LocalJob, process_state
 from poseidon.dist.options import DistOptions
 from poseidon.dist.roles import Roles
 from poseidon.dist.transport import free_port
 
 from .helpers import conv_net, make_lmdb
-from .test_coordinator import OPTIONS, start_job
-from .test_cost_book import _description
+from .test_coordinator import register_all_but, start_job
 from .test_processes import alive, cli, env, write_solver
 from .test_signals_dist import Output
 
@@ -246,19 +244,7 @@ def test_a_registered_rank_stops_with_the_coordinators_reason_not_its_own_wait()
     roles, coord, clients = start_job(2, 1, start_timeout=1.0)
     errors = {}
     try:
-        def reg(rank):
-            try:
-                info = {"role": roles.role(rank), "options": dict(OPTIONS, workers=2),
-                        "description": _description([("InnerProduct", 8, 8, 2, True)]),
-                        "solver": ""}
-                clients[rank].register(info)
-            except DistError as e:
-                errors[rank] = e
-        threads = [threading.Thread(target=reg, args=(r,)) for r in (0, 2)]   # worker 1 absent
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+        errors = register_all_but(roles, clients, absent=1)
     finally:
         coord.join(5)
         for c in clients:

@@ -132,26 +132,31 @@ def test_services(local0):
         close(coord, clients)
 
 
+def register_all_but(roles, clients, absent):
+    """Every rank of a 2-worker job but `absent` registers, each on a thread of its own; the
+    DistError each got, by rank."""
+    desc = _description([("InnerProduct", 8, 8, 2, True)])
+    errors = {}
+
+    def reg(rank):
+        try:
+            clients[rank].register({"role": roles.role(rank), "options": dict(OPTIONS, workers=2),
+                                    "description": desc, "solver": ""})
+        except DistError as e:
+            errors[rank] = e
+    threads = [threading.Thread(target=reg, args=(r,)) for r in range(roles.size) if r != absent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return errors
+
+
 def test_missing_rank_is_named():
     roles, coord, clients = start_job(2, 1, start_timeout=1.0)
     try:
-        desc = _description([("InnerProduct", 8, 8, 2, True)])
-        options = dict(OPTIONS, workers=2)
         clients[0].start_timeout = clients[2].start_timeout = 5
-        errors = {}
-
-        def reg(rank):
-            try:
-                info = {"role": roles.role(rank), "options": options, "description": desc,
-                        "solver": ""}
-                clients[rank].register(info)
-            except DistError as e:
-                errors[rank] = e
-        threads = [threading.Thread(target=reg, args=(r,)) for r in (0, 2)]   # worker 1 absent
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+        errors = register_all_but(roles, clients, absent=1)
         assert isinstance(errors[0], AbortError)
         assert "only 2 of 3 processes registered" in str(errors[0])
         assert "missing: worker 1" in str(errors[0])
