@@ -39,6 +39,7 @@ import numpy
 
 from . import control
 from .book import InformationBook, describe_net, digest, first_difference  # noqa: F401
+from .checks import WireRules
 from .collectives import FUTURE_CALLS, Collectives
 from .costmodel import Planner, load_cost_table
 from .errors import AbortError, DeadlineError, DistError
@@ -78,7 +79,8 @@ class Coordinator:
         self.warn = warn or self.log
         self.transport = ZmqTransport(COORDINATOR, namer=roles.name, timeout=timeout,
                                       router=True, heartbeat=heartbeat, lost_after=lost_after,
-                                      name="the coordinator", keys=keys, roles=roles)
+                                      name="the coordinator", keys=keys,
+                                      rules=WireRules(COORDINATOR, roles, roles.name))
         self.transport.set_fifo(list(Msg))
         try:
             self.address = self.transport.bind(bind_host, port)

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from . import faults
+from .checks import WireRules
 from .coordinator import Coordinator, CoordinatorClient
 from .errors import DistError
 from .options import DistOptions, send_order, shared_kv_memory
@@ -87,7 +88,8 @@ class Session:
         self.transport = ZmqTransport(rank, namer=self.roles.name, timeout=options.timeout,
                                       bandwidth=options.bandwidth_bytes(),
                                       lost_after=options.heartbeat_timeout, keys=self.keys,
-                                      roles=self.roles, local_ipc=options.ipc != "off",
+                                      rules=WireRules(rank, self.roles, self.roles.name),
+                                      local_ipc=options.ipc != "off",
                                       direct_links=options.ipc in ("auto", "links"),
                                       shared_memory=shared_kv_memory(options),
                                       slice_bytes=options.slice_bytes,

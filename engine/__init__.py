@@ -15,7 +15,9 @@ from . import io  # noqa: F401
 from .backend import set_device, set_mode_cpu, set_mode_gpu  # noqa: F401
 from .blob import Blob  # noqa: F401
 from .errors import PoseidonError, ModelError, LayerError, DataError  # noqa: F401
-from .layer import TRAIN, TEST, Layer, register, registered_types  # noqa: F401
+from .factory import registered_types  # noqa: F401
+from .layer import TRAIN, TEST, Layer  # noqa: F401
+from .registry import register  # noqa: F401
 from .net import Net  # noqa: F401
 from .solvers import Solver, get_solver  # noqa: F401
 

@@ -8,50 +8,10 @@ with `@register("TypeName")` beside their class.
 import numpy
 
 from .blob import Blob
-from .errors import LayerError, ModelError
+from .errors import LayerError
 from . import fillers
 
 TRAIN, TEST = 0, 1
-
-_REGISTRY = {}
-
-
-def register(type_name):
-    """Class decorator adding a layer type under the name prototxt files use (`type: "..."`)."""
-
-    def add(cls):
-        if type_name in _REGISTRY:
-            raise ValueError(f"layer type '{type_name}' is registered twice "
-                             f"({_REGISTRY[type_name].__module__} and {cls.__module__})")
-        cls.type = type_name
-        _REGISTRY[type_name] = cls
-        return cls
-
-    return add
-
-
-def layer_class(type_name, layer_name="?"):
-    from . import layers  # noqa: F401  (importing registers the built-in types)
-    try:
-        return _REGISTRY[type_name]
-    except KeyError:
-        import difflib
-        close = difflib.get_close_matches(type_name, list(_REGISTRY), n=1, cutoff=0.7)
-        known = (f"did you mean '{close[0]}'?" if close
-                 else "known: " + ", ".join(sorted(_REGISTRY)))
-        raise ModelError(f"layer '{layer_name}': unknown layer type '{type_name}': fix the type or "
-                         f"register a Python layer with @engine.register('{type_name}'); "
-                         f"{known}") from None
-
-
-def registered_types():
-    from . import layers  # noqa: F401
-    return sorted(_REGISTRY)
-
-
-def create_layer(param, phase=TRAIN, dtype=numpy.float32, xp=numpy):
-    return layer_class(param.type, param.name)(param, phase, dtype, xp)
-
 
 class Layer:
     """Base class. Override `layer_setup`, `reshape`, `forward`, `backward` (Caffe's four methods)."""

@@ -15,7 +15,8 @@ import numpy
 from . import backend
 from .blob import Blob
 from .errors import DataError, ModelError, PoseidonError
-from .layer import TRAIN, TEST, create_layer
+from .factory import create_layer
+from .layer import TRAIN, TEST
 from .layers.batchnorm_scale import BatchNormScalePair, can_pair
 from .layers.fusion import absorb_relus
 from .proto import caffe_pb2

@@ -130,3 +130,91 @@ def test_modules_stay_small():
             if rel not in GENERATED and lines > MAX_LINES:
                 big.append(f"{rel}: {lines} lines")
     assert not big, big
+
+
+def module_name(path):
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts) if rel.parts[0] == "poseidon" else ["poseidon"] + list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(modules):
+    """{module: set of the package's modules it imports}, from {module name: (source, is a
+    package)}: imports inside functions count as much as those at the top (a function-level
+    import that dodges a cycle is still the cycle). `from pkg import name` leans on pkg.name
+    when that is a module, else on pkg's __init__."""
+    def owner(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, (source, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(source)):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                 + ([node.module] if node.module else []))
+                        if node.level else node.module or "")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            edges |= {m for m in map(owner, targets) if m and m != name}
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph):
+    """The strongly connected groups of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    modules = {module_name(p): (p.read_text(), p.name == "__init__.py")
+               for folder in FOLDERS + ("poseidon",) for p in sources(folder)}
+    assert not cycles(import_graph(modules)), cycles(import_graph(modules))
+
+
+def test_a_cycle_dodged_inside_a_function_is_found():
+    modules = {"poseidon.a": ("from . import b\n", False),
+               "poseidon.b": ("def f():\n    from .a import g\n    return g\n", False),
+               "poseidon.c": ("from .a import b\n", False)}
+    assert cycles(import_graph(modules)) == [["poseidon.a", "poseidon.b"]]
+    modules["poseidon.b"] = ("def f():\n    import json\n    return json\n", False)
+    assert cycles(import_graph(modules)) == []

@@ -252,20 +252,26 @@ def make_message(head, mtype, flags, sender, iteration, key, aux, arrays, payloa
                    bool(flags & FLAG_SHARED))
 
 
+STOP_POLL_S = 0.1     # how often a wait for a receipt asks whether the transport has stopped
+
+
 class Receipt:
     """What one send cost (payload and header bytes apart) and the trackers of zero-copy frames.
 
     Why a deadline: a zero-copy frame is done only once the receiver has read it, and a receiver
     that is stopped (SIGSTOP) or gone never reads; a wait without one would stop the waiting
     thread for ever (a KV server's receive thread then stops beating and serving). `wait` gives
-    up after the transport's --timeout, naming the receiver; `done` asks without waiting."""
+    up after the transport's --timeout, naming the receiver, and at once when the transport is
+    stopped (a lost peer never reads what was sent to it); `done` asks without waiting."""
 
-    __slots__ = ("payload_bytes", "header_bytes", "trackers", "timeout", "what")
+    __slots__ = ("payload_bytes", "header_bytes", "trackers", "timeout", "what", "stopped")
 
-    def __init__(self, payload_bytes=0, header_bytes=0, trackers=(), timeout=None, what=None):
+    def __init__(self, payload_bytes=0, header_bytes=0, trackers=(), timeout=None, what=None,
+                 stopped=None):
         self.payload_bytes, self.header_bytes, self.trackers = payload_bytes, header_bytes, trackers
         self.timeout = timeout           # seconds a wait lasts at most (None: the caller's)
         self.what = what                 # "rank 0's KV_VALUE to rank 2", for the deadline error
+        self.stopped = stopped           # fn() -> the transport's abort error, or None
 
     def done(self):
         """Whether every sent buffer is free again (without waiting)."""
@@ -280,10 +286,17 @@ class Receipt:
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         for t in self.trackers:
-            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                t.wait(left)
-            except (TimeoutError, zmq.NotDone):
-                raise DeadlineError(f"{self.what or 'a message'} was not taken within "
-                                    f"{limit:g} s: is the receiver still running?") from None
+            while not t.done:
+                error = self.stopped() if self.stopped is not None else None
+                if error is not None:
+                    raise error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DeadlineError(f"{self.what or 'a message'} was not taken within "
+                                        f"{limit:g} s: is the receiver still running?")
+                try:
+                    t.wait(STOP_POLL_S if left is None else min(STOP_POLL_S, left))
+                except (TimeoutError, zmq.NotDone):
+                    pass
+            t.wait(0)                    # done: returns, or raises a sender thread's error
         self.trackers = ()

@@ -38,6 +38,7 @@ from . import slices
 from .bandwidth import TokenBucket
 from .mailbox import Mailbox
 from .scheduler import WINDOW_SLICES, PeerScheduler, current_priority
+from .rules import DecodingOnly
 from .wire import FLAG_JSON, FLAG_SHARED, Msg, Receipt, encode_header
 from .zmq_onehost import ZmqOneHost
 from .zmq_receive import ZmqReceiveSide
@@ -74,10 +75,9 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
     coordinator; a receive thread; counters of payload and header bytes sent and received."""
 
     def __init__(self, rank, namer=None, timeout=30.0, bandwidth=None, router=False,
-                 heartbeat=1.0, lost_after=10.0, name=None, keys=None, roles=None,
+                 heartbeat=1.0, lost_after=10.0, name=None, keys=None, rules=None,
                  local_ipc=False, direct_links=None, shared_memory=False,
                  slice_bytes=slices.DEFAULT_SLICE_BYTES, priority=None, credit_bytes=None):
-        from ..checks import WireRules
         self.rank = rank
         self._namer = namer or (lambda r: "the coordinator" if r == COORDINATOR else f"rank {r}")
         self.name = name or self._namer(rank)
@@ -99,7 +99,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             direct_links = False
         self._init_one_host(router, local_ipc, direct_links, shared_memory)
         self.routes = {}                             # rank -> 'ipc' or 'tcp'
-        self.rules = WireRules(rank, roles, self._namer)
+        self.rules = rules if rules is not None else DecodingOnly()   # dist/checks.py's WireRules
         self._taken = {}                             # (type, key) -> last iteration taken
         self._last_drop = {}                         # sender -> why its last message was dropped
         self._router = router
@@ -344,7 +344,8 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             self.sent_header += header_bytes
             self.sent_messages += 1
         what = (f"{self.name}'s {Msg(mtype).name} to {self._namer(dest)}" if trackers else None)
-        return Receipt(payload, header_bytes, trackers, self.timeout, what)
+        return Receipt(payload, header_bytes, trackers, self.timeout, what,
+                       stopped=lambda: self.mailbox.error)
 
     # ----- receiving ----------------------------------------------------------------------------------
     def receive(self, mtype, key=0, iteration=0, count=1, timeout=None, what=None, senders=None,

@@ -6,7 +6,8 @@ of its input as Caffe does.
 """
 import numpy
 
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 from ..parallel import split_rows
 
 # numpy's maximum against a scalar takes a loop without SIMD on some builds, where maximum of two

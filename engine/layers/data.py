@@ -14,7 +14,8 @@ from ..errors import DataError
 from ..io.caffemodel import read_binaryproto
 from ..io.batch import decode_batch
 from ..io.lmdb_store import ShardedReader
-from ..layer import TRAIN, Layer, register
+from ..layer import TRAIN, Layer
+from ..registry import register
 
 
 @register("Input")

@@ -14,7 +14,8 @@ import numpy
 
 from .. import kernels, rng
 from ..kernels import counter_rng
-from ..layer import TRAIN, Layer, register
+from ..layer import TRAIN, Layer
+from ..registry import register
 
 SEED_LIMIT = 1 << 63
 

@@ -10,7 +10,8 @@ import numpy
 
 from .. import kernels
 from ..gemm import matmul
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 from ..parallel import BufferCache, WorkerBuffers, block_rows, l2_cache_bytes, parallel
 from .activation import relu_backward, relu_forward
 

@@ -8,7 +8,8 @@ top[0].diff (the loss weight the net put there).
 import numpy
 
 from .. import kernels
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 from .normalization import reuse_buffer
 
 FLT_MIN = float(numpy.finfo(numpy.float32).tiny)   # Caffe clamps p to FLT_MIN before log, any dtype

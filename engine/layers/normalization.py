@@ -20,7 +20,8 @@ others; it is a learned blob (one bottom) or bottom[1] (two bottoms, whose shape
 import numpy
 
 from .. import kernels
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 from ..parallel import split_range, split_rows
 
 

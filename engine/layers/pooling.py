@@ -31,7 +31,8 @@ import numpy
 
 from .. import kernels
 from ..backend import get_array_module
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 from ..parallel import BufferCache, WorkerBuffers, parallel
 from .im2col import NEG_FLT_MAX, Geometry, offset_slices
 

@@ -53,7 +53,8 @@ import sys
 import types
 
 from ..errors import LayerError
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 
 
 class BlobVec(list):

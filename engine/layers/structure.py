@@ -19,7 +19,8 @@ reshape_layer.cpp, crop_layer.cpp, eltwise_layer.cpp):
 import numpy
 
 from .. import kernels
-from ..layer import Layer, register
+from ..layer import Layer
+from ..registry import register
 from ..parallel import split_rows
 
 

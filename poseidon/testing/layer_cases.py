@@ -5,7 +5,7 @@ from google.protobuf import text_format
 
 from poseidon.engine import TRAIN, backend
 from poseidon.engine.blob import Blob
-from poseidon.engine.layer import create_layer
+from poseidon.engine.factory import create_layer
 from poseidon.engine.proto import caffe_pb2
 
 

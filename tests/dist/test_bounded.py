@@ -201,3 +201,27 @@ def test_a_receipt_waits_at_most_its_deadline_and_names_the_receiver():
     with pytest.raises(DeadlineError, match="worker 0's SF to worker 1 was not taken within 0.1 s"):
         receipt.wait()
     assert time.monotonic() - start < 5
+
+
+def test_a_receipt_wait_ends_when_the_transport_stops():
+    """A peer that dies holding a zero-copy frame never reads it: once the transport is stopped
+    (its heartbeat loss), the wait raises the stop's error instead of lasting to --timeout."""
+    import zmq
+    from poseidon.dist.errors import AbortError
+    from poseidon.dist.transport import Receipt
+
+    class NeverTaken:
+        done = False
+
+        def wait(self, timeout):
+            time.sleep(min(timeout, 0.05))
+            raise zmq.NotDone()
+
+    stop_at = time.monotonic() + 0.3
+    lost = AbortError("worker 1: lost contact with the coordinator")
+    receipt = Receipt(10, 5, [NeverTaken()], timeout=60.0, what="worker 1's SF to worker 0",
+                      stopped=lambda: lost if time.monotonic() >= stop_at else None)
+    start = time.monotonic()
+    with pytest.raises(AbortError, match="lost contact"):
+        receipt.wait()
+    assert time.monotonic() - start < 2

@@ -23,6 +23,8 @@ import time
 
 import numpy
 import pytest
+
+from poseidon.dist.checks import WireRules
 import zmq
 
 from poseidon.dist import security
@@ -298,7 +300,7 @@ def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(cap
     from .helpers import fc_net
     roles = Roles(2, 1)
     book = _small_book()
-    t = ZmqTransport(2, namer=roles.name, timeout=0.4, roles=roles)
+    t = ZmqTransport(2, namer=roles.name, timeout=0.4, rules=WireRules(2, roles, roles.name))
     try:
         server = KVServer(t, book, roles, make_rule(solver_param(fc_net("x", 1))))
         bundle = book.bundles_on_server(0)[0]
@@ -334,8 +336,8 @@ def test_a_peer_whose_factors_really_disagree_is_named_in_the_deadline_error():
     roles = Roles(2, 1)
     book = _small_book()
     rec = [r for r in book.layers if r["scheme"] == "sfb"][0]
-    a = ZmqTransport(0, namer=roles.name, timeout=2.0, roles=roles)
-    b = ZmqTransport(1, namer=roles.name, timeout=2.0, roles=roles)
+    a = ZmqTransport(0, namer=roles.name, timeout=2.0, rules=WireRules(0, roles, roles.name))
+    b = ZmqTransport(1, namer=roles.name, timeout=2.0, rules=WireRules(1, roles, roles.name))
     try:
         for t in (a, b):
             t.bind("127.0.0.1")

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import numpy
 import pytest
+
+from poseidon.dist.checks import WireRules
 import zmq
 
 from poseidon.dist.book import InformationBook
@@ -58,9 +60,11 @@ class Worker1:
 
     def __init__(self, book, slice_bytes=None):
         self.book = book
-        self.t = ZmqTransport(1, namer=ROLES.name, roles=ROLES, timeout=10.0, local_ipc=True)
+        self.t = ZmqTransport(1, namer=ROLES.name, rules=WireRules(1, ROLES, ROLES.name),
+                              timeout=10.0, local_ipc=True)
         sliced = {} if slice_bytes is None else {"slice_bytes": slice_bytes}
-        self.honest = ZmqTransport(0, namer=ROLES.name, roles=ROLES, timeout=10.0,
+        self.honest = ZmqTransport(0, namer=ROLES.name, rules=WireRules(0, ROLES, ROLES.name),
+                                   timeout=10.0,
                                    local_ipc=True, **sliced)
         for t in (self.t, self.honest):
             t.bind("127.0.0.1")

@@ -8,6 +8,8 @@ import time
 import numpy
 import pytest
 
+from poseidon.dist.checks import WireRules
+
 from poseidon.dist.errors import AbortError, DeadlineError
 from poseidon.dist.roles import Roles
 from poseidon.dist.transport import (FIXED_HEADER_BYTES, Msg, TokenBucket, ZmqTransport, decode_header,
@@ -118,8 +120,8 @@ def test_parse_bandwidth():
 
 def test_a_transport_of_this_process_gets_its_messages_handed_over_without_sockets(capfd):
     roles = Roles(2, 1)
-    a = ZmqTransport(0, namer=roles.name, timeout=2.0, roles=roles)
-    b = ZmqTransport(2, namer=roles.name, timeout=2.0, roles=roles)
+    a = ZmqTransport(0, namer=roles.name, timeout=2.0, rules=WireRules(0, roles, roles.name))
+    b = ZmqTransport(2, namer=roles.name, timeout=2.0, rules=WireRules(2, roles, roles.name))
     for t in (a, b):
         t.bind("127.0.0.1")
         t.start()

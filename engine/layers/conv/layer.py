@@ -8,7 +8,8 @@ Winograd's F(2x2, 3x3) (winograd.py), all with the same interface. The route is 
 and input size (routes.py): at reshape, or at the first forward where it is measured.
 """
 from ...backend import device_name
-from ...layer import TRAIN, Layer, register
+from ...layer import TRAIN, Layer
+from ...registry import register
 from ...parallel import parallel
 from ...proto import caffe_pb2
 from ..activation import relu_backward, relu_forward
