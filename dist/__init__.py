@@ -12,7 +12,7 @@ provides); BestScheme then compares it with the others. See docs/distributed.md 
 the module docstrings for the reasons.
 """
 from .errors import AbortError, DeadlineError, DistError  # noqa: F401
-from .options import DistOptions, add_dist_options  # noqa: F401
+from .job.options import DistOptions, add_dist_options  # noqa: F401
 from .schemes import Scheme, register_scheme  # noqa: F401
-from .session import Session, current, init  # noqa: F401
-from .worker import DistributedSolver, WorkerHooks  # noqa: F401
+from .job.session import Session, current, init  # noqa: F401
+from .worker.hooks import DistributedSolver, WorkerHooks  # noqa: F401

@@ -412,7 +412,7 @@ def test_train_digits_reaches_90_percent(digits):
 def test_keys_force_replaces_the_file_atomically_with_mode_0600(tmp_path):
     """--force writes a new 0600 file beside the old one and renames it over: a hard link to the
     old file (a copy someone kept) still holds the old keys, and no temporary file is left."""
-    from poseidon.dist.security import read_key_file
+    from poseidon.dist.job.security import read_key_file
     path = tmp_path / "job.keys"
     ok(poseidon("keys", path, cwd=tmp_path))
     old = read_key_file(path)

@@ -107,7 +107,7 @@ def architecture_map():
 def test_architecture_map_is_a_table_of_paths():
     paths = [p for _, p in architecture_map()]
     for expected in ("engine/layer.py", "engine/net.py", "engine/solvers/solver.py",
-                     "dist/worker.py", "dist/kvstore.py", "dist/launch.py", "tools/cli.py"):
+                     "dist/worker/hooks.py", "dist/kv/store.py", "dist/job/launch.py", "tools/cli.py"):
         assert expected in paths, f"docs/architecture.md's map lacks {expected}"
 
 
@@ -151,7 +151,7 @@ def test_readme_shows_every_command():
 CODE_DIRS = ("engine", "dist", "tools", "models")
 DOC_REF = re.compile(r"(?<![\w./-])docs/[\w.-]+\.md\b")
 # engine/... or dist/...: a folder (ending in /), a file (a.py, caffe.proto), or a module and a
-# name in it (dist/worker.spin_seconds). Words without a dot or a trailing slash are prose.
+# name in it (dist/worker/hooks.spin_seconds). Words without a dot or a trailing slash are prose.
 REPO_REF = re.compile(r"(?<![\w./-])((?:engine|dist)/(?:[\w-]+/)*(?:[\w-]+(?:\.\w+)+)?)(?![\w/-])")
 
 
@@ -192,7 +192,7 @@ def broken_refs_in(text, root=ROOT):
     "a server's shared memory (dist/" "kvshm.py)",
     "the layers in engine/layers/" "conv.py",
     "the frequency route (engine/layers/conv_" "fourier.py)",
-    "the worker's hooks (dist/worker.spin_" "forever)",
+    "the worker's hooks (dist/worker/hooks.spin_" "forever)",
     "the profiles in dist/" "profile/",
 ])
 def test_the_reference_checker_finds_stale_paths(text):
@@ -203,8 +203,8 @@ def test_the_reference_checker_finds_stale_paths(text):
     "docs/performance.md, \"InnerProduct and the GEMM share\"",
     "a server's shared memory (dist/transport/onehost/kvshm.py).",
     "the layers in engine/layers/conv/ and engine/parallel.py:",
-    "has a core for every process of the job (dist/worker.spin_seconds)",
-    "never writes a worker's region (dist/kvstore.KVServer.gradient_sum)",
+    "has a core for every process of the job (dist/worker/hooks.spin_seconds)",
+    "never writes a worker's region (dist/kv/store.KVServer.gradient_sum)",
     "edit engine/proto/caffe.proto, then regenerate",
     "like one of ours (engine.py, dist/, numpy.py)",
     "engine/PyTorch speed: 1.10x",

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from poseidon.dist.costmodel import load_cost_table
+from poseidon.dist.cost.model import load_cost_table
 from poseidon.dist.errors import DistError
-from poseidon.dist.options import DistOptions
+from poseidon.dist.job.options import DistOptions
 from poseidon.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -57,7 +57,7 @@ def test_torn_snapshot_is_refused_naming_the_file(tmp_path, victim, damage):
 def test_manifest_of_the_wrong_shape_is_a_torn_snapshot(tmp_path, text):
     """Valid JSON that is not a list of files with sizes and checksums: one ModelError naming the
     manifest (it was a TypeError), and `--resume auto` goes back to the previous snapshot."""
-    from poseidon.dist.resume import newest_complete
+    from poseidon.dist.job.resume import newest_complete
     param = _solver(tmp_path).param
     param.max_iter, param.snapshot = 4, 2
     get_solver(param).solve()

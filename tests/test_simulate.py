@@ -1,4 +1,4 @@
-"""`poseidon simulate` and its discrete-event model (dist/simulate.py, dist/simprofile.py).
+"""`poseidon simulate` and its discrete-event model (dist/sim/simulate.py, dist/sim/profile.py).
 
 * limits: free communication gives speedup P1 in every mode; WFBP never loses to no overlap;
   less bandwidth never helps.
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from poseidon.dist import simprofile
-from poseidon.dist.book import describe_net
+from poseidon.dist.sim import profile as simprofile
+from poseidon.dist.coord.book import describe_net
 from poseidon.dist.schemes import best_scheme
-from poseidon.dist.cost import ps_cost, sfb_cost
-from poseidon.dist.simulate import MODES, Network, parse_bandwidth, parse_latency, simulate
+from poseidon.dist.cost.formulas import ps_cost, sfb_cost
+from poseidon.dist.sim.simulate import MODES, Network, parse_bandwidth, parse_latency, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15          # the paper's figures are read off plots; the model is coarse

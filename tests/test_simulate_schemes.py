@@ -1,6 +1,6 @@
 """`poseidon simulate` beyond the paper: ring all-reduce, the choice by predicted time, priority,
-G devices per node behind a leader, and the ResNet-152 profile (dist/simulate.py,
-dist/simcost.py, dist/simprofile.py).
+G devices per node behind a leader, and the ResNet-152 profile (dist/sim/simulate.py,
+dist/sim/cost.py, dist/sim/profile.py).
 
 * the by-time choice is never below the best single scheme, for the four shipped models at several
   node counts and bandwidths (printed as a table);
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from poseidon.dist import simprofile
-from poseidon.dist.simcost import (Shape, algorithm1_plan, layer_times, paper_scheme,
+from poseidon.dist.sim import profile as simprofile
+from poseidon.dist.sim.cost import (Shape, algorithm1_plan, layer_times, paper_scheme,
                                    predicted_plan)
-from poseidon.dist.simulate import MODES, Network, parse_bandwidth, simulate
+from poseidon.dist.sim.simulate import MODES, Network, parse_bandwidth, simulate
 
 from .test_simulate import one_layer_profile, poseidon
 

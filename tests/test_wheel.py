@@ -96,7 +96,7 @@ def test_child_processes_ignore_the_working_folder(tmp_path):
     """A job's children start by module name without the working folder on sys.path: a user's
     `poseidon.py` beside the solver file does not shadow the package in any rank (with a plain
     `python -m` it would)."""
-    from poseidon.dist.spawn import module_command
+    from poseidon.dist.job.spawn import module_command
     (tmp_path / "poseidon.py").write_text("raise SystemExit('the working folder was imported')\n")
     plain = subprocess.run([sys.executable, "-m", "poseidon.tools.cli", "--help"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)

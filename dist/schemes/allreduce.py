@@ -15,7 +15,7 @@ same bits; each worker then applies the solver's rule to the summed gradient wit
 the layer's solver history (as SFB does), scaled like every scheme by the job's grad_scale.
 
 Messages: one RING message per piece, keyed by (layer, slot) (ring.ring_key), checked on receipt
-against the plan (dist/checks.py: from the left neighbour only, the piece's exact length; the
+against the plan (dist/coord/checks.py: from the left neighbour only, the piece's exact length; the
 transport keeps the first piece of a slot and refuses pieces far ahead of this worker's
 iteration). Waits have the job's --timeout and name the layer, the piece and the awaited worker;
 an abort of the job ends them as it ends any receive. A piece holding NaN/Inf stops the job before
@@ -26,7 +26,7 @@ replica with nothing to say where it came from.
 import numpy
 from poseidon.engine.solvers.health import all_finite
 
-from ..cost import allreduce_cost
+from ..cost.formulas import allreduce_cost
 from ..errors import DistError
 from ..transport import Msg
 from .base import Scheme, register_scheme
@@ -71,7 +71,7 @@ class AllReduceScheme(Scheme):
     @staticmethod
     def ring_piece(rec, slot, workers, position):
         """Floats of piece `slot` of the layer's ring the worker at `position` may be sent, or
-        None for a slot the ring does not have (dist/checks.py)."""
+        None for a slot the ring does not have (dist/coord/checks.py)."""
         return plan_of(rec, workers).expected_length(slot, position)
 
     def __init__(self, syncer):

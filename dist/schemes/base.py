@@ -4,7 +4,7 @@ A scheme says, as class attributes and static methods, what BestScheme needs to 
 others (`applies_to`, `cost`, `uses_servers`, `bsp_only`), and, as an instance made per synced layer,
 how one iteration's sync runs: `send(it, stats)` then `receive(it, stats)`, which between them must
 leave the layer's parameters at their new values on this worker. It reaches its worker only
-through the SyncContext its syncer holds (dist/syncer.py).
+through the SyncContext its syncer holds (dist/worker/syncer.py).
 """
 from poseidon.engine.solvers.health import all_finite, param_label
 
@@ -50,7 +50,7 @@ class Scheme:
     #: layer's backward (the solver is told so through its hooks)
     factored = False
     #: it sends (or reads on its thread) the bottom data of its layers, which the next forward of
-    #: the layers below overwrites (dist/layerwait.py: that forward waits for it)
+    #: the layers below overwrites (dist/worker/layerwait.py: that forward waits for it)
     sends_bottom_data = False
 
     @staticmethod
@@ -66,7 +66,7 @@ class Scheme:
     @classmethod
     def traffic(cls, rec, P1, P2):
         """What one iteration's sync of the layer costs, for the measured cost model
-        (dist/costmodel.py): {"messages": messages on the busiest node, "floats": cost(),
+        (dist/cost/model.py): {"messages": messages on the busiest node, "floats": cost(),
         "flops": extra arithmetic on a worker}. This default: a request and an answer per server
         for a scheme with servers, a message to and from each peer otherwise, no arithmetic."""
         messages = 2 * P2 if cls.uses_servers else 2 * max(P1 - 1, 0)

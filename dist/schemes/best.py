@@ -8,7 +8,7 @@ cheapest that can sync the layer wins; a tie goes to the scheme that needs no se
 applies to every layer. Under --straggler-timeout or --staleness only schemes that tolerate a late
 or early worker (not `bsp_only`) may run: PS.
 
-With the measured cost model (dist/costmodel.py) the comparison is on predicted seconds instead:
+With the measured cost model (dist/cost/model.py) the comparison is on predicted seconds instead:
 `choose_scheme(..., predicted={name: seconds})`, with the same applicability and tie rules.
 
 `--sync A+B` is a hybrid over the named schemes alone: `ps+sfb` is the paper's Algorithm 1 as
@@ -86,7 +86,7 @@ def possible_schemes(rec, sync="hybrid", relaxed=None):
 
 def may_send_bottom_data(book, members, relaxed=None):
     """Whether a sync of these layers (the book's records) may send a layer's bottom data, so
-    that the forward writing that blob must wait for it (dist/layerwait.py)."""
+    that the forward writing that blob must wait for it (dist/worker/layerwait.py)."""
     sync = book.options.get("sync", "hybrid")
     return any(cls.sends_bottom_data for li in members
                for cls in possible_schemes(book.layer(li), sync, relaxed))

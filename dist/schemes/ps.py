@@ -1,27 +1,27 @@
 """The sharded parameter server as a scheme: push the layer's gradient, pull its new values.
 
-The KV pairs of the layer's parameters live on the servers (dist/kvstore.py), which average the
-workers' gradients and apply the solver's rule; the KV client (dist/kvclient.py) carries the messages.
+The KV pairs of the layer's parameters live on the servers (dist/kv/store.py), which average the
+workers' gradients and apply the solver's rule; the KV client (dist/kv/client.py) carries the messages.
 """
 import numpy
 
-from ..cost import ps_cost
+from ..cost.formulas import ps_cost
 from ..errors import DistError
-from ..kvclient import bundle_text
+from ..kv.client import bundle_text
 from .base import Scheme, register_scheme
 
 
 @register_scheme
 class PSScheme(Scheme):
     """Push the layer's gradients to the servers, one message per bundle of its KV pairs
-    (dist/placement.bundle_pairs); take the updated values back the same way.
+    (dist/coord/placement.bundle_pairs); take the updated values back the same way.
 
     The gradient frames are views of the diff (CPU) or of pinned buffers (GPU), sent zero-copy;
     the values arrive bundle by bundle and are copied straight into the parameter (or its pinned
     buffer, then one host-to-device copy per parameter). To a server of this host that shares its
     memory (dist/transport/onehost/kvshm.py) the gradient is copied into this worker's region and
     the message is a header; the answer is a header too, and the values are copied from the
-    server's memory. A parameter the worker placed in that memory (dist/replicas.py) is
+    server's memory. A parameter the worker placed in that memory (dist/worker/replicas.py) is
     copied neither way: its diff is the region, its data the server's values."""
 
     name = "ps"

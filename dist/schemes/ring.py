@@ -1,7 +1,7 @@
 """The arithmetic of a ring all-reduce: which chunk each worker sends and receives at each step,
 how a chunk is cut into pieces, how a piece is named on the wire, and what each worker moves.
 
-Why apart from the scheme (allreduce.py): the receiving side's checks (dist/checks.py) must know
+Why apart from the scheme (allreduce.py): the receiving side's checks (dist/coord/checks.py) must know
 the length of every piece a worker may be sent before the scheme sees it, and the cost model must
 count the same pieces; both read this plan, which needs nothing but the layer's float count, the
 number of workers and the piece size.

@@ -25,7 +25,7 @@ from poseidon.engine.parallel import WorkerBuffers
 from poseidon.engine.solvers.factored import update_from_factors
 from poseidon.engine.solvers.health import all_finite
 
-from ..cost import sfb_cost
+from ..cost.formulas import sfb_cost
 from ..errors import DistError
 from ..transport import Msg
 from .base import Scheme, register_scheme

@@ -15,7 +15,7 @@ from collections import defaultdict, deque
 import numpy
 
 from ..errors import DeadlineError
-from ..roles import COORDINATOR
+from ..job.roles import COORDINATOR
 from .wire import Msg
 
 MAX_FILED = 1 << 16    # messages waiting for a taker, in all: far more than a job's iteration has

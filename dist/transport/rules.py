@@ -1,6 +1,6 @@
 """What a transport asks before it files a message, when it is made without a job's rules.
 
-The transport knows nothing of schemes, roles or the book: the job's checks (dist/checks.py,
+The transport knows nothing of schemes, roles or the book: the job's checks (dist/coord/checks.py,
 `WireRules`) are handed to it by whoever makes it, and a bare transport (a tool, a unit test)
 gets `DecodingOnly`, which accepts every message that decodes.
 """

@@ -9,7 +9,7 @@ as slices of at most `--slice-bytes`: the same type, key and iteration, each sli
 bytes of which array of the whole it holds, and the whole's array descriptions.
 
 The receiver sizes the whole from those descriptions only after they pass the checks a whole
-message would (dist/checks.py: the sender's role, the book's shapes where the book fixes them) and
+message would (dist/coord/checks.py: the sender's role, the book's shapes where the book fixes them) and
 the caps here, never from the bytes that arrive; it preallocates the arrays and copies each slice
 into place. The slices of a message are a partition (each is `slice size` long but an array's
 last), so a repeated or overlapping slice is refused, and the whole is complete when every byte

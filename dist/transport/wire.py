@@ -55,7 +55,7 @@ class Msg(enum.IntEnum):
     CURSOR = 32        # worker 0 -> worker r: r's data cursor from a snapshot being resumed
     ROUTES = 33        # worker 0 -> the other workers: the convolution routes every replica runs
     RING = 34          # one piece of a layer's gradient on the all-reduce ring, to the next worker
-    # the measured cost model (dist/costmodel.py)
+    # the measured cost model (dist/cost/model.py)
     PROBE = 60         # worker -> any other rank: a cost probe, answered at once
     PROBE_ECHO = 61    # the answer to a PROBE
     COSTS = 62         # worker -> coordinator: its probe, or a refresh window's sync times

@@ -24,7 +24,7 @@ import numpy
 import zmq
 
 from ..errors import AbortError, DistError
-from ..roles import COORDINATOR
+from ..job.roles import COORDINATOR
 from .mailbox import REPEATED, STEP_TYPES, STEP_WINDOW, Refusal
 from .wire import FLAG_JSON, BadMessage, Msg, decode_header, make_message
 
@@ -99,7 +99,7 @@ class ZmqReceiveSide:
 
     def _check_whole(self, msg, flags, specs):
         """Why the whole message a first slice describes is refused before it is allocated (the
-        rules of dist/checks.py on its descriptions), or None."""
+        rules of dist/coord/checks.py on its descriptions), or None."""
         arrays = specs[1:] if flags & FLAG_JSON else specs
         return (self.rules.check_specs(msg.type, msg.sender, msg.key, arrays)
                 or self._too_far(msg))

@@ -18,7 +18,7 @@ Why it is shaped this way:
 - With --priority (scheduler.py) every message to a peer goes through that peer's sender thread,
   which hands its slices to the socket lower layer first, with a window of bytes in flight; the
   direct links are then off (a link belongs to the thread that sends on it).
-- Worker 0 and the coordinator share a process (dist/session.py): their messages to each other
+- Worker 0 and the coordinator share a process (dist/job/session.py): their messages to each other
   (the loss allreduce of every iteration, heartbeats, barriers) are handed from one transport to
   the other in the process (`attach_local`), decoded, checked and filed as if received, instead of
   crossing two ZeroMQ I/O threads, CURVE and a receive thread each way.
@@ -31,9 +31,9 @@ import time
 import numpy
 import zmq
 
-from .. import security
+from ..job import security
 from ..errors import AbortError, DeadlineError, DistError
-from ..roles import COORDINATOR
+from ..job.roles import COORDINATOR
 from . import slices
 from .bandwidth import TokenBucket
 from .mailbox import Mailbox
@@ -99,7 +99,7 @@ class ZmqTransport(ZmqOneHost, ZmqReceiveSide, Transport):
             direct_links = False
         self._init_one_host(router, local_ipc, direct_links, shared_memory)
         self.routes = {}                             # rank -> 'ipc' or 'tcp'
-        self.rules = rules if rules is not None else DecodingOnly()   # dist/checks.py's WireRules
+        self.rules = rules if rules is not None else DecodingOnly()   # dist/coord/checks.py's WireRules
         self._taken = {}                             # (type, key) -> last iteration taken
         self._last_drop = {}                         # sender -> why its last message was dropped
         self._router = router

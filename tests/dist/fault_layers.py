@@ -16,7 +16,7 @@ import time
 
 from poseidon import engine
 from poseidon.engine.layer import TRAIN
-from poseidon.dist.session import current
+from poseidon.dist.job.session import current
 
 
 def _rank():

@@ -13,11 +13,11 @@ def run_gated(param, workers, servers, chunks, gate=None, keys=None, weights=Non
     """Train param.max_iter iterations in `chunks` equal steps, worker 0 starting from `weights`
     (a .caffemodel; the fillers' random draws of threads are not reproducible). Returns (worker 0's parameters,
     {rank: Session}); raises the first error of any role."""
-    from poseidon.dist.options import DistOptions
-    from poseidon.dist.process import run_role
-    from poseidon.dist.session import Session
+    from poseidon.dist.job.options import DistOptions
+    from poseidon.dist.job.process import run_role
+    from poseidon.dist.job.session import Session
     from poseidon.dist.transport import free_port
-    from poseidon.dist.worker import DistributedSolver
+    from poseidon.dist.worker.hooks import DistributedSolver
     from poseidon.engine.solvers import get_solver
     assert param.max_iter % chunks == 0
     opts = dict(workers=workers, servers=servers, coordinator=f"tcp://127.0.0.1:{free_port()}",
@@ -133,7 +133,7 @@ class FuzzRun:
 def member_sockets(ctx, keys, sessions, targets):
     """PUSH sockets holding the job's keys (a member), one per {name: rank} of `targets`."""
     import zmq
-    from poseidon.dist import security
+    from poseidon.dist.job import security
     socks = {}
     for name, rank in targets.items():
         s = ctx.socket(zmq.PUSH)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy
 from google.protobuf import text_format
 
-from poseidon.dist.snapshots import params_digest
+from poseidon.dist.worker.snapshots import params_digest
 from poseidon.engine.io.datum import array_to_datum
 from poseidon.engine.io.lmdb_store import write_lmdb
 from poseidon.engine.proto import caffe_pb2
@@ -135,7 +135,7 @@ def reference(param, dtype=numpy.float64, weights_out=None):
 def run_threads(param, workers, servers, weights=None, snapshot=None, timeout=60, **options):
     """Run every role of a job as threads of this process. Returns the workers' DistributedSolvers
     (rank order); raises the first error of any role."""
-    from poseidon.dist.process import run_role
+    from poseidon.dist.job.process import run_role
     from poseidon.dist.transport import free_port
     opts = dict(workers=workers, servers=servers,
                 coordinator=f"tcp://127.0.0.1:{free_port()}", local=True, timeout=timeout,
@@ -228,7 +228,7 @@ def run_processes(param, workers, servers, tmp_path, weights=None, snapshot=None
 def _train_flags(options):
     """`poseidon train` flags for run_threads' keywords (DistOptions' fields); a keyword with no
     flag is refused naming it."""
-    from poseidon.dist.options import DistOptions
+    from poseidon.dist.job.options import DistOptions
     flags = []
     for name, value in options.items():
         if name not in DistOptions.FIELDS or name in _THREAD_ONLY:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy
 
-from poseidon.dist.snapshots import params_digest
+from poseidon.dist.worker.snapshots import params_digest
 from poseidon.engine.io import caffemodel
 from poseidon.engine.io.datasets import compute_mean, make_digits_lmdb
 from poseidon.engine.proto import caffe_pb2

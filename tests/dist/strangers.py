@@ -12,7 +12,7 @@ import numpy
 import zmq
 import zmq.utils.monitor  # noqa: F401  (recv_monitor_message)
 
-from poseidon.dist import security
+from poseidon.dist.job import security
 from poseidon.dist.transport import Msg, encode_header
 
 

@@ -19,16 +19,16 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist.book import InformationBook
-from poseidon.dist.checks import WireRules
-from poseidon.dist.cost import allreduce_cost, ps_cost, sfb_cost
+from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.checks import WireRules
+from poseidon.dist.cost.formulas import allreduce_cost, ps_cost, sfb_cost
 from poseidon.dist.errors import DistError
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import SCHEMES, choose_scheme, sync_choices
 from poseidon.dist.schemes import allreduce
 from poseidon.dist.schemes.ring import (ALL_GATHER, REDUCE_SCATTER, layer_floats, ring_address,
                                         ring_key, ring_plan)
-from poseidon.dist.timeline import role_path
+from poseidon.dist.worker.timeline import role_path
 from poseidon.dist.transport import FIXED_HEADER_BYTES, Message, Msg
 
 from .helpers import (assert_params_close, conv_net, fc_net, make_lmdb, params_of, reference,
@@ -330,7 +330,7 @@ def test_a_missing_peer_stops_the_job_within_the_deadline(data, monkeypatch):
 def test_the_simulator_moves_the_rings_bytes():
     """`poseidon simulate --modes allreduce`: every node sends and receives 2·(P1 − 1)/P1 of the
     layer, which is the cost model's figure, and with free communication the speedup is P1."""
-    from poseidon.dist.simulate import Network, simulate
+    from poseidon.dist.sim.simulate import Network, simulate
     M, N, P = 1000, 1024, 8
     desc = _description([("InnerProduct", M, N, 32, True)])
     profile = {"model": "one", "batch": 32, "description": desc,

@@ -11,7 +11,7 @@ import time
 
 import numpy
 
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import Msg, TokenBucket, ZmqTransport, parse_bandwidth
 
 RATE = parse_bandwidth("16Mbit")              # 2 MB/s

@@ -19,12 +19,12 @@ import time
 
 import pytest
 
-from poseidon.dist import faults
-from poseidon.dist.coordinator import Coordinator
+from poseidon.dist.job import faults
+from poseidon.dist.coord.coordinator import Coordinator
 from poseidon.dist.errors import AbortError
-from poseidon.dist.launch import LocalJob, process_state
-from poseidon.dist.options import DistOptions
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.launch import LocalJob, process_state
+from poseidon.dist.job.options import DistOptions
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import free_port
 
 from .helpers import conv_net, make_lmdb

@@ -23,7 +23,7 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import Msg
 
 from .helpers import fc_net, make_lmdb, transport_pair

@@ -13,12 +13,12 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist import control
-from poseidon.dist.checks import WireRules
-from poseidon.dist.collectives import MOST_OPEN
-from poseidon.dist.coordinator import COSTS_KEY, _key
+from poseidon.dist.coord import control
+from poseidon.dist.coord.checks import WireRules
+from poseidon.dist.coord.collectives import MOST_OPEN
+from poseidon.dist.coord.coordinator import COSTS_KEY, _key
 from poseidon.dist.errors import AbortError, DistError
-from poseidon.dist.roles import COORDINATOR, Roles
+from poseidon.dist.job.roles import COORDINATOR, Roles
 from poseidon.dist.transport import Message, Msg
 
 from .test_coordinator import OPTIONS, close, register_all, start_job
@@ -192,7 +192,7 @@ def test_the_schema_refuses_each_field_type_and_range(job):
 
 # ----- the measured cost model's messages: COSTS (worker -> coordinator), SCHEMES (back) ---------
 def probe_report(rank, size=4, **link):
-    """A probe report as worker `rank` of a job of `size` ranks sends it (dist/probe.py)."""
+    """A probe report as worker `rank` of a job of `size` ranks sends it (dist/cost/probe.py)."""
     return {"links": {str(r): dict({"alpha": 1e-4, "beta": 1e9, "encrypted": False}, **link)
                       for r in range(size) if r != rank},
             "flops": 1e10, "encrypt_cost": 0.0}

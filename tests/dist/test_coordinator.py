@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy
 import pytest
 
-from poseidon.dist.coordinator import Coordinator, CoordinatorClient
+from poseidon.dist.coord.coordinator import Coordinator, CoordinatorClient
 from poseidon.dist.errors import AbortError, DistError
-from poseidon.dist.kvstore import KVServer
+from poseidon.dist.kv.store import KVServer
 from poseidon.dist.schemes import choose_scheme
-from poseidon.dist.roles import COORDINATOR, Roles
+from poseidon.dist.job.roles import COORDINATOR, Roles
 from poseidon.dist.transport import Msg, ZmqTransport, free_port
 
 from .helpers import fc_net, make_lmdb, run_threads, solver_param
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_job(workers, servers, start_timeout=10.0, local0=False):
     """The coordinator and a client per rank; `local0`: worker 0's transport and the
-    coordinator's hand their messages over in the process, as dist/session.py attaches them."""
+    coordinator's hand their messages over in the process, as dist/job/session.py attaches them."""
     roles = Roles(workers, servers)
     port = free_port()
     coord = Coordinator(roles, "127.0.0.1", port, timeout=5, start_timeout=start_timeout).start()
@@ -171,7 +171,7 @@ def test_a_bad_cost_report_from_worker_1_ends_a_job_at_once_naming_it(tmp_path, 
     of bandwidth 0. The job ends within seconds (not the 10 x --timeout the workers would wait
     for schemes that never come) with an error naming worker 1 and the field."""
     import time
-    from poseidon.dist import probe
+    from poseidon.dist.cost.formulas import probe
     real = probe.Prober.report
 
     def report(self, dtype, xp=numpy):
@@ -220,7 +220,7 @@ class Msg_:
 @pytest.mark.parametrize("handler", ["update", "average"])
 def test_server_sums_in_rank_order_then_handles(handler):
     from poseidon.engine.solvers.rules import make_rule
-    from poseidon.dist.book import InformationBook
+    from poseidon.dist.coord.book import InformationBook
     desc = _description([("InnerProduct", 2, 3, 1, False)])
     book = InformationBook.build(desc, 3, 1, dict(OPTIONS, dtype="float64", sync="ps"))
     book.data["dtype"] = "float64"
@@ -301,7 +301,7 @@ def test_an_abort_spares_the_rank_that_failed_and_closes_without_lingering(monke
     it (one that cannot be delivered held the coordinator's close, and worker 0's process with
     it, for the whole 2 s linger, and the launcher then blamed the wrong process), and after an
     abort the coordinator's sockets linger 0.5 s, not 2."""
-    from poseidon.dist.coordinator import Coordinator
+    from poseidon.dist.coord.coordinator import Coordinator
     from poseidon.dist.transport import Message
 
     coord = Coordinator(Roles(2, 1), "127.0.0.1", 0)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from poseidon.dist.book import InformationBook, first_difference
+from poseidon.dist.coord.book import InformationBook, first_difference
 from poseidon.dist.schemes import best_scheme
-from poseidon.dist.cost import adam_cost, ps_cost, sfb_cost
+from poseidon.dist.cost.formulas import adam_cost, ps_cost, sfb_cost
 from poseidon.dist.errors import DistError
-from poseidon.dist.placement import (MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, parse_bytes, place_pairs,
+from poseidon.dist.coord.placement import (MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, parse_bytes, place_pairs,
                             server_loads)
 from poseidon.engine import prototxt
 
@@ -257,8 +257,8 @@ def test_bucket_bytes_auto_buckets_on_one_host_only():
     """--bucket-bytes auto (the default): 1 MB buckets when every process advertised a Unix-socket
     inbox of the same boot, none when one did not (--ipc off, another host) or boots differ;
     an explicit size or 0 is kept either way, and relaxed consistency buckets nothing."""
-    from poseidon.dist.book import AUTO_BUCKET_BYTES
-    from poseidon.dist.options import DistOptions
+    from poseidon.dist.coord.book import AUTO_BUCKET_BYTES
+    from poseidon.dist.job.options import DistOptions
     assert DistOptions().bucket_bytes == "auto"
     assert DistOptions(bucket_bytes="AUTO").bucket_bytes == "auto"
     assert DistOptions(bucket_bytes="2MB").bucket_bytes == 2 << 20
@@ -290,7 +290,7 @@ def test_shared_memory_merges_a_syncs_bundles_per_server_after_placement():
     placement itself (which server holds which pair) is what it would be without. Not when a
     server offers none, across hosts, with an explicit --fusion-bytes, or under relaxed
     consistency."""
-    from poseidon.dist.placement import MAX_BUNDLE_ARRAYS
+    from poseidon.dist.coord.placement import MAX_BUNDLE_ARRAYS
     desc = _description([("InnerProduct", 1024, 1024, 8, False),    # 4 MiB: 256 pairs of 16 kB
                          ("InnerProduct", 10, 1024, 8, False)])
     here = {"path": "/x", "boot": "b1", "dev": 1, "ino": 2}

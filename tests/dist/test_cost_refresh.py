@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from poseidon.dist.costmodel import Corrections, Planner, modelled_seconds, scheme_seconds
-from poseidon.dist.roles import Roles
+from poseidon.dist.cost.model import Corrections, Planner, modelled_seconds, scheme_seconds
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import scheme_class
 
 from .helpers import fc_net, make_lmdb, run_threads, solver_param

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import numpy
 import pytest
 
-from poseidon.dist import probe
-from poseidon.dist.book import InformationBook
-from poseidon.dist.costmodel import LinkTable
-from poseidon.dist.costsync import CostSync
-from poseidon.dist.probe import PROBE_BYTES, PROBE_ROUND_TRIPS, Prober
-from poseidon.dist.roles import Roles
+from poseidon.dist.cost.formulas import probe
+from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.cost.model import LinkTable
+from poseidon.dist.cost.sync import CostSync
+from poseidon.dist.cost.probe import PROBE_BYTES, PROBE_ROUND_TRIPS, Prober
+from poseidon.dist.job.roles import Roles
 
 
 # ----- the probe's fit ----------------------------------------------------------------------------

@@ -8,12 +8,12 @@ import json
 import numpy
 import pytest
 
-from poseidon.dist.book import cost_model
-from poseidon.dist.cost import ps_cost, sfb_cost
-from poseidon.dist.costmodel import (Link, LinkTable, Planner, load_cost_table, plan,
+from poseidon.dist.coord.book import cost_model
+from poseidon.dist.cost.formulas import ps_cost, sfb_cost
+from poseidon.dist.cost.model import (Link, LinkTable, Planner, load_cost_table, plan,
                                      window_ratios)
 from poseidon.dist.errors import DistError
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import best_scheme, scheme_class
 from poseidon.engine import backend
 
@@ -136,7 +136,7 @@ def test_bad_cost_table_is_one_line(tmp_path, text, says):
 
 
 def test_cost_table_naming_a_rank_outside_the_job_is_refused_at_start(tmp_path):
-    from poseidon.dist.coordinator import Coordinator
+    from poseidon.dist.coord.coordinator import Coordinator
     from poseidon.dist.transport import free_port
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"default": {"alpha": 1e-4, "beta": 1e9},

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from poseidon.dist.cost import ps_cost, sfb_cost
-from poseidon.dist.timeline import role_path
+from poseidon.dist.cost.formulas import ps_cost, sfb_cost
+from poseidon.dist.worker.timeline import role_path
 from poseidon.dist.transport import FIXED_HEADER_BYTES
 
 from .helpers import conv_net, fc_net, make_lmdb, run_threads, solver_param

@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 from poseidon.dist.errors import DistError
-from poseidon.dist.options import DistOptions
+from poseidon.dist.job.options import DistOptions
 from poseidon.engine import backend
 from poseidon.engine.io.datum import array_to_datum
 from poseidon.engine.io.lmdb_store import write_lmdb

@@ -26,7 +26,7 @@ import numpy
 import pytest
 
 from poseidon.dist.errors import DeadlineError
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import Msg, ZmqTransport, encode_header
 from poseidon.dist.transport.onehost import directlink, localipc
 from poseidon.dist.transport.wire import header_specs
@@ -144,7 +144,7 @@ def test_the_last_syncs_wait_spins_only_where_every_process_has_a_core(monkeypat
                                                                       spins):
     from types import SimpleNamespace
 
-    from poseidon.dist import worker
+    from poseidon.dist.worker.hooks import hooks as worker
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     book = SimpleNamespace(data={"one_host": one_host})
     got = worker.spin_seconds(book, Roles(workers, servers))

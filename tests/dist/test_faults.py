@@ -1,7 +1,7 @@
 """Fault injection: SIGKILL of each role at named points of a run, and `--resume auto`.
 
 Each chain below is one `poseidon train --workers 2 --servers 1 --resume auto` whose processes
-SIGKILL themselves at a list of failpoints (dist/faults.py, each firing once); the launcher stops
+SIGKILL themselves at a list of failpoints (dist/job/faults.py, each firing once); the launcher stops
 everyone and restarts the job from the newest complete snapshot after each kill. For every kill
 the test checks: every process of that attempt stopped (no hang) and none is left (pids and
 process groups), every snapshot manifest verifies and no file under a final name is half-written,
@@ -251,7 +251,7 @@ def test_newest_complete_skips_torn_and_foreign_snapshots(tmp_path):
     """The newest snapshot whose manifest verifies and which has every worker's cursor file wins;
     newer ones without a manifest, with an altered file, or from another worker count are
     skipped, each with a line saying why."""
-    from poseidon.dist.resume import newest_complete
+    from poseidon.dist.job.resume import newest_complete
     prefix = str(tmp_path / "run")
 
     def snapshot(it, workers=2):

@@ -24,11 +24,11 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist.checks import WireRules
+from poseidon.dist.coord.checks import WireRules
 import zmq
 
-from poseidon.dist import security
-from poseidon.dist.book import InformationBook
+from poseidon.dist.job import security
+from poseidon.dist.coord.book import InformationBook
 from poseidon.dist.transport import Msg, encode_header
 
 from .gated import FuzzRun, member_sockets, run_gated
@@ -293,8 +293,8 @@ def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(cap
     """Worker 1 pushes float32 where the pair (and worker 0) is float64 and sends nothing valid:
     the server drops it, keeps serving, and after half of --timeout stops naming both."""
     from poseidon.dist.errors import DistError
-    from poseidon.dist.kvstore import KVServer
-    from poseidon.dist.roles import Roles
+    from poseidon.dist.kv.store import KVServer
+    from poseidon.dist.job.roles import Roles
     from poseidon.dist.transport import Message, ZmqTransport
     from poseidon.engine.solvers.rules import make_rule
     from .helpers import fc_net
@@ -331,7 +331,7 @@ def test_a_peer_whose_factors_really_disagree_is_named_in_the_deadline_error():
     """Worker 1's sufficient factors have the wrong width: worker 0 drops them at the door, and
     its wait for them ends in a deadline error that says why, naming both workers."""
     from poseidon.dist.errors import DeadlineError
-    from poseidon.dist.roles import Roles
+    from poseidon.dist.job.roles import Roles
     from poseidon.dist.transport import ZmqTransport
     roles = Roles(2, 1)
     book = _small_book()

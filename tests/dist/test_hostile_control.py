@@ -24,8 +24,8 @@ import numpy
 import pytest
 import zmq
 
-from poseidon.dist import security
-from poseidon.dist.roles import COORDINATOR
+from poseidon.dist.job import security
+from poseidon.dist.job.roles import COORDINATOR
 from poseidon.dist.transport import Msg, encode_header
 
 from .gated import FuzzRun, member_sockets, run_gated

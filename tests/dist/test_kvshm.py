@@ -231,9 +231,9 @@ def test_a_server_without_shared_memory_refuses_a_shared_push():
     """A push that says its gradient is in shared memory, to a server that offers none (a
     member that disagrees about --ipc, or a forged message), is dropped naming why."""
     from poseidon.engine.solvers.rules import make_rule
-    from poseidon.dist.book import InformationBook
-    from poseidon.dist.kvstore import KVServer
-    from poseidon.dist.roles import Roles
+    from poseidon.dist.coord.book import InformationBook
+    from poseidon.dist.kv.store import KVServer
+    from poseidon.dist.job.roles import Roles
     from poseidon.dist.transport import Msg
     from .test_coordinator import OPTIONS, Msg_, _description
 

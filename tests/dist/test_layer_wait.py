@@ -1,4 +1,4 @@
-"""The per-layer wait (dist/layerwait.py): the next forward of layer l waits for the syncs it
+"""The per-layer wait (dist/worker/layerwait.py): the next forward of layer l waits for the syncs it
 depends on, not for every sync of the last iteration.
 
 Equivalence with one process on the combined batch (float64, 1e-5) under ps, sfb, allreduce and
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from poseidon.dist.timeline import role_path
+from poseidon.dist.worker.timeline import role_path
 
 from .helpers import (assert_params_close, fc_net, make_lmdb, params_of, reference,
                       run_processes, run_threads, solver_param)
@@ -182,7 +182,7 @@ def test_a_layer_sharing_a_parameter_waits_for_the_owners_sync(data):
 
     from google.protobuf import text_format
 
-    from poseidon.dist.layerwait import forward_waits
+    from poseidon.dist.worker.layerwait import forward_waits
     from poseidon.engine.layer import TRAIN
     from poseidon.engine.net import Net
     from poseidon.engine.proto import caffe_pb2

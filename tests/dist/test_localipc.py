@@ -18,8 +18,8 @@ import numpy
 import pytest
 import zmq
 
-from poseidon.dist import security
-from poseidon.dist.roles import Roles
+from poseidon.dist.job import security
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import Msg, ZmqTransport, encode_header
 from poseidon.dist.transport.onehost import localipc
 
@@ -189,7 +189,7 @@ def test_a_process_that_exits_without_closing_leaves_no_folder(how):
     import subprocess
     import sys
     from pathlib import Path
-    end = ("from poseidon.dist.process import _exit; _exit(3)" if how.startswith("os._exit")
+    end = ("from poseidon.dist.job.process import _exit; _exit(3)" if how.startswith("os._exit")
            else "raise SystemExit(3)")
     code = ("from poseidon.dist.transport import ZmqTransport\n"
             "t = ZmqTransport(0, local_ipc=True)\n"

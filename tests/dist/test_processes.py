@@ -237,7 +237,7 @@ def test_launcher_trains_the_digits_demo_net(tmp_path):
 
 # ----- disagreement and impossible layouts (threads: fast) --------------------------------------------
 def test_ranks_with_different_options_are_stopped_naming_both(data, tmp_path):
-    from poseidon.dist.process import run_role
+    from poseidon.dist.job.process import run_role
     import threading
     address = f"tcp://127.0.0.1:{free_port()}"
     errors = {}
@@ -265,7 +265,7 @@ def test_ranks_with_different_options_are_stopped_naming_both(data, tmp_path):
 
 
 def test_workers_with_different_networks_are_stopped(data, tmp_path):
-    from poseidon.dist.process import run_role
+    from poseidon.dist.job.process import run_role
     import threading
     address = f"tcp://127.0.0.1:{free_port()}"
     errors = {}

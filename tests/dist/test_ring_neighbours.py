@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import numpy
 import pytest
 
-from poseidon.dist.book import InformationBook
-from poseidon.dist.checks import WireRules
+from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.checks import WireRules
 from poseidon.dist.errors import DistError
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import allreduce
 from poseidon.dist.schemes.ring import ALL_GATHER, REDUCE_SCATTER, ring_address, ring_key
 from poseidon.dist.transport import Message, Msg

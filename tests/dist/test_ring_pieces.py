@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import numpy
 import pytest
 
-from poseidon.dist.checks import WireRules
+from poseidon.dist.coord.checks import WireRules
 import zmq
 
-from poseidon.dist.book import InformationBook
+from poseidon.dist.coord.book import InformationBook
 from poseidon.dist.errors import DistError
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import allreduce
 from poseidon.dist.schemes.ring import ring_key, ring_plan
 from poseidon.dist.transport import Msg, ZmqTransport

@@ -9,7 +9,7 @@ the P1 gradients in rank order and applies the solver's rule itself, as SFB does
 import numpy
 import pytest
 
-from poseidon.dist.cost import ps_cost
+from poseidon.dist.cost.formulas import ps_cost
 from poseidon.dist.errors import DistError
 from poseidon.dist.schemes import SCHEMES, Scheme, choose_scheme, register_scheme, sync_choices
 from poseidon.dist.transport import Msg

@@ -26,7 +26,7 @@ import pytest
 import zmq
 import zmq.utils.monitor  # noqa: F401  (recv_monitor_message)
 
-from poseidon.dist import security
+from poseidon.dist.job import security
 from poseidon.dist.errors import DistError
 
 from .gated import run_gated

@@ -211,8 +211,8 @@ def test_stall_inspector_names_the_stopped_process(solver, tmp_path):
 def test_coordinator_stall_lines_name_the_ranks_a_collective_waits_for():
     """The coordinator's side, on its real socket with messages as the workers send them: a
     barrier two of four workers reached, and an allreduce, are reported once per interval."""
-    from poseidon.dist.coordinator import Coordinator, _key
-    from poseidon.dist.roles import Roles
+    from poseidon.dist.coord.coordinator import Coordinator, _key
+    from poseidon.dist.job.roles import Roles
     from poseidon.dist.transport import Message, Msg
     lines = []
     coordinator = Coordinator(Roles(4, 1), "127.0.0.1", free_port(), stall_warning=10,

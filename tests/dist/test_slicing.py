@@ -24,8 +24,8 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist import security
-from poseidon.dist.roles import Roles
+from poseidon.dist.job import security
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import FIXED_HEADER_BYTES, Msg, encode_header
 from poseidon.dist.transport.slices import Assembler, cut
 from poseidon.dist.transport.wire import decode_header, encode_slice, make_message

@@ -11,8 +11,8 @@ import os
 import numpy
 import pytest
 
-from poseidon.dist.snapshots import worker_cursor_path
-from poseidon.dist.worker import WorkerHooks
+from poseidon.dist.worker.snapshots import worker_cursor_path
+from poseidon.dist.worker.hooks import WorkerHooks
 from poseidon.engine.io import caffemodel
 from poseidon.engine.solvers import get_solver
 

@@ -12,9 +12,9 @@ import logging
 import numpy
 import pytest
 
-from poseidon.dist.book import InformationBook
+from poseidon.dist.coord.book import InformationBook
 from poseidon.dist.errors import DistError
-from poseidon.dist.options import DistOptions
+from poseidon.dist.job.options import DistOptions
 from poseidon.engine.solvers import get_solver
 
 from .helpers import (fc_net, make_lmdb, params_of, reference, run_processes, run_threads,

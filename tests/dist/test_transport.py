@@ -8,10 +8,10 @@ import time
 import numpy
 import pytest
 
-from poseidon.dist.checks import WireRules
+from poseidon.dist.coord.checks import WireRules
 
 from poseidon.dist.errors import AbortError, DeadlineError
-from poseidon.dist.roles import Roles
+from poseidon.dist.job.roles import Roles
 from poseidon.dist.transport import (FIXED_HEADER_BYTES, Msg, TokenBucket, ZmqTransport, decode_header,
                             encode_header, parse_bandwidth)
 

@@ -157,7 +157,7 @@ def test_the_priority_is_the_threads_own_and_nested_blocks_restore_it():
 
 
 def test_a_transports_abort_fails_what_its_sender_threads_still_hold():
-    from poseidon.dist.roles import Roles
+    from poseidon.dist.job.roles import Roles
     from poseidon.dist.transport import Msg
 
     from .helpers import transport_pair

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 import numpy
 
-from poseidon.dist.spawn import module_command
+from poseidon.dist.job.spawn import module_command
 
 from . import nets
 from .env import cpu_count, median_interval, stats
@@ -35,8 +35,8 @@ def status():
     """(True, None) when dist can run the jobs these parts need, else (False, reason)."""
     try:
         from poseidon import dist  # noqa: F401
-        from poseidon.dist.options import DistOptions
-        import poseidon.dist.launch  # noqa: F401
+        from poseidon.dist.job.options import DistOptions
+        import poseidon.dist.job.launch  # noqa: F401
     except Exception as e:
         return False, f"the distributed package is not importable ({type(e).__name__}: {e})"
     missing = [o for o in NEEDED_OPTIONS if o not in DistOptions.FIELDS]
@@ -169,7 +169,7 @@ def overhead_variants(quick=False):
         "layers_alone", "--bucket-bytes 0", {"bucket_bytes": 0},
         "each layer synced alone right after its backward: the paper's WFBP, the default across "
         "hosts; on one host `auto` puts layers of up to 1 MB in all into one sync, "
-        "dist/book.sync_groups", None))
+        "dist/coord/book.sync_groups", None))
     if cpu_count() > 1:
         variants.append(OverheadVariant(
             "one_thread", "POSEIDON_THREADS=1", {},
@@ -274,13 +274,13 @@ def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
 
     Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
     encryption and decryption run on two I/O threads as in the KV job's two processes. With
-    `curve` the sockets are set up as the project's are (dist/security.py): fresh job keys from
+    `curve` the sockets are set up as the project's are (dist/job/security.py): fresh job keys from
     zmq.curve_keypair, the echo end a CURVE server (secure_server) with the project's ZAP handler
     (Gatekeeper) on its context, the sending end a CURVE client (secure_client). ZAP runs once,
     at the handshake, so it costs the round trips nothing; it is there so the set-up is the job's."""
     import threading
     import zmq
-    from poseidon.dist import security
+    from poseidon.dist.job import security
     from poseidon.dist.transport import free_port
     from poseidon.dist.transport.onehost import localipc
     inbox = localipc.LocalInbox() if ipc else None
@@ -360,7 +360,7 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     if not ok:
         return not_measured(reason)
     from poseidon.engine import prototxt
-    from poseidon.dist.placement import DEFAULT_PAIR_BYTES
+    from poseidon.dist.coord.placement import DEFAULT_PAIR_BYTES
     if quick:
         megabytes = 4
     side = int((megabytes * 2 ** 20 // 4) ** 0.5)            # a side x side float32 weight

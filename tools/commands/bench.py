@@ -289,7 +289,7 @@ def _status(part, key, fmt):
 def _unpinned(args, threads, runs):
     """Part a again in a child process with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset."""
     import json
-    from poseidon.dist.spawn import module_command
+    from poseidon.dist.job.spawn import module_command
     pinned = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     if not any(pinned.values()):
         return {"status": "not measured",

@@ -10,7 +10,7 @@ def add(sub):
 
 
 def run(args):
-    from poseidon.dist.security import write_key_file
+    from poseidon.dist.job.security import write_key_file
     keys = write_key_file(args.file, overwrite=args.force)
     out(f"Wrote {args.file} (mode 0600; public key {keys.public.decode()}). Copy it to every host "
         f"of the job (or a shared job folder readable only by you) and give every process "

@@ -1,5 +1,5 @@
 """`poseidon simulate`: throughput scaling of one model, per mode and node count, from the
-discrete-event model of dist/simulate.py.
+discrete-event model of dist/sim/simulate.py.
 
     poseidon simulate --model vgg19_22k --nodes 1,2,4,8,16,32 --bandwidth 40Gbit
     poseidon simulate --model googlenet --bandwidth 10GbE --modes wfbp,poseidon --json out.json
@@ -20,7 +20,7 @@ from poseidon.engine.errors import PoseidonError
 from .common import out
 
 DEFAULT_MODES = "ps-nooverlap,wfbp,poseidon"
-# the modes of dist/simulate.py (spelled out so that --help needs no import of dist)
+# the modes of dist/sim/simulate.py (spelled out so that --help needs no import of dist)
 MODE_NAMES = ("ps-nooverlap", "wfbp", "poseidon", "sfb", "allreduce", "hybrid-nooverlap",
               "ps-sfb-ar", "ps-sfb-ar-priority")
 
@@ -95,8 +95,8 @@ def _flops(text):
 
 
 def network_from_args(args):
-    from poseidon.dist.placement import DEFAULT_PAIR_BYTES, parse_bytes
-    from poseidon.dist.simulate import Network, parse_bandwidth, parse_latency
+    from poseidon.dist.coord.placement import DEFAULT_PAIR_BYTES, parse_bytes
+    from poseidon.dist.sim.simulate import Network, parse_bandwidth, parse_latency
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
         if args.goodput is not None:
@@ -124,7 +124,7 @@ def _prototxt_for(model):
 
 
 def load_or_build_profile(args):
-    from poseidon.dist import simprofile
+    from poseidon.dist.sim import profile as simprofile
     if args.profile:
         return simprofile.load_profile(args.profile)
     if not args.model:
@@ -152,7 +152,7 @@ def load_or_build_profile(args):
 def measure_profile(path, iterations):
     """Per-layer forward/backward times of the net on this machine (as `poseidon time` takes
     them), with describe_net's facts from the real Net."""
-    from poseidon.dist.book import describe_net
+    from poseidon.dist.coord.book import describe_net
     from poseidon.engine import prototxt
 
     from .timing import time_layers, timing_net
@@ -219,8 +219,8 @@ def _rate(bps):
 
 
 def run(args):
-    from poseidon.dist import simprofile
-    from poseidon.dist.simulate import MODES, scaling_table
+    from poseidon.dist.sim import profile as simprofile
+    from poseidon.dist.sim.simulate import MODES, scaling_table
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

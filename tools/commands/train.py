@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from poseidon import prototxt as shipped_prototxt
-from poseidon.dist.options import (add_dist_options, check_devices_per_node,
+from poseidon.dist.job.options import (add_dist_options, check_devices_per_node,
                                    dist_flags_given)
 from poseidon.engine.errors import PoseidonError
 from poseidon.engine.solvers import final_accuracy_lines
@@ -95,7 +95,7 @@ def run(args):
     if is_distributed(args):
         from poseidon.engine.solvers import check_solver_file
         check_solver_file(args.solver)   # a bad file: one line, before any process starts
-        from poseidon.dist.launch import launch
+        from poseidon.dist.job.launch import launch
         apply_route_refresh(args)
         return launch(args)
     given = dist_flags_given(args)
@@ -110,7 +110,7 @@ def run(args):
     solver = get_solver(args.solver, dtype=args.dtype, progress=not args.no_progress,
                         replicas=len(devices), devices=None if devices[0] is None else devices)
     if args.resume == "auto":
-        from poseidon.dist.resume import newest_complete
+        from poseidon.dist.job.resume import newest_complete
         args.snapshot = newest_complete(solver.param.snapshot_prefix,
                                         say=lambda line: out(f"--resume auto: {line}"))
         out(f"--resume auto: resuming from {args.snapshot}" if args.snapshot else

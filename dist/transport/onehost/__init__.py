@@ -19,8 +19,8 @@ boot and user (nothing is decided from the host name):
   with the server's `update` handler and without --bandwidth (whose experiments emulate a network
   the bytes must cross).
 
-One flag turns them on or off, `--ipc` (dist/options.py); the session turns it into the
-transport's local_ipc, direct_links and shared_memory arguments (dist/session.py):
+One flag turns them on or off, `--ipc` (dist/job/options.py); the session turns it into the
+transport's local_ipc, direct_links and shared_memory arguments (dist/job/session.py):
   auto   (default) all three;
   links  inboxes and direct links, the arrays on the links (no shared memory);
   zmq    the Unix-socket inboxes only, every message through ZeroMQ;

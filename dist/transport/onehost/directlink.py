@@ -49,7 +49,7 @@ MAX_MESSAGE_BYTES = 4 * MAX_BYTES       # what a reader allocates for one messag
 STAGE_BYTES = 1 << 14                   # what one read takes into a link's staging buffer
 # A thread with nothing else to do while it waits for an answer (the worker's main thread in the
 # sync after the last backward) may look for it without sleeping for this long, where the host
-# has a core for every process of the job (dist/worker.spin_seconds): a thread asleep in select is
+# has a core for every process of the job (dist/worker/hooks.spin_seconds): a thread asleep in select is
 # woken through the scheduler, and that wake-up adds to the exposed sync. The bound is a few times
 # the round trip of a small net's one bucket on one host, so such an answer is caught spinning,
 # while a slower one costs at most this much CPU before the thread sleeps.

@@ -6,7 +6,7 @@ server, the server's answer out and in again, then into the parameter), each tim
 that training has just evicted from the caches. With the values and gradients in one shared
 mapping the push and its answer are headers only: the worker's gradient is in its own region,
 the server sums the regions and updates its values in place, and the worker's parameters are
-the values. (A worker places its parameters there, dist/replicas.py: their data and diff become
+the values. (A worker places its parameters there, dist/worker/replicas.py: their data and diff become
 views of the mapping; a parameter it cannot place is copied in and out.) What that saves is the
 cold copies, not bandwidth, so it matters most for the one sync that cannot be hidden and for
 nets whose parameters are large (docs/performance.md, "The distributed path on one host").
@@ -24,7 +24,7 @@ Safety: only under BSP with the `update` handler (relaxed consistency and the ba
 the arrays on the wire). A worker reads the values only after the server's answer and writes its
 region again only in its next backward, after that answer; the server writes the values only when
 every worker has pushed the pair's next gradient, so nobody reads what is being written, and it
-never writes a worker's region (dist/kvstore.KVServer.gradient_sum).
+never writes a worker's region (dist/kv/store.KVServer.gradient_sum).
 """
 import fcntl
 import logging
