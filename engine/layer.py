@@ -33,6 +33,9 @@ class Layer:
     stores_statistics = False
     # data layers set this: the samples of a batch they make
     batch_size = None
+    # user-written layers set this: their code may hold the parameter arrays it was given, so
+    # whoever places parameters elsewhere (a server's shared memory) must leave them where they are
+    holds_param_arrays = False
 
     def __init__(self, param, phase=TRAIN, dtype=numpy.float32, xp=numpy):
         self.param = param

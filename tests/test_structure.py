@@ -218,3 +218,39 @@ def test_a_cycle_dodged_inside_a_function_is_found():
     assert cycles(import_graph(modules)) == [["poseidon.a", "poseidon.b"]]
     modules["poseidon.b"] = ("def f():\n    import json\n    return json\n", False)
     assert cycles(import_graph(modules)) == []
+
+
+def duck_typed_probes(source):
+    """hasattr/getattr-with-a-default on a layer (a name or attribute mentioning layer or
+    owner), and type identity against a hooks class: what dist must not ask the engine's objects
+    (engine.Layer's protocol and the hooks' capability flags say it instead)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = getattr(node.func, "id", None)
+        if fn in ("hasattr", "getattr") and (fn == "hasattr" or len(node.args) == 3):
+            subject = ast.unparse(node.args[0]).lower()
+            if "layer" in subject or "owner" in subject:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Call)
+                and getattr(node.left.func, "id", None) == "type"
+                and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+                and any(ast.unparse(c).endswith("Hooks") for c in node.comparators)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_dist_asks_the_engine_through_its_protocol():
+    bad = [f"{p.relative_to(ROOT)}:{line}" for folder in ("dist", "engine") for p in sources(folder)
+           for line in duck_typed_probes(p.read_text())
+           if folder == "dist" or "Hooks" in line]
+    assert not bad, bad
+
+
+def test_the_probe_check_finds_probes():
+    sample = ('def f(layer, rec, hooks):\n    if hasattr(layer, "n_in"):\n        pass\n'
+              '    k = getattr(net.layers[0], "k", None)\n    if type(hooks) is SolverHooks:\n'
+              '        pass\n    ok = getattr(rec, "scheme", None)\n')
+    assert [line.split(":")[0] for line in duck_typed_probes(sample)] == ["2", "4", "5"]

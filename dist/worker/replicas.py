@@ -82,7 +82,7 @@ def _kv_spot(book, transport, kv, net, rank, pid):
     if book.switchable(p["layer"]):
         return None          # it may leave the servers: its arrays must stay the worker's own
     owner = net.layers[p["owner"][0]]
-    if getattr(owner, "type", None) == "Python":
+    if owner.holds_param_arrays:
         return None          # user code may keep the blob's arrays: their storage stays
     pairs = sorted(book.pairs_of_param(pid), key=lambda rec: rec["offset"])
     if not pairs or len({rec["server"] for rec in pairs}) != 1:

@@ -151,6 +151,7 @@ class PythonLayer(Layer):
             raise LayerError(where, f"'{pp.module}.{pp.layer}.__init__' does not call "
                                     f"super().__init__(param, phase, dtype, xp)")
         layer.type = "Python"
+        layer.holds_param_arrays = True
         layer.blobs = BlobVec(layer, layer.blobs)
         # Caffe sets these right before calling the class's setup.
         layer.param_str = pp.param_str
