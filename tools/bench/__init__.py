@@ -11,6 +11,7 @@ Parts (each a module here, each a function that returns a JSON-able dict):
   f. model_ref   - the real networks of prototxt/, forward and backward beside PyTorch;
   g. hosts_part  - part e's jobs with each rank in a network namespace of its own, links capped by
                    tbf (poseidon.tools.netns), beside part e's in-process token bucket.
-report.py writes results.json, results.md and the PNG plots (part g's section: report_hosts.py). env.py records the machine, the BLAS
-kernel and threads, and the environment variables that change them.
+report.py writes results.json and results.md (the engine's sections from report_engine.py, part g's
+from report_hosts.py, part h's from report_schemes.py) and the PNG plots (report_plots.py). env.py
+records the machine, the BLAS kernel and threads, and the environment variables that change them.
 """

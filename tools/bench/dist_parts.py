@@ -11,6 +11,7 @@
 Each part first checks that `dist` is importable and has the options it needs (`status()`); when it
 has not, the part is reported as not measured with the reason, never estimated. The nets here are
 fed from Input layers that nobody fills (zeros): compute and message sizes do not depend on values.
+Reading a job's stats and timeline is job_records.py's; part d's raw ZeroMQ side, zmq_baseline.py's.
 """
 import json
 import os
@@ -26,6 +27,8 @@ from poseidon.dist.job.spawn import module_command
 
 from . import nets
 from .env import cpu_count, median_interval, stats
+from .job_records import hidden_share, iteration_times
+from .zmq_baseline import raw_zmq
 
 NEEDED_OPTIONS = ("workers", "servers", "sync", "no_overlap", "stats", "timeline", "bandwidth",
                   "kv_pair_bytes", "ipc")
@@ -88,56 +91,6 @@ def run_job(solver_path, workers, servers, folder, extra=(), timeout=300, thread
         except ValueError:
             timeline = None
     return records, timeline, seconds, None
-
-
-def iteration_times(records, skip):
-    """Per-iteration wall time of worker 0 from consecutive stats records (after `skip`)."""
-    times = [r["time"] for r in records]
-    return [b - a for a, b in zip(times[skip:], times[skip + 1:])]
-
-
-def hidden_share(timeline, skip):
-    """Share of worker 0's sync time (union of its layers' sync intervals) that falls inside its
-    backward pass, per iteration: 1.0 = all communication hidden under backward."""
-    if not timeline:
-        return None
-    per_iter = {}
-    for ev in timeline.get("traceEvents", []):
-        if ev.get("ph") != "X" or ev.get("pid") != 0:
-            continue
-        it = (ev.get("args") or {}).get("iter")
-        if it is None:
-            continue
-        cat = ev.get("cat", "")
-        span = (ev["ts"], ev["ts"] + ev["dur"])
-        slot = per_iter.setdefault(it, {"backward": [], "sync": []})
-        if cat == "backward":
-            slot["backward"].append(span)
-        elif cat.startswith("sync"):
-            slot["sync"].append(span)
-    shares = []
-    for it in sorted(per_iter)[skip:]:
-        slot = per_iter[it]
-        if not slot["sync"] or not slot["backward"]:
-            continue
-        b0 = min(s for s, _ in slot["backward"])
-        b1 = max(e for _, e in slot["backward"])
-        union = _union(slot["sync"])
-        total = sum(e - s for s, e in union)
-        inside = sum(max(0.0, min(e, b1) - max(s, b0)) for s, e in union)
-        if total > 0:
-            shares.append(inside / total)
-    return stats(shares) if shares else None
-
-
-def _union(spans):
-    out = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
 
 
 # ----- c. single-node overhead ---------------------------------------------------------------------
@@ -261,68 +214,6 @@ def _overhead_parts(blocks):
 
 
 # ----- d. transport ---------------------------------------------------------------------------------
-def _echo(sock, rounds):
-    for _ in range(rounds):
-        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-
-
-def raw_zmq(total_bytes, frame_bytes, runs, curve=False, ipc=False):
-    """Round trips of total_bytes as frames of frame_bytes over a PAIR socket on TCP loopback (or,
-    with `ipc`, a Unix socket in a private folder: dist/transport/onehost/localipc.LocalInbox, as
-    the job binds) to an echo thread (pyzmq releases the GIL while it moves frames, and frames go
-    zero-copy); bytes/s counts both directions, as a push + pull does.
-
-    Each end has its own context with one I/O thread (io_threads=1, as every ZmqTransport), so
-    encryption and decryption run on two I/O threads as in the KV job's two processes. With
-    `curve` the sockets are set up as the project's are (dist/job/security.py): fresh job keys from
-    zmq.curve_keypair, the echo end a CURVE server (secure_server) with the project's ZAP handler
-    (Gatekeeper) on its context, the sending end a CURVE client (secure_client). ZAP runs once,
-    at the handshake, so it costs the round trips nothing; it is there so the set-up is the job's."""
-    import threading
-    import zmq
-    from poseidon.dist.job import security
-    from poseidon.dist.transport import free_port
-    from poseidon.dist.transport.onehost import localipc
-    inbox = localipc.LocalInbox() if ipc else None
-    address = inbox.endpoint if ipc else f"tcp://127.0.0.1:{free_port()}"
-    n = max(1, total_bytes // frame_bytes)
-    payload = [numpy.ones(frame_bytes // 4, numpy.float32) for _ in range(n)]
-    keys = security.make_keys() if curve else None
-    client_ctx, echo_ctx = zmq.Context(io_threads=1), zmq.Context(io_threads=1)
-    gatekeeper = security.Gatekeeper(echo_ctx, keys) if curve else None
-    echo_sock = echo_ctx.socket(zmq.PAIR)
-    sock = client_ctx.socket(zmq.PAIR)
-    if curve:
-        security.secure_server(echo_sock, keys)
-        security.secure_client(sock, keys)
-    echo_sock.bind(address)
-    echo = threading.Thread(target=_echo, args=(echo_sock, runs + 1), daemon=True)
-    echo.start()
-    sock.connect(address)
-    rates = []
-    try:
-        for r in range(runs + 1):
-            t = time.perf_counter()
-            sock.send_multipart(payload, copy=False)
-            sock.recv_multipart(copy=False)
-            dt = time.perf_counter() - t
-            if r:
-                rates.append(2 * n * frame_bytes / dt)
-        if curve and gatekeeper.admitted != 1:
-            raise RuntimeError(f"the ZAP handler admitted {gatekeeper.admitted} clients, not 1")
-    finally:
-        sock.close(linger=0)
-        echo.join(30)
-        echo_sock.close(linger=0)
-        if gatekeeper is not None:
-            gatekeeper.stop()
-        client_ctx.term()
-        echo_ctx.term()
-        if inbox is not None:
-            inbox.close()
-    return stats(rates)
-
-
 KV_NET = """
 name: "kv_64mb"
 layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ dim: 1 dim: {n} }} }} }}
@@ -359,15 +250,10 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
     ok, reason = status()
     if not ok:
         return not_measured(reason)
-    from poseidon.engine import prototxt
     from poseidon.dist.coord.placement import DEFAULT_PAIR_BYTES
     if quick:
         megabytes = 4
-    side = int((megabytes * 2 ** 20 // 4) ** 0.5)            # a side x side float32 weight
-    total = side * side * 4
-    param = prototxt.parse_net_text(KV_NET.format(n=side, m=side))
-    bench_net = nets.BenchNet("kv", f"one {side}x{side} float32 parameter", param, 1,
-                              {"base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}, {}, side)
+    bench_net, total = _kv_net(megabytes)
     skip = 1 if quick else 2
     measured = 2 if quick else 5
     rounds = 1 if quick else max(1, min(int(runs), 3))
@@ -389,21 +275,46 @@ def transport(workdir, quick=False, runs=5, megabytes=64, threads=None):
                                                  extra=flags, threads=threads)
             if error:
                 return {"status": "failed", "reason": f"{name}: {error}"}
-            rates = []
-            for rec in records[skip:]:
-                layer = rec["layers"].get("fc")
-                if layer and layer["sync_s"]:
-                    payload = layer["sent_payload"] + layer["recv_payload"]
-                    rates.append(payload / layer["sync_s"])
+            rates, payload = _kv_rates(records, skip)
             if not rates:
                 return {"status": "failed",
                         "reason": f"{name}: the job wrote no sync stats for the parameter"}
             got[name].append(float(numpy.median(rates)))
+    return _transport_figures(got, one_rounds, payload, total, DEFAULT_PAIR_BYTES, rounds)
+
+
+def _kv_net(megabytes):
+    """Part d's net: one square float32 parameter of about `megabytes`, fed zeros; returns the
+    BenchNet and the parameter's bytes."""
+    from poseidon.engine import prototxt
+    side = int((megabytes * 2 ** 20 // 4) ** 0.5)            # a side x side float32 weight
+    param = prototxt.parse_net_text(KV_NET.format(n=side, m=side))
+    bench_net = nets.BenchNet("kv", f"one {side}x{side} float32 parameter", param, 1,
+                              {"base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}, {}, side)
+    return bench_net, side * side * 4
+
+
+def _kv_rates(records, skip):
+    """A KV job's push + pull rates, one per iteration after the warm-up: (sent + received
+    payload) / the parameter's sync time, from worker 0's stats; and the payload of one sync
+    (None when no record has the parameter's sync)."""
+    rates, payload = [], None
+    for rec in records[skip:]:
+        layer = rec["layers"].get("fc")
+        if layer and layer["sync_s"]:
+            payload = layer["sent_payload"] + layer["recv_payload"]
+            rates.append(payload / layer["sync_s"])
+    return rates, payload
+
+
+def _transport_figures(got, one_rounds, payload, total, pair_bytes, rounds):
+    """Part d's result from each side's rate per round: the rates' stats and the per-round
+    KV / raw ratios of each security."""
     ratios = [kv / raw for kv, raw in zip(got["kv"], got["raw_curve"])]
     ratios_plain = [kv / raw for kv, raw in zip(got["kv_insecure"], got["raw"])]
     ratios_ipc = [kv / raw for kv, raw in zip(got["kv_ipc"], got["raw_ipc"])]
     ratios_shared = [kv / raw for kv, raw in zip(got["kv_shared"], got["raw_ipc"])]
-    return {"status": "measured", "parameter_bytes": total, "kv_pair_bytes": DEFAULT_PAIR_BYTES,
+    return {"status": "measured", "parameter_bytes": total, "kv_pair_bytes": pair_bytes,
             "rounds": rounds,
             "kv_push_pull_Bps": stats(got["kv"]),
             "raw_zmq_curve_frames_Bps": stats(got["raw_curve"]),

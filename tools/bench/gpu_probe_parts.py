@@ -3,7 +3,8 @@
 Each part is a function of a `ProbeContext` that records what it found with `ctx.emit(...)`
 (written at once, so a part stopped at its time limit leaves what it had) and watches
 `ctx.left()`, the seconds it has before it is stopped. pyzmq and lmdb are not imported here:
-the GPU image lacks them, and nothing the probe measures needs them.
+the GPU image lacks them, and nothing the probe measures needs them. The engine and PyTorch sides
+that the parts time are gpu_probe_steps.py's.
 """
 import importlib
 import importlib.util
@@ -17,12 +18,13 @@ from pathlib import Path
 
 import numpy
 
+from .gpu_probe_steps import EngineStep, TorchStep, compare, free_memory, set_precision, timed
+
 ROOT = Path(__file__).resolve().parents[2]        # the repository: tests/ beside engine/
 OPTIONAL = {"zmq": ("pyzmq", "the distributed tests and bench parts c-e, g"),
             "lmdb": ("lmdb", "the LMDB data layers and their tests")}
 TIMED_NETS = (("cifar10_quick", 100), ("fc_heavy", 32), ("vgg_block", 16), ("alexnet", 128),
               ("googlenet", 64), ("resnet50", 32))
-RUN_S = 0.25          # one timed run of a side; the sides take turns
 
 
 class ProbeContext:
@@ -154,119 +156,6 @@ def _kernel_checks(ctx, cupy):
 
 
 # ----- timings: the engine beside PyTorch CUDA ------------------------------------------------------
-class EngineStep:
-    """The engine's solver on one net (forward, backward, update), on CuPy."""
-
-    def __init__(self, key, batch):
-        import cupy
-        from poseidon.tools.bench import nets
-        self.cupy = cupy
-        bench = {"cifar10_quick": nets.cifar10_quick, "fc_heavy": nets.fc_heavy,
-                 "vgg_block": nets.vgg_block}
-        if key in bench:
-            self.bench_net = bench[key](batch)
-            self.solver = nets.make_solver(self.bench_net, xp=cupy)
-            self.param = self.bench_net.param
-        else:
-            self.bench_net = None
-            self.solver = _real_net_solver(key, batch)
-            self.param = self.solver.param.net_param
-        self.net = self.solver.net
-
-    def step(self, iterations):
-        self.solver.step(iterations)
-
-    def sync(self):
-        self.cupy.cuda.Device().synchronize()
-
-
-def _real_net_solver(model, batch):
-    """SGD around a deploy net of prototxt/ as the bench trains it (model_ref.training_param):
-    random images and a random gradient on its last top, set once."""
-    import cupy
-    from poseidon.engine.proto import caffe_pb2
-    from poseidon.engine.solvers import get_solver
-    from poseidon.tools.bench import model_ref
-    sp = caffe_pb2.SolverParameter(base_lr=0.01, momentum=0.9, weight_decay=5e-4,
-                                   lr_policy="fixed", max_iter=10 ** 9, display=0, random_seed=1)
-    sp.net_param.CopyFrom(model_ref.training_param(model, batch))
-    solver = get_solver(sp, xp=cupy)
-    net, rs = solver.net, numpy.random.RandomState(0)
-    image = next(lp.top[0] for lp in sp.net_param.layer if lp.type == "Input")
-    net.blobs[image].data[...] = cupy.asarray(rs.random_sample(net.blobs[image].shape))
-    last = net.top_vecs[-1][0]
-    last.diff[...] = cupy.asarray(rs.random_sample(last.shape))
-    return solver
-
-
-class TorchStep:
-    """The same net in PyTorch CUDA: forward, backward, SGD step."""
-
-    def __init__(self, engine, device):
-        import torch
-        self.torch = torch
-        if engine.bench_net is not None:
-            from poseidon.tools.bench import nets, torch_ref
-            self.ref = torch_ref.TorchNet(engine.bench_net, 1, device=device)
-            self.ref.set_batch(*nets.synthetic_batch(engine.bench_net))
-            self._step = lambda: self.ref.step(1)
-            return
-        from poseidon.tools.bench import model_ref
-        shapes = {name: blob.shape for name, blob in engine.net.blobs.items()}
-        model = model_ref.torch_graph(engine.param, shapes, 1).to(device)
-        image = next(lp.top[0] for lp in engine.param.layer if lp.type == "Input")
-        x = torch.rand(*shapes[image], device=device)
-        grad = torch.rand_like(model({image: x}))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-
-        def step():
-            opt.zero_grad(set_to_none=False)
-            model({image: x}).backward(grad)
-            opt.step()
-        self._step = step
-
-    def step(self, iterations):
-        for _ in range(iterations):
-            self._step()
-
-    def sync(self):
-        self.torch.cuda.synchronize()
-
-
-def _timed(side, iterations):
-    side.sync()
-    t = time.perf_counter()
-    side.step(iterations)
-    side.sync()
-    return (time.perf_counter() - t) / iterations
-
-
-def _set_precision(tf32, with_torch):
-    from poseidon.engine import backend
-    engine = backend.set_tf32(tf32)
-    if with_torch:
-        import torch
-        from poseidon.tools.bench import torch_ref
-        torch_ref.set_precision(torch, tf32)
-    return engine
-
-
-def compare(engine, torch_side, seconds):
-    """ms per iteration of each side, the sides taking turns for `seconds` (at least one turn
-    each): {"engine": [...], "torch": [...]}."""
-    sides = {"engine": engine, "torch": torch_side}
-    runs = {name: [] for name, side in sides.items() if side is not None}
-    per = {name: _timed(side, 1) for name, side in sides.items() if side is not None}
-    iters = {name: max(1, int(RUN_S / max(s, 1e-4))) for name, s in per.items()}
-    stop, turn = time.monotonic() + seconds, 0
-    while not turn or time.monotonic() < stop:
-        order = list(runs) if turn % 2 == 0 else list(reversed(runs))
-        for name in order:
-            runs[name].append(_timed(sides[name], iters[name]) * 1e3)
-        turn += 1
-    return runs
-
-
 def timings(ctx):
     from poseidon.engine import backend
     try:
@@ -291,8 +180,8 @@ def timings(ctx):
                 torch_side.step(2)
             left = share - (time.monotonic() - start)
             for precision in ("fp32", "tf32"):
-                row[f"engine_precision_{precision}"] = _set_precision(precision == "tf32",
-                                                                      with_torch)
+                row[f"engine_precision_{precision}"] = set_precision(precision == "tf32",
+                                                                     with_torch)
                 runs = compare(engine, torch_side, max(0.5, left / 2 - 1))
                 row[precision] = {side: float(numpy.median(v)) for side, v in runs.items()}
                 row[precision]["rounds"] = len(runs["engine"])
@@ -303,20 +192,10 @@ def timings(ctx):
         except Exception as e:
             row["status"] = f"failed: {type(e).__name__}: {e}"[:300]
         finally:
-            _set_precision(False, with_torch)
+            set_precision(False, with_torch)
             engine = torch_side = None
-            _free_memory(with_torch)
+            free_memory(with_torch)
         ctx.emit(rows=rows, torch_note=note, device=backend.device_name(__import__("cupy")))
-
-
-def _free_memory(with_torch):
-    import gc
-    import cupy
-    gc.collect()
-    cupy.get_default_memory_pool().free_all_blocks()
-    if with_torch:
-        import torch
-        torch.cuda.empty_cache()
 
 
 # ----- launches: what one step launches, counted two ways -------------------------------------------
@@ -443,7 +322,7 @@ def layer_times(ctx):
                     "slowest": sorted(rows, key=lambda r: -(r[2] + r[3]))[:12]}
         ctx.emit(nets=out)
         engine = None
-        _free_memory(False)
+        free_memory(False)
     ctx.emit(nets=out)
 
 
@@ -472,13 +351,13 @@ def _step_graphs(ctx):
             os.environ[graphs.ENV] = mode
             engine = EngineStep("cifar10_quick", 100)
             engine.step(graphs.WARMUP + 2)          # compiled, warmed up, captured, replayed
-            ctx.emit(**{f"step_ms_graphs_{mode}": _timed(engine, 10) * 1000})
+            ctx.emit(**{f"step_ms_graphs_{mode}": timed(engine, 10) * 1000})
             planned = graphs.graphs_of(engine.solver)
             if planned is not None and planned.describe() is not None:
                 segments, eager = planned.describe()
                 ctx.emit(graph_segments=len(segments), graph_eager=sorted(eager))
             engine = None
-            _free_memory(False)
+            free_memory(False)
     finally:
         if before is None:
             os.environ.pop(graphs.ENV, None)

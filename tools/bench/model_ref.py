@@ -6,14 +6,14 @@ MODEL is a folder of prototxt/ (resnet50, googlenet, inception_v3, alexnet, vgg1
 of a deploy file (one Input layer for the image; default resnet50, batch 8). The engine runs it as
 in training: batch statistics in its BatchNorm layers, a random gradient on the last top and a
 backward through every layer but none for the image. PyTorch, when installed, runs the same graph
-built here from the same NetParameter (so the two cannot drift apart), the way a PyTorch user
-writes it: a BatchNorm followed by the Scale that scales its output is one affine `BatchNorm2d`,
-and a ReLU runs in place where the Caffe layer does (as torchvision's networks do). The two sides
-take turns, ROUNDS times ITERATIONS iterations each, as part a of the bench does, with a pause
-after each PyTorch run (its OpenMP threads spin for a while and would slow the engine's next run).
-Prints each side's median and range, the median of the per-round speed ratios, the engine's time
-per layer type and, with --profile, PyTorch's own profile of one iteration by operator. A
-benchmark-only reference: nothing in the engine imports torch.
+(torch_graph.py) built from the same NetParameter (so the two cannot drift apart), the way a
+PyTorch user writes it: a BatchNorm followed by the Scale that scales its output is one affine
+`BatchNorm2d`, and a ReLU runs in place where the Caffe layer does (as torchvision's networks do).
+The two sides take turns, ROUNDS times ITERATIONS iterations each, as part a of the bench does,
+with a pause after each PyTorch run (its OpenMP threads spin for a while and would slow the
+engine's next run). Prints each side's median and range, the median of the per-round speed
+ratios, the engine's time per layer type and, with --profile, PyTorch's own profile of one
+iteration by operator. A benchmark-only reference: nothing in the engine imports torch.
 """
 import argparse
 import time
@@ -27,6 +27,8 @@ from poseidon.engine import prototxt
 from poseidon.engine.parallel import parallel
 from poseidon.engine.net import Net
 from poseidon.engine.proto import caffe_pb2
+
+from .torch_graph import torch_graph
 
 MODELS = shipped_prototxt.folder()
 PAUSE_S = 0.5       # after each PyTorch run, before the engine's
@@ -113,156 +115,6 @@ def engine_times(model, batch, iterations):
     side = EngineSide(model, batch)
     fwd, bwd, per_f, per_b = side.run(iterations)
     return fwd, bwd, side.by_type(per_f, per_b)
-
-
-def _hw(param, field, default):
-    """(h, w) of a convolution or pooling field, given repeated, as a scalar or as its _h/_w twins
-    (kernel_size's twins are kernel_h/kernel_w)."""
-    base = "kernel" if field == "kernel_size" else field
-    if f"{base}_h" in param.DESCRIPTOR.fields_by_name and param.HasField(f"{base}_h"):
-        return getattr(param, f"{base}_h"), getattr(param, f"{base}_w")
-    value = getattr(param, field)
-    if isinstance(value, int):
-        return (value, value) if param.HasField(field) else (default, default)
-    values = list(value) or [default]
-    return values[0], values[-1]
-
-
-def torch_graph(param, shapes, threads):
-    """A torch module computing param's graph (see the module docstring); shapes: {blob: shape}
-    from the engine's net (the channels each layer takes)."""
-    import torch
-    from torch import nn
-    import torch.nn.functional as F
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    layers = list(param.layer)
-    steps = []                 # (bottoms, tops, callable)
-    modules = nn.ModuleList()
-    by_layer = {}              # engine layer name -> the module holding its parameters
-    skip = set()
-    for i, lp in enumerate(layers):
-        if i in skip or lp.type in ("Input", "Silence"):
-            continue
-        t = lp.type
-        channels = shapes[lp.bottom[0]][1] if lp.bottom else None
-        fn = None
-        if t == "Convolution":
-            cp = lp.convolution_param
-            conv = nn.Conv2d(channels, cp.num_output, _hw(cp, "kernel_size", 1),
-                             stride=_hw(cp, "stride", 1), padding=_hw(cp, "pad", 0),
-                             dilation=_hw(cp, "dilation", 1), groups=cp.group or 1,
-                             bias=cp.bias_term)
-            modules.append(conv)
-            fn = by_layer[lp.name] = conv
-        elif t == "Pooling":
-            pp = lp.pooling_param
-            if pp.global_pooling:
-                kernel, stride, pad = tuple(shapes[lp.bottom[0]][2:]), 1, 0
-            else:
-                kernel, stride, pad = (_hw(pp, "kernel_size", 1), _hw(pp, "stride", 1),
-                                       _hw(pp, "pad", 0))
-            ceil = pp.round_mode == caffe_pb2.PoolingParameter.CEIL
-            if pp.pool == caffe_pb2.PoolingParameter.MAX:
-                fn = nn.MaxPool2d(kernel, stride, pad, ceil_mode=ceil)
-            else:
-                fn = nn.AvgPool2d(kernel, stride, pad, ceil_mode=ceil, count_include_pad=True)
-        elif t == "ReLU":
-            slope, inplace = lp.relu_param.negative_slope, lp.top[0] == lp.bottom[0]
-            fn = nn.LeakyReLU(slope, inplace) if slope else nn.ReLU(inplace)
-        elif t == "BatchNorm":
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            affine = (nxt is not None and nxt.type == "Scale" and len(nxt.bottom) == 1
-                      and nxt.bottom[0] == lp.top[0])
-            bn = nn.BatchNorm2d(channels, eps=lp.batch_norm_param.eps, affine=affine)
-            modules.append(bn)
-            fn = bn
-            if affine:
-                by_layer[nxt.name] = bn
-                skip.add(i + 1)
-                if not nxt.scale_param.bias_term:
-                    bn.bias.requires_grad_(False)
-                lp = nxt                       # its top is the pair's output
-        elif t == "Scale":
-            scale = nn.Parameter(torch.ones(channels))
-            shift = nn.Parameter(torch.zeros(channels)) if lp.scale_param.bias_term else None
-            holder = nn.ParameterList([p for p in (scale, shift) if p is not None])
-            modules.append(holder)
-            by_layer[lp.name] = holder
-
-            def fn(x, scale=scale, shift=shift):
-                y = x * scale.view(1, -1, 1, 1)
-                return y if shift is None else y + shift.view(1, -1, 1, 1)
-        elif t == "Eltwise":
-            ep = lp.eltwise_param
-            if ep.operation == caffe_pb2.EltwiseParameter.PROD:
-                def fn(*xs):
-                    y = xs[0]
-                    for x in xs[1:]:
-                        y = y * x
-                    return y
-            elif ep.operation == caffe_pb2.EltwiseParameter.MAX:
-                def fn(*xs):
-                    y = xs[0]
-                    for x in xs[1:]:
-                        y = torch.maximum(y, x)
-                    return y
-            else:
-                coeffs = list(ep.coeff) or [1.0] * len(lp.bottom)
-
-                def fn(*xs, coeffs=coeffs):
-                    y = xs[0] if coeffs[0] == 1 else xs[0] * coeffs[0]
-                    for c, x in zip(coeffs[1:], xs[1:]):
-                        y = y + x if c == 1 else y + c * x
-                    return y
-        elif t == "Concat":
-            axis = lp.concat_param.axis
-
-            def fn(*xs, axis=axis):
-                return torch.cat(xs, axis)
-        elif t == "Split":
-            def fn(x, n=len(lp.top)):
-                return (x,) * n
-        elif t == "InnerProduct":
-            ip = lp.inner_product_param
-            inputs = int(numpy.prod(shapes[lp.bottom[0]][1:]))
-            linear = nn.Linear(inputs, ip.num_output, bias=ip.bias_term)
-            modules.append(linear)
-            by_layer[lp.name] = linear
-
-            def fn(x, linear=linear):
-                return linear(x.flatten(1))
-        elif t == "LRN":
-            lrn = lp.lrn_param
-            if lrn.norm_region != caffe_pb2.LRNParameter.ACROSS_CHANNELS:
-                raise SystemExit(f"model_ref: layer '{lp.name}': the PyTorch side has no "
-                                 f"WITHIN_CHANNEL LRN")
-            fn = nn.LocalResponseNorm(lrn.local_size, lrn.alpha, lrn.beta, lrn.k)
-        elif t == "Dropout":
-            fn = nn.Dropout(lp.dropout_param.dropout_ratio)
-        elif t == "Softmax":
-            def fn(x):
-                return F.softmax(x, 1)
-        else:
-            raise SystemExit(f"model_ref: layer '{lp.name}' of type {t} has no PyTorch "
-                             f"counterpart here")
-        steps.append((list(layers[i].bottom), list(lp.top), fn))
-
-    class Graph(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.held = modules
-            self.by_layer = by_layer
-
-        def forward(self, blobs):
-            for bottoms, tops, step in steps:
-                out = step(*(blobs[b] for b in bottoms))
-                outs = out if isinstance(out, tuple) else (out,)
-                blobs.update(zip(tops, outs))
-            return out
-
-    return Graph().train()
 
 
 def copy_weights(graph, net):

@@ -38,55 +38,7 @@ class TorchNet:
         else:
             self.precision = set_precision(torch, tf32)
         torch.manual_seed(0)
-        layers = []
-        self.named = []              # (engine layer name, index of its first module, count)
-        shape = None
-        for lp in bench_net.param.layer:
-            t = lp.type
-            first = len(layers)
-            if t == "Input":
-                if lp.top[0] == "data":
-                    shape = tuple(lp.input_param.shape[0].dim)[1:]
-                continue
-            if t == "Convolution":
-                cp = lp.convolution_param
-                k = cp.kernel_size[0] if len(cp.kernel_size) else cp.kernel_h
-                s = cp.stride[0] if len(cp.stride) else 1
-                p = cp.pad[0] if len(cp.pad) else 0
-                conv = nn.Conv2d(shape[0], cp.num_output, k, stride=s, padding=p,
-                                 groups=cp.group or 1, bias=cp.bias_term)
-                layers.append(conv)
-                h = (shape[1] + 2 * p - k) // s + 1
-                w = (shape[2] + 2 * p - k) // s + 1
-                shape = (cp.num_output, h, w)
-            elif t == "Pooling":
-                pp = lp.pooling_param
-                k, s, p = pp.kernel_size, pp.stride or 1, pp.pad
-                ceil = pp.round_mode == 0
-                if pp.pool == 0:
-                    layers.append(nn.MaxPool2d(k, s, p, ceil_mode=ceil))
-                else:
-                    layers.append(nn.AvgPool2d(k, s, p, ceil_mode=ceil, count_include_pad=True))
-                with torch.no_grad():
-                    shape = tuple(layers[-1](torch.zeros((1,) + shape)).shape[1:])
-            elif t == "ReLU":
-                layers.append(nn.ReLU(inplace=lp.bottom[0] == lp.top[0]))
-            elif t == "Dropout":
-                layers.append(nn.Dropout(lp.dropout_param.dropout_ratio))
-            elif t == "InnerProduct":
-                n_in = 1
-                for d in shape:
-                    n_in *= d
-                if len(shape) > 1:
-                    layers.append(nn.Flatten())
-                layers.append(nn.Linear(n_in, lp.inner_product_param.num_output,
-                                        bias=lp.inner_product_param.bias_term))
-                shape = (lp.inner_product_param.num_output,)
-            elif t == "SoftmaxWithLoss":
-                continue
-            else:
-                raise ValueError(f"torch reference: layer type {t} is not supported")
-            self.named.append((lp.name, first, len(layers) - first))
+        layers, self.named = _modules(torch, bench_net.param)
         self.model = nn.Sequential(*layers).to(device)
         self.model.train()
         sol = bench_net.solver
@@ -159,3 +111,59 @@ class TorchNet:
         t = time.perf_counter()
         self.step(iterations)
         return time.perf_counter() - t
+
+
+def _modules(torch, param):
+    """The bench net's layers as torch modules in order, and for each engine layer (name, index
+    of its first module, how many): layer_times times each layer's modules alone."""
+    nn = torch.nn
+    layers = []
+    named = []                   # (engine layer name, index of its first module, count)
+    shape = None
+    for lp in param.layer:
+        t = lp.type
+        first = len(layers)
+        if t == "Input":
+            if lp.top[0] == "data":
+                shape = tuple(lp.input_param.shape[0].dim)[1:]
+            continue
+        if t == "Convolution":
+            cp = lp.convolution_param
+            k = cp.kernel_size[0] if len(cp.kernel_size) else cp.kernel_h
+            s = cp.stride[0] if len(cp.stride) else 1
+            p = cp.pad[0] if len(cp.pad) else 0
+            conv = nn.Conv2d(shape[0], cp.num_output, k, stride=s, padding=p,
+                             groups=cp.group or 1, bias=cp.bias_term)
+            layers.append(conv)
+            h = (shape[1] + 2 * p - k) // s + 1
+            w = (shape[2] + 2 * p - k) // s + 1
+            shape = (cp.num_output, h, w)
+        elif t == "Pooling":
+            pp = lp.pooling_param
+            k, s, p = pp.kernel_size, pp.stride or 1, pp.pad
+            ceil = pp.round_mode == 0
+            if pp.pool == 0:
+                layers.append(nn.MaxPool2d(k, s, p, ceil_mode=ceil))
+            else:
+                layers.append(nn.AvgPool2d(k, s, p, ceil_mode=ceil, count_include_pad=True))
+            with torch.no_grad():
+                shape = tuple(layers[-1](torch.zeros((1,) + shape)).shape[1:])
+        elif t == "ReLU":
+            layers.append(nn.ReLU(inplace=lp.bottom[0] == lp.top[0]))
+        elif t == "Dropout":
+            layers.append(nn.Dropout(lp.dropout_param.dropout_ratio))
+        elif t == "InnerProduct":
+            n_in = 1
+            for d in shape:
+                n_in *= d
+            if len(shape) > 1:
+                layers.append(nn.Flatten())
+            layers.append(nn.Linear(n_in, lp.inner_product_param.num_output,
+                                    bias=lp.inner_product_param.bias_term))
+            shape = (lp.inner_product_param.num_output,)
+        elif t == "SoftmaxWithLoss":
+            continue
+        else:
+            raise ValueError(f"torch reference: layer type {t} is not supported")
+        named.append((lp.name, first, len(layers) - first))
+    return layers, named

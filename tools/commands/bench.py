@@ -81,44 +81,16 @@ def run(args):
     if args.probe:
         from poseidon.tools.bench import gpu_probe
         return gpu_probe.run_from_bench(args)
-    if args.tf32 and args.gpu is None:
-        raise PoseidonError("--tf32 sets the GPU run's precision: add --gpu N, or drop --tf32")
-    from poseidon.tools.bench import env, report
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in PARTS]
-    if bad:
-        raise PoseidonError(f"--parts: unknown part(s) {', '.join(bad)}; choose from "
-                            f"{', '.join(PARTS)}")
-    if "f" in parts:              # a bad --real-nets item stops here, not after parts a-b
-        from poseidon.tools.bench import model_ref
-        try:
-            real_nets = model_ref.parse_models(
-                "alexnet:2" if args.quick and args.real_nets == REAL_NETS else args.real_nets)
-        except SystemExit as e:
-            raise PoseidonError(f"--real-nets: {e}") from None
-    if not args.no_plots:
-        try:
-            report._pyplot()
-        except report.PlotsUnavailable as e:
-            raise PoseidonError(str(e)) from None
+    parts, real_nets = _checked(args)
+    from poseidon.tools.bench import env, nets, report
     t_start = time.perf_counter()
     runs = args.runs or (2 if args.quick else 5)
     threads = args.threads or env.cpu_count()
     # the engine's own threads (engine/parallel.py: sample ranges on Python threads,
     # numpy's BLAS held to one thread meanwhile); PyTorch gets the same count
     os.environ["POSEIDON_THREADS"] = str(threads)
-    argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
-    meta = env.describe(argv)
-    meta.update(threads=threads, runs=runs, quick=bool(args.quick), parts=parts)
-    if not args.no_torch:
-        meta["torch"] = env.torch_info()
-    else:
-        meta["torch"] = {"available": False, "reason": "--no-torch"}
-    out(f"poseidon bench: {meta['cpu']}, {meta['cores']} cores, numpy BLAS "
-        f"{meta['blas'].get('library')} kernel {meta['blas'].get('kernel')}, {threads} threads, "
-        f"{runs} runs per figure{' (quick)' if args.quick else ''}")
+    meta = _meta(args, env, parts, threads, runs)
     results = {"meta": meta}
-    from poseidon.tools.bench import nets
     bench_nets = nets.all_nets(quick=args.quick)
 
     # one GEMM call of the engine runs on one core while it splits the batch over cores
@@ -130,104 +102,10 @@ def run(args):
     results.update(peaks.results())
     _log_peaks(out, results, "")
 
-    seconds = results["part_seconds"] = {}       # where the run's time goes, part by part
-    mark = time.perf_counter()
-
-    def part_done(part):
-        nonlocal mark
-        now = time.perf_counter()
-        seconds[part] = round(now - mark, 1)
-        mark = now
-
-    if "a" in parts:
-        from poseidon.tools.bench import throughput
-        out("a. training throughput (engine vs PyTorch CPU, interleaved)")
-        results["throughput"] = throughput.measure(
-            bench_nets, threads, runs=runs, run_s=0.3 if args.quick else 2.0,
-            with_torch=not args.no_torch, log=out)
-        part_done("a")
-    if "b" in parts:
-        from poseidon.tools.bench import layers
-        out("b. per-layer times")
-        results["layers"] = layers.measure(bench_nets, threads, peaks, runs=runs,
-                                           iterations=1 if args.quick else 4, log=out,
-                                           with_torch=not args.no_torch)
-        results.update(peaks.results())
-        _log_peaks(out, results, f", best of {peaks.samples} samples (before part b and after "
-                                 f"each of its nets)")
-        part_done("b")
-    if "f" in parts:
-        out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
-        results["real_nets"] = model_ref.measure(
-            real_nets, threads, rounds=min(runs, 2), iterations=1 if args.quick else 2,
-            with_torch=not args.no_torch, log=out)
-        part_done("f")
-    dist_results = {}
-    need_dist = [p for p in ("c", "d", "e", "g", "h") if p in parts]
-    if need_dist:
-        from poseidon.tools.bench import dist_parts
-        work = Path(args.out) / "jobs"
-        if "c" in parts:
-            out("c. single-node overhead of the distributed path")
-            if args.quick:
-                dist_results["single_node_overhead"] = dist_parts.not_measured(
-                    "skipped in --quick (it starts a distributed job)")
-            else:
-                dist_results["single_node_overhead"] = dist_parts.single_node_overhead(work)
-            out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
-            for v in dist_parts.overhead_variants(args.quick):
-                variant = dist_parts.single_node_overhead(work / v.key, options=v.options,
-                                                          threads=v.threads,
-                                                          rounds=dist_parts.VARIANT_ROUNDS)
-                dist_results[f"single_node_overhead_{v.key}"] = variant
-                out(f"  with {v.flag}: {_status(variant, 'overhead', '{:+.1%}')}")
-            part_done("c")
-        if "d" in parts:
-            out("d. KV-store push+pull vs raw ZeroMQ (CURVE and plain)")
-            if args.quick:
-                dist_results["transport"] = dist_parts.not_measured(
-                    "skipped in --quick (it starts a distributed job)")
-            else:
-                dist_results["transport"] = dist_parts.transport(work, runs=runs)
-            t = dist_results["transport"]
-            out(f"  {_status(t, 'ratio', '{:.0%}')}" + (
-                f" (TCP, CURVE both; --insecure vs plain {t['ratio_insecure']:.0%}; Unix "
-                f"sockets {t['ratio_ipc']:.0%})"
-                if t.get("ratio_ipc") is not None else ""))
-            part_done("d")
-        if "e" in parts:
-            out(f"e. scaling under a {args.bandwidth} cap")
-            dist_results["scaling"] = dist_parts.scaling(
-                work, quick=args.quick, bandwidth=args.bandwidth, runs=runs,
-                net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
-            out(f"  {dist_results['scaling']['status']}"
-                + (f": {dist_results['scaling'].get('reason')}"
-                   if dist_results['scaling'].get('reason') else ""))
-            part_done("e")
-        if "g" in parts:
-            out(f"g. scaling across emulated hosts, links at {args.bandwidth} (tbf)")
-            dist_results["emulated_hosts"] = _part_g(args, work, dist_results.get("scaling"))
-            g = dist_results["emulated_hosts"]
-            figure = (g.get("target_figure") or {}).get("netns")
-            out(f"  {g['status']}" + (f": {g.get('reason')}" if g.get("reason") else "")
-                + (f"; hybrid / no-overlap ps, fc_heavy at 4 workers: {figure:.2f}"
-                   if figure is not None else ""))
-            part_done("g")
-        if "h" in parts:
-            out(f"h. schemes across {_hosts()} emulated hosts at {args.bandwidth}, beside DDP")
-            dist_results["schemes_across_hosts"] = _part_h(args, work)
-            h = dist_results["schemes_across_hosts"]
-            out(f"  {h['status']}" + (f": {h.get('reason')}" if h.get("reason") else ""))
-            for net, v in (h.get("verdicts") or {}).items():
-                out(f"  {net}: " + ", ".join(f"{k} {x:.2f}" for k, x in v.items()
-                                              if isinstance(x, float)))
-            part_done("h")
-    for key in ("single_node_overhead", "transport", "scaling", "emulated_hosts",
-                "schemes_across_hosts"):
-        dist_results.setdefault(key, {"status": "not measured",
-                                      "reason": "part not selected (--parts)"})
-    results["distributed"] = dist_results
-
+    clock = _PartClock()
+    results["part_seconds"] = clock.seconds       # where the run's time goes, part by part
+    _engine_parts(args, parts, results, bench_nets, peaks, real_nets, threads, runs, clock)
+    results["distributed"] = _distributed(args, parts, runs, clock)
     if args.unpinned:
         results["unpinned"] = _unpinned(args, threads, runs)
     if args.gpu is not None:
@@ -239,36 +117,193 @@ def run(args):
     out(f"wrote {out_dir / 'results.json'}, {out_dir / 'results.md'}"
         + (f" and {len(results['plots'])} plots" if results.get("plots") else "")
         + f" in {results['runtime_s']:.0f} s"
-        + (f" ({report.part_times_text(seconds)})" if seconds else ""))
+        + (f" ({report.part_times_text(clock.seconds)})" if clock.seconds else ""))
     return 0
 
 
-def _part_g(args, work, part_e):
+def _checked(args):
+    """The selected parts and part f's (model, batch) list (None without part f), after every
+    check that can refuse the run: a bad flag stops it here, not after minutes of measuring."""
+    if args.tf32 and args.gpu is None:
+        raise PoseidonError("--tf32 sets the GPU run's precision: add --gpu N, or drop --tf32")
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        raise PoseidonError(f"--parts: unknown part(s) {', '.join(bad)}; choose from "
+                            f"{', '.join(PARTS)}")
+    real_nets = None
+    if "f" in parts:              # a bad --real-nets item stops here, not after parts a-b
+        from poseidon.tools.bench import model_ref
+        try:
+            real_nets = model_ref.parse_models(
+                "alexnet:2" if args.quick and args.real_nets == REAL_NETS else args.real_nets)
+        except SystemExit as e:
+            raise PoseidonError(f"--real-nets: {e}") from None
+    if not args.no_plots:
+        from poseidon.tools.bench import report_plots
+        try:
+            report_plots.pyplot()
+        except report_plots.PlotsUnavailable as e:
+            raise PoseidonError(str(e)) from None
+    return parts, real_nets
+
+
+def _meta(args, env, parts, threads, runs):
+    """The run's conditions for the report (machine, BLAS, settings, PyTorch), also printed as
+    the run's first line."""
+    argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
+    meta = env.describe(argv)
+    meta.update(threads=threads, runs=runs, quick=bool(args.quick), parts=parts)
+    if not args.no_torch:
+        meta["torch"] = env.torch_info()
+    else:
+        meta["torch"] = {"available": False, "reason": "--no-torch"}
+    out(f"poseidon bench: {meta['cpu']}, {meta['cores']} cores, numpy BLAS "
+        f"{meta['blas'].get('library')} kernel {meta['blas'].get('kernel')}, {threads} threads, "
+        f"{runs} runs per figure{' (quick)' if args.quick else ''}")
+    return meta
+
+
+class _PartClock:
+    """Seconds each part took, from the end of the one before (the report's part-by-part line)."""
+
+    def __init__(self):
+        self.seconds = {}
+        self.mark = time.perf_counter()
+
+    def done(self, part):
+        now = time.perf_counter()
+        self.seconds[part] = round(now - self.mark, 1)
+        self.mark = now
+
+
+def _engine_parts(args, parts, results, bench_nets, peaks, real_nets, threads, runs, clock):
+    """Parts a, b and f, those selected, into results; part b samples the GEMM peaks again."""
+    if "a" in parts:
+        from poseidon.tools.bench import throughput
+        out("a. training throughput (engine vs PyTorch CPU, interleaved)")
+        results["throughput"] = throughput.measure(
+            bench_nets, threads, runs=runs, run_s=0.3 if args.quick else 2.0,
+            with_torch=not args.no_torch, log=out)
+        clock.done("a")
+    if "b" in parts:
+        from poseidon.tools.bench import layers
+        out("b. per-layer times")
+        results["layers"] = layers.measure(bench_nets, threads, peaks, runs=runs,
+                                           iterations=1 if args.quick else 4, log=out,
+                                           with_torch=not args.no_torch)
+        results.update(peaks.results())
+        _log_peaks(out, results, f", best of {peaks.samples} samples (before part b and after "
+                                 f"each of its nets)")
+        clock.done("b")
+    if "f" in parts:
+        from poseidon.tools.bench import model_ref
+        out("f. real networks, forward + backward (engine vs PyTorch CPU, taking turns)")
+        results["real_nets"] = model_ref.measure(
+            real_nets, threads, rounds=min(runs, 2), iterations=1 if args.quick else 2,
+            with_torch=not args.no_torch, log=out)
+        clock.done("f")
+
+
+def _distributed(args, parts, runs, clock):
+    """Parts c-e, g and h, those selected, in that order; the others recorded as not selected."""
+    dist_results = {}
+    work = Path(args.out) / "jobs"
+    for part, measure in (("c", _part_c), ("d", _part_d), ("e", _part_e), ("g", _part_g),
+                          ("h", _part_h)):
+        if part in parts:
+            measure(args, work, runs, dist_results)
+            clock.done(part)
+    for key in ("single_node_overhead", "transport", "scaling", "emulated_hosts",
+                "schemes_across_hosts"):
+        dist_results.setdefault(key, {"status": "not measured",
+                                      "reason": "part not selected (--parts)"})
+    return dist_results
+
+
+def _part_c(args, work, runs, dist_results):
+    """Part c (tools/bench/dist_parts.py): the overhead of the default set-up, then each variant
+    beside it; skipped in --quick."""
+    from poseidon.tools.bench import dist_parts
+    out("c. single-node overhead of the distributed path")
+    if args.quick:
+        dist_results["single_node_overhead"] = dist_parts.not_measured(
+            "skipped in --quick (it starts a distributed job)")
+    else:
+        dist_results["single_node_overhead"] = dist_parts.single_node_overhead(work)
+    out(f"  {_status(dist_results['single_node_overhead'], 'overhead', '{:+.1%}')}")
+    for v in dist_parts.overhead_variants(args.quick):
+        variant = dist_parts.single_node_overhead(work / v.key, options=v.options,
+                                                  threads=v.threads,
+                                                  rounds=dist_parts.VARIANT_ROUNDS)
+        dist_results[f"single_node_overhead_{v.key}"] = variant
+        out(f"  with {v.flag}: {_status(variant, 'overhead', '{:+.1%}')}")
+
+
+def _part_d(args, work, runs, dist_results):
+    """Part d (tools/bench/dist_parts.py): KV push + pull beside raw ZeroMQ; skipped in --quick."""
+    from poseidon.tools.bench import dist_parts
+    out("d. KV-store push+pull vs raw ZeroMQ (CURVE and plain)")
+    if args.quick:
+        dist_results["transport"] = dist_parts.not_measured(
+            "skipped in --quick (it starts a distributed job)")
+    else:
+        dist_results["transport"] = dist_parts.transport(work, runs=runs)
+    t = dist_results["transport"]
+    out(f"  {_status(t, 'ratio', '{:.0%}')}" + (
+        f" (TCP, CURVE both; --insecure vs plain {t['ratio_insecure']:.0%}; Unix "
+        f"sockets {t['ratio_ipc']:.0%})"
+        if t.get("ratio_ipc") is not None else ""))
+
+
+def _part_e(args, work, runs, dist_results):
+    """Part e (tools/bench/dist_parts.py): scaling under --bandwidth."""
+    from poseidon.tools.bench import dist_parts
+    out(f"e. scaling under a {args.bandwidth} cap")
+    dist_results["scaling"] = dist_parts.scaling(
+        work, quick=args.quick, bandwidth=args.bandwidth, runs=runs,
+        net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
+    out(f"  {dist_results['scaling']['status']}"
+        + (f": {dist_results['scaling'].get('reason')}"
+           if dist_results['scaling'].get('reason') else ""))
+
+
+def _part_g(args, work, runs, dist_results):
     """Part g (tools/bench/hosts_part.py): skipped in --quick; its token-bucket side from part e
     of this run where part e measured the row."""
     from poseidon.tools.bench import dist_parts, hosts_part
+    out(f"g. scaling across emulated hosts, links at {args.bandwidth} (tbf)")
     if args.quick:
-        return dist_parts.not_measured("skipped in --quick (it starts jobs of up to 8 processes "
-                                       "across network namespaces)")
-    return hosts_part.emulated_hosts(
-        work, bandwidth=args.bandwidth, part_e=part_e, log=out,
-        net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
+        g = dist_parts.not_measured("skipped in --quick (it starts jobs of up to 8 processes "
+                                    "across network namespaces)")
+    else:
+        g = hosts_part.emulated_hosts(
+            work, bandwidth=args.bandwidth, part_e=dist_results.get("scaling"), log=out,
+            net_keys=[k.strip() for k in args.scaling_nets.split(",") if k.strip()])
+    dist_results["emulated_hosts"] = g
+    figure = (g.get("target_figure") or {}).get("netns")
+    out(f"  {g['status']}" + (f": {g.get('reason')}" if g.get("reason") else "")
+        + (f"; hybrid / no-overlap ps, fc_heavy at 4 workers: {figure:.2f}"
+           if figure is not None else ""))
 
 
-def _hosts():
-    from poseidon.tools.bench.schemes_part import HOSTS
-    return HOSTS
-
-
-def _part_h(args, work):
+def _part_h(args, work, runs, dist_results):
     """Part h (tools/bench/schemes_part.py): skipped in --quick."""
     from poseidon.tools.bench import dist_parts, schemes_part
+    out(f"h. schemes across {schemes_part.HOSTS} emulated hosts at {args.bandwidth}, beside DDP")
     if args.quick:
-        return dist_parts.not_measured("skipped in --quick (it starts jobs of 8 processes "
-                                       "across network namespaces)")
-    return schemes_part.schemes_across_hosts(
-        work, bandwidth=args.bandwidth, slow=args.slow_bandwidth, runs=min(args.runs or 1, 3),
-        net_keys=[k.strip() for k in args.scheme_nets.split(",") if k.strip()], log=out)
+        h = dist_parts.not_measured("skipped in --quick (it starts jobs of 8 processes "
+                                    "across network namespaces)")
+    else:
+        h = schemes_part.schemes_across_hosts(
+            work, bandwidth=args.bandwidth, slow=args.slow_bandwidth,
+            runs=min(args.runs or 1, 3),
+            net_keys=[k.strip() for k in args.scheme_nets.split(",") if k.strip()], log=out)
+    dist_results["schemes_across_hosts"] = h
+    out(f"  {h['status']}" + (f": {h.get('reason')}" if h.get("reason") else ""))
+    for net, v in (h.get("verdicts") or {}).items():
+        out(f"  {net}: " + ", ".join(f"{k} {x:.2f}" for k, x in v.items()
+                                      if isinstance(x, float)))
 
 
 def _log_peaks(out, results, how):
