@@ -4,9 +4,10 @@ Every layer asks `get_array_module(array)` once per method and then writes one c
 as Chainer does. Only this module imports CuPy, so a machine without it never sees an ImportError.
 """
 import contextlib
-import os
 
 import numpy
+
+from . import settings
 
 try:  # CuPy is an optional extra (`pip install -e '.[gpu]'`).
     import cupy
@@ -56,22 +57,22 @@ def set_mode_gpu(device=None):
         set_tf32(True)
 
 
-TF32_VARIABLE = "POSEIDON_TF32"
+TF32_VARIABLE = settings.VARIABLES["tf32"]
 
 
 def tf32_requested():
-    """Whether --tf32 asked for TF32 (POSEIDON_TF32=1, which the processes of a job inherit)."""
-    return os.environ.get(TF32_VARIABLE, "").strip().lower() in ("1", "yes", "true", "on")
+    """Whether --tf32 (or POSEIDON_TF32=1, which the processes of a job inherit) asked for TF32."""
+    return settings.current().tf32
 
 
 def set_tf32(enabled):
     """Let CuPy's float32 GEMMs (the engine's convolutions and InnerProducts go through them)
     round their inputs to TF32 on the tensor cores of Ampere and newer GPUs, or keep full FP32
     (the default, as numpy computes). The setting is CuPy's compute type for float32
-    (cupy._core.set_compute_type; CUPY_TF32=1 sets it for a fresh process). Returns 'tf32',
-    'fp32', or a sentence saying why TF32 could not be set (no CuPy, a GPU older than
-    Ampere, a CuPy without the setting)."""
-    os.environ[TF32_VARIABLE] = "1" if enabled else "0"
+    (cupy._core.set_compute_type; CUPY_TF32=1 sets it for a fresh process), and the engine's tf32
+    setting follows it. Returns 'tf32', 'fp32', or a sentence saying why TF32 could not be set
+    (no CuPy, a GPU older than Ampere, a CuPy without the setting)."""
+    settings.configure(tf32=bool(enabled))
     if cupy is None:
         return "CuPy is not installed: TF32 is a GPU math mode"
     try:

@@ -36,21 +36,21 @@ Memory: captures allocate through a CuPy MemoryPool of the graphs' own, so the t
 graph's kernels use are never handed to code outside the graphs (the default pool would give
 them to the next eager allocation on the stream, which a replay would then overwrite).
 
-On with `poseidon train --cuda-graphs on` or POSEIDON_CUDA_GRAPHS=on (the flag sets the
-variable); off by default until a device run shows a gain. It applies to a solver training
-alone on one device with iter_size 1 and no layer updated from its sufficient factors; any
-other step runs Solver.forward_backward unchanged. poseidon/testing/fake_graphs.py gives the counting
-stand-in the same capture API, so tests/test_cuda_graphs.py checks all this on the CPU.
+On with `poseidon train --cuda-graphs on`, POSEIDON_CUDA_GRAPHS=on or
+settings.configure(cuda_graphs=True) (engine/settings.py); off by default until a device run
+shows a gain. It applies to a solver training alone on one device with iter_size 1 and no layer
+updated from its sufficient factors; any other step runs Solver.forward_backward unchanged.
+poseidon/testing/fake_graphs.py gives the counting stand-in the same capture API, so
+tests/test_cuda_graphs.py checks all this on the CPU.
 """
 import logging
-import os
 import weakref
 
-from . import gemm
+from . import gemm, settings
 
 log = logging.getLogger("poseidon")
 
-ENV = "POSEIDON_CUDA_GRAPHS"
+ENV = settings.VARIABLES["cuda_graphs"]
 WARMUP = 2              # eager steps before a capture: the first allocates, the last is watched
 MAX_RESETS = 8          # recaptures before the graphs give up on a solver whose blobs keep moving
 _EAGER_TYPES = ("Python",)
@@ -59,8 +59,8 @@ _LAYER_MODULES = __name__.rsplit(".", 1)[0] + ".layers"     # whose objects held
 
 
 def enabled():
-    """Whether POSEIDON_CUDA_GRAPHS asks for graphs ('on'/'1'/'true'; default off)."""
-    return os.environ.get(ENV, "off").strip().lower() in ("on", "1", "true", "yes")
+    """Whether the settings ask for graphs (POSEIDON_CUDA_GRAPHS=on; default off)."""
+    return settings.current().cuda_graphs
 
 
 _graphs = weakref.WeakKeyDictionary()     # solver -> its StepGraphs or OFF (a cache)
@@ -143,8 +143,6 @@ class StepGraphs:
 
     def _backward(self, li):
         self.solver.replicas.backward_layer(li, False, reduce=True)
-        for callback in self.net.after_backward:
-            callback(li)
 
     def applies(self):
         """Whether this iteration's step is one the graphs replay (else the solver's own)."""

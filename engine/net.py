@@ -3,16 +3,16 @@
 `BackwardThrough(l)` runs the backward of layer l alone, so a caller can act between layers: the
 Solver's loop calls its hooks there (engine/solvers/hooks.py), which is where a distributed worker
 schedules the synchronisation of layer l while layers l-1..0 are still computing (wait-free
-backpropagation). `Backward()` runs them all, calling every function in `after_backward` with the
-layer index right after each.
+backpropagation). `Backward()` runs them all; its `after_layer(l)`, when given, is called right
+after each. Which layers need backward is worked out in engine/backward_plan.py, and the weights
+files are read and written in engine/net_weights.py.
 """
 import collections
-import logging
-import os
 
 import numpy
 
-from . import backend
+from . import backend, net_weights
+from .backward_plan import plan_backward
 from .blob import Blob
 from .errors import DataError, ModelError, PoseidonError
 from .factory import create_layer
@@ -21,8 +21,6 @@ from .layers.batchnorm_scale import BatchNormScalePair, can_pair
 from .layers.fusion import absorb_relus
 from .proto import caffe_pb2
 from . import prototxt
-
-log = logging.getLogger("poseidon")
 
 
 class ParamSpec:
@@ -86,7 +84,6 @@ class Net:
             self._build()
         except (ModelError, DataError) as e:
             raise self._locate(e) from None
-        self.after_backward = []   # callbacks f(layer_index) run by Backward() after each layer
         self.backward_passes = [0] * len(self.layers)   # backward runs per layer, see BackwardThrough
         if weights:
             self.copy_from(weights)
@@ -143,26 +140,7 @@ class Net:
                 raise ModelError(f"layer '{lp.name}': two layers share this name; names must be unique")
             layer = create_layer(lp, self.phase, self.dtype, self.xp)
             layer.shard = self.shard
-            bottoms = []
-            for name in lp.bottom:
-                if name not in self.blobs:
-                    raise ModelError(f"layer '{lp.name}': bottom '{name}' is not produced by any "
-                                     f"earlier layer")
-                bottoms.append(self.blobs[name])
-                consumed.add(name)
-            tops = []
-            for ti, name in enumerate(lp.top):
-                if ti < len(lp.bottom) and lp.bottom[ti] == name:
-                    tops.append(self.blobs[name])          # in place
-                elif name in self.blobs:
-                    raise ModelError(f"layer '{lp.name}': top '{name}' is produced by multiple "
-                                     f"sources; give it a new name (in place needs top i == bottom i)")
-                else:
-                    blob = Blob((), self.dtype, self.xp)
-                    self.blobs[name] = blob
-                    tops.append(blob)
-                    if lp.type == "Input":
-                        self.inputs.append(name)
+            bottoms, tops = self._connect(lp, consumed)
             layer.setup(bottoms, tops)
             self._load_inline_blobs(layer, lp)
             self.layers.append(layer)
@@ -192,6 +170,31 @@ class Net:
         self._sole_params = {id(blob) for blob, spec in zip(self.learnable_params,
                                                              self.learnable_param_specs)
                              if users[spec.name] == 1}
+
+    def _connect(self, lp, consumed):
+        """The bottom and top blobs of layer lp: every bottom made by an earlier layer (its name
+        joins `consumed`); each top a new blob, or its bottom's own when computed in place."""
+        bottoms = []
+        for name in lp.bottom:
+            if name not in self.blobs:
+                raise ModelError(f"layer '{lp.name}': bottom '{name}' is not produced by any "
+                                 f"earlier layer")
+            bottoms.append(self.blobs[name])
+            consumed.add(name)
+        tops = []
+        for ti, name in enumerate(lp.top):
+            if ti < len(lp.bottom) and lp.bottom[ti] == name:
+                tops.append(self.blobs[name])          # in place
+            elif name in self.blobs:
+                raise ModelError(f"layer '{lp.name}': top '{name}' is produced by multiple "
+                                 f"sources; give it a new name (in place needs top i == bottom i)")
+            else:
+                blob = Blob((), self.dtype, self.xp)
+                self.blobs[name] = blob
+                tops.append(blob)
+                if lp.type == "Input":
+                    self.inputs.append(name)
+        return bottoms, tops
 
     def _load_inline_blobs(self, layer, lp):
         if not len(lp.blobs):
@@ -247,40 +250,10 @@ class Net:
         return view
 
     def _plan_backward(self):
-        """Which layers and bottoms need gradients (Caffe's Net::Init bookkeeping)."""
-        n = len(self.layers)
-        blob_needs = {}
-        layer_needs = [False] * n
-        for li, layer in enumerate(self.layers):
-            needs = any(blob_needs.get(b, False) for b in self.bottom_names[li])
-            needs = needs or any(layer.param_propagate_down[bi] for bi in range(len(layer.blobs)))
-            layer_needs[li] = needs
-            for t in self.top_names[li]:
-                blob_needs[t] = needs
-        # prune layers that contribute to no loss
-        under_loss = set()
-        for li in reversed(range(n)):
-            contributes = any(t in under_loss or self.blob_loss_weights.get(t) for t in self.top_names[li])
-            if not contributes:
-                layer_needs[li] = False if not self.force_backward else layer_needs[li]
-            else:
-                under_loss.update(self.bottom_names[li])
-        self.layer_need_backward = layer_needs
-        self.bottom_need_backward = []
-        lp_list = self.param.layer
-        for li, layer in enumerate(self.layers):
-            flags = []
-            for bi, b in enumerate(self.bottom_names[li]):
-                need = blob_needs.get(b, False) and layer_needs[li] and (
-                    b in under_loss or self.force_backward)
-                if self.force_backward and layer.allow_force_backward(bi):
-                    need = True
-                if bi < len(lp_list[li].propagate_down):
-                    need = bool(lp_list[li].propagate_down[bi])
-                flags.append(need)
-            self.bottom_need_backward.append(flags)
-            if self.force_backward:
-                self.layer_need_backward[li] = True
+        """Which layers and bottoms need gradients (engine/backward_plan.py)."""
+        self.layer_need_backward, self.bottom_need_backward = plan_backward(
+            self.layers, self.param.layer, self.bottom_names, self.top_names,
+            self.blob_loss_weights, self.force_backward)
         self.layers_with_params = [li for li, layer in enumerate(self.layers) if layer.blobs]
 
     # ----- running -----------------------------------------------------------------------------
@@ -360,14 +333,15 @@ class Net:
             for blob in layer.blobs:               # whatever it wrote, its diffs are not zeros now
                 blob.diff_fresh = False
 
-    def Backward(self, start=None, end=0, factored=()):
+    def Backward(self, start=None, end=0, factored=(), after_layer=None):
         """Backward of layers start..end (descending); `factored`: layer indices that leave their
-        weight gradient to the caller (BackwardThrough)."""
+        weight gradient to the caller (BackwardThrough); `after_layer(l)`, when given, runs
+        right after layer l's backward (Caffe's Backward() is the call with no arguments)."""
         start = len(self.layers) - 1 if start is None else start
         for li in range(start, end - 1, -1):
             self.BackwardThrough(li, li in factored)
-            for hook in self.after_backward:
-                hook(li)
+            if after_layer is not None:
+                after_layer(li)
 
     def ForwardBackward(self):
         loss = self.Forward()
@@ -485,106 +459,22 @@ class Net:
             if hasattr(layer, "shutdown"):
                 layer.shutdown()
 
-    # ----- weights ------------------------------------------------------------------------------
+    # ----- weights (engine/net_weights.py) ----------------------------------------------------
     def to_proto(self, write_diff=False):
-        from .io.caffemodel import blob_to_proto
-        out = caffe_pb2.NetParameter(name=self.name)
-        for lp, layer in zip(self.param.layer, self.layers):
-            lout = out.layer.add()
-            lout.CopyFrom(lp)
-            lout.ClearField("blobs")
-            for blob in layer.blobs:
-                diff = backend.to_numpy(blob.diff) if write_diff else None
-                # float64 nets write double_data, as Caffe's Blob<double> does: exact resumes
-                blob_to_proto(backend.to_numpy(blob.data), lout.blobs.add(), diff=diff,
-                              double=self.dtype == numpy.float64)
-        return out
+        return net_weights.to_proto(self, write_diff)
 
     def save(self, path):
         """Binary .caffemodel (Caffe's NetParameter with blobs), written atomically."""
-        from .io.caffemodel import write_net_proto
-        write_net_proto(self.to_proto(), path)
+        net_weights.save(self, path)
 
     def save_hdf5(self, path):
-        from .io.caffemodel import write_net_hdf5
-        write_net_hdf5(path, collections.OrderedDict(
-            (name, [backend.to_numpy(b.data) for b in layer.blobs])
-            for name, layer in self.layer_dict.items() if layer.blobs))
+        net_weights.save_hdf5(self, path)
 
     def copy_from(self, path, report_missing=True):
-        """Load weights by layer name from a .caffemodel (binary) or .h5 file, as Caffe does.
-
-        Returns the names of this net's layers with parameters that the file gave nothing (they
-        keep their fillers' values). Layers new in a fine-tuned net are expected there, but a file
-        cut at a layer boundary (or empty) parses without error and simply lacks its last layers,
-        so a warning lists them unless `report_missing` is False: a resume, where every layer
-        must come from the file, asks for the list and refuses instead."""
-        from .io import caffemodel
-        if not os.path.exists(path):
-            raise ModelError(f"{path}: weights file does not exist; check the path")
-        if os.path.isdir(path):
-            raise ModelError(f"{path}: is a folder; give a .caffemodel (or .caffemodel.h5) file")
-        def read():
-            if caffemodel.is_hdf5(path):
-                return list(caffemodel.read_net_hdf5(path).items())
-            proto = prototxt.upgrade_net(caffemodel.read_net_proto(path))
-            return [(lp.name, list(lp.blobs)) for lp in proto.layer]
-
-        source = caffemodel.read_or_refuse(
-            path, read, "NetParameter", "weights file",
-            "give a binary .caffemodel or .caffemodel.h5 (a torn copy or download also gives "
-            "this: copy it again)", hdf5_fix=" (or use a binary .caffemodel)")
-        return self._copy_arrays(path, source, report_missing)
-
-    def _copy_arrays(self, path, source, report_missing=True):
-        """Caffe's CopyTrainedLayersFrom: layers matched by name; the file's other layers are
-        skipped (a warning names them when none matched); a shape mismatch is an error. Returns
-        the net's layers with parameters the file did not fill (see copy_from)."""
-        from .io.caffemodel import proto_to_array, shapes_match
-        skipped, loaded = [], set()
-        for name, blobs in source:
-            layer = self.layer_dict.get(name)
-            if layer is None or not blobs:
-                if blobs:
-                    skipped.append(name)
-                continue
-            loaded.add(name)
-            if len(blobs) != len(layer.blobs):
-                raise ModelError(f"{path}: layer '{name}' has {len(blobs)} blobs in the weights file "
-                                 f"but {len(layer.blobs)} in the net; check that the file matches "
-                                 f"the model")
-            for bi, (src, blob) in enumerate(zip(blobs, layer.blobs)):
-                if isinstance(src, caffe_pb2.BlobProto):
-                    if not shapes_match(src, blob.shape):
-                        raise ModelError(f"{path}: layer '{name}' parameter {bi} has shape "
-                                         f"{_stored_shape(src)} in the weights file "
-                                         f"but {blob.shape} in the net; check that the file "
-                                         f"matches the model")
-                    try:
-                        array = proto_to_array(src).reshape(blob.shape)
-                    except ValueError as e:
-                        raise ModelError(f"{path}: layer '{name}' parameter {bi}: {e}; the file "
-                                         f"is damaged: copy it again") from None
-                else:
-                    array = numpy.asarray(src)
-                    if array.size != blob.count:
-                        raise ModelError(f"{path}: layer '{name}' parameter {bi} has shape "
-                                         f"{array.shape} in the weights file but {blob.shape} in "
-                                         f"the net; check that the file matches the model")
-                    array = array.reshape(blob.shape)
-                blob.data[...] = backend.to_xp(array.astype(self.dtype, copy=False), self.xp)
-        missing = [name for name in self.params if name not in loaded]
-        if skipped and not loaded and any(layer.blobs for layer in self.layers):
-            log.warning(f"warning: {path}: none of its layers ({name_list(skipped, 5)}) is named "
-                        f"like a layer with parameters of net '{self.name}' "
-                        f"({name_list(self.params, len(self.params))}); nothing was loaded: check "
-                        f"that the weights belong to this model (layers are matched by name)")
-        elif missing and report_missing:
-            log.warning(f"warning: {path}: has no weights for layer(s) {name_list(missing)} of "
-                        f"net '{self.name}', which keep their initial values: expected for "
-                        f"layers new in fine-tuning; otherwise the file is cut short or of "
-                        f"another model: copy it again or check the model")
-        return missing
+        """Load weights by layer name from a .caffemodel (binary) or .h5 file, as Caffe does;
+        returns the names of the layers with parameters that the file gave nothing, which a
+        warning lists unless `report_missing` is False (net_weights.copy_from says why)."""
+        return net_weights.copy_from(self, path, report_missing)
 
     # ----- inspection ---------------------------------------------------------------------------
     def param_counts(self):
@@ -605,16 +495,3 @@ class Net:
 
 _PHASES = {TRAIN: "TRAIN", TEST: "TEST"}
 
-
-def _stored_shape(proto):
-    """The shape a BlobProto declares (its N-d shape, else legacy num/channels/height/width)."""
-    if proto.HasField("shape"):
-        return tuple(int(d) for d in proto.shape.dim)
-    return (proto.num, proto.channels, proto.height, proto.width)
-
-
-def name_list(names, limit=8):
-    """`'a', 'b', 'c' and 4 more`: layer names for a one-line message, at most `limit` shown."""
-    names = list(names)
-    shown = ", ".join(f"'{n}'" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

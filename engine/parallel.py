@@ -18,6 +18,7 @@ import threading
 
 import numpy
 
+from . import settings
 from .gemm import padded_row_length
 
 
@@ -33,8 +34,10 @@ from .gemm import padded_row_length
 # While this runs, numpy's OpenBLAS is held to one thread for the whole process (threadpoolctl,
 # from the first layer that uses it on): OpenBLAS's own helper threads busy-wait for a while
 # after each multi-threaded call, and one left spinning takes a core from our threads.
-# POSEIDON_THREADS=1 turns this off (one Python thread, BLAS threads untouched, batch-wide GEMMs);
-# so does a missing threadpoolctl. On CuPy everything runs as one range on the calling thread.
+# POSEIDON_THREADS=1 (or settings.configure(threads=1)) turns this off (one Python thread, BLAS
+# threads untouched, batch-wide GEMMs); so does a missing threadpoolctl. The count is taken when
+# the pool is made, at the first layer that runs. On CuPy everything runs as one range on the
+# calling thread.
 def l2_cache_bytes():
     """The per-core L2 cache size from sysfs (1 MiB when it cannot be read)."""
     try:
@@ -84,16 +87,14 @@ def block_rows(rows, row_len, itemsize, factor_rows=0):
 
 
 def _cores():
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:   # pragma: no cover - not Linux
-        n = os.cpu_count() or 1
-    env = os.environ.get("POSEIDON_THREADS")
-    if env:
+    """The threads to run: the threads setting (POSEIDON_THREADS, engine/settings.py), else the
+    cores this process may use; at most 8."""
+    n = settings.current().threads
+    if n is None:
         try:
-            n = max(1, int(env))
-        except ValueError:
-            pass
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:   # pragma: no cover - not Linux
+            n = os.cpu_count() or 1
     return max(1, min(n, 8))
 
 

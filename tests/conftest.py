@@ -85,3 +85,12 @@ def _no_route_timing(request, monkeypatch):
 
     from poseidon.engine.layers.conv import measure
     monkeypatch.setattr(measure, "time_routes", refuse)
+
+
+@pytest.fixture(autouse=True)
+def _engine_settings_per_test():
+    """What a test gives settings.configure (itself, or through a command run in-process) ends
+    with it, as the environment's changes end with monkeypatch."""
+    yield
+    from poseidon.engine import settings
+    settings.reset()

@@ -445,6 +445,13 @@ CASES = [
                                                   "x.solverstate"), ["--weights", "--snapshot"]),
     Case("flag: unknown --phase", ["summary", "--model", "../ip.prototxt", "--phase", "VAL"],
          ["phase", "'VAL'", "TRAIN or TEST"]),
+    Case("flag: --bandwidth inf (a cap)", train("--workers", "2", "--bandwidth", "inf"),
+         ["--bandwidth", "infinite", "1Gbit"]),
+    Case("env: POSEIDON_THREADS=abc", ["train", "--demo", "--workdir", "demo"],
+         ["POSEIDON_THREADS", "'abc'", "positive whole number"],
+         env={"POSEIDON_THREADS": "abc"}),
+    Case("env: POSEIDON_CONV=direct", ["time", "--model", "../ip.prototxt", "--iterations", "1"],
+         ["POSEIDON_CONV", "'direct'", "auto, im2col"], env={"POSEIDON_CONV": "direct"}),
 ]
 assert len({c.name for c in CASES}) == len(CASES)
 
@@ -460,6 +467,7 @@ def run_case(case, base):
     if "PYTHONPATH_FIRST" in case.env:
         paths.insert(0, str(base / case.env["PYTHONPATH_FIRST"]))
     env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update({k: v for k, v in case.env.items() if k != "PYTHONPATH_FIRST"})
     return subprocess.run([sys.executable, "-m", "poseidon.tools.cli", *case.argv], cwd=str(folder),
                           env=env, capture_output=True, text=True, timeout=120)
 

@@ -6,9 +6,6 @@ built and run forward; the big ones are parsed, upgraded, filtered and split wit
 import random
 import re
 
-import numpy
-import pytest
-
 from poseidon.engine import TEST, TRAIN, PoseidonError
 from poseidon.engine.net import Net
 from poseidon.engine import prototxt

@@ -5,7 +5,6 @@ import pytest
 from poseidon.engine import TEST, TRAIN, ModelError
 from poseidon.engine.net import Net
 from poseidon.engine.prototxt import parse_net_text
-from poseidon.engine.proto import caffe_pb2
 
 from .conftest import CAFFE_MODELS, needs_caffe_models
 
@@ -74,9 +73,8 @@ def test_gradients_of_whole_net_match_finite_differences():
 def test_backward_through_calls_each_layer_once_and_hooks_fire():
     net = small_net()
     seen = []
-    net.after_backward.append(seen.append)
     net.Forward()
-    net.Backward()
+    net.Backward(after_layer=seen.append)
     assert seen == list(reversed(range(len(net.layers))))
 
 

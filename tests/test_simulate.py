@@ -24,7 +24,8 @@ from poseidon.dist.sim import profile as simprofile
 from poseidon.dist.coord.book import describe_net
 from poseidon.dist.schemes import best_scheme
 from poseidon.dist.cost.formulas import ps_cost, sfb_cost
-from poseidon.dist.sim.simulate import MODES, Network, parse_bandwidth, parse_latency, simulate
+from poseidon.dist.sim.simulate import MODES, Network, simulate
+from poseidon.dist.units import parse_latency, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15          # the paper's figures are read off plots; the model is coarse
@@ -195,11 +196,11 @@ def test_shipped_profiles_match_the_models(profiles):
 # the paper
 # ------------------------------------------------------------------------------------------------
 def test_paper_headline_figures(profiles):
-    line40, line10 = Network(bandwidth=parse_bandwidth("40Gbit")), \
-        Network(bandwidth=parse_bandwidth("10GbE"))
+    line40, line10 = Network(bandwidth=parse_rate("40Gbit")), \
+        Network(bandwidth=parse_rate("10GbE"))
     # the PS stack of 2017 moved far less than 40 Gbit/s per node: one fitted figure, see
     # docs/simulate.md; 10 GbE experiments were tc caps below it, so they run at the cap
-    goodput = Network(bandwidth=parse_bandwidth("15Gbit"))
+    goodput = Network(bandwidth=parse_rate("15Gbit"))
     rows = [
         ("VGG19-22K", 32, "40 GbE", "poseidon", 29.5, profiles["vgg19_22k"], line40),
         ("VGG19-22K", 32, "40 GbE (15 Gbit goodput)", "poseidon", 29.5, profiles["vgg19_22k"],
@@ -228,17 +229,21 @@ def test_paper_headline_figures(profiles):
 # ------------------------------------------------------------------------------------------------
 # parsing and the command line
 # ------------------------------------------------------------------------------------------------
-def test_parse_bandwidth_and_latency():
-    assert parse_bandwidth("40Gbit") == 5e9
-    assert parse_bandwidth("10GbE") == 1.25e9
-    assert parse_bandwidth("1.25GB/s") == 1.25e9
-    assert parse_bandwidth("100Mbps") == 12.5e6
-    assert parse_bandwidth("inf") == math.inf
+def test_parse_rate_and_latency():
+    assert parse_rate("40Gbit") == 5e9
+    assert parse_rate("10GbE") == 1.25e9
+    assert parse_rate("1.25GB/s") == 1.25e9
+    assert parse_rate("100Mbps") == 12.5e6
+    assert parse_rate("1.5gbps") == 1.5e9 / 8
+    assert parse_rate("1000000000bit") == parse_rate("1Gbit") == 125e6   # as tc writes it
+    assert parse_rate("inf", infinite=True) == math.inf
     assert parse_latency("5us") == pytest.approx(5e-6)
     assert parse_latency("0.1ms") == pytest.approx(1e-4)
-    for bad in ("fast", "40", "-3Gbit", "0Gbit", "10 parsecs"):
-        with pytest.raises(ValueError, match="bandwidth"):
-            parse_bandwidth(bad)
+    for bad in ("fast", "40", "-3Gbit", "0Gbit", "10 parsecs", "inf"):
+        with pytest.raises(ValueError, match="--bandwidth"):
+            parse_rate(bad, "--bandwidth")
+    with pytest.raises(ValueError, match="'40' has no unit: 40bit means bits, 40B bytes"):
+        parse_rate("40", "--bandwidth")
 
 
 def poseidon(*args, cwd):
@@ -279,7 +284,8 @@ def test_cli_measures_a_prototxt_here(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (("--model", "resnet9000"), "no profile 'resnet9000'"),
-    (("--model", "vgg19", "--bandwidth", "fast"), "cannot read the bandwidth 'fast'"),
+    (("--model", "vgg19", "--bandwidth", "fast"), "cannot read --bandwidth 'fast'"),
+    (("--model", "vgg19", "--pcie", "12"), "cannot read --pcie '12'"),
     (("--model", "vgg19", "--nodes", "0,4"), "--nodes"),
     (("--model", "vgg19", "--modes", "wfbp,magic"), "unknown mode 'magic'"),
     (("--profile", "missing.json"), "no profile 'missing.json'"),

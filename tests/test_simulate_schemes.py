@@ -17,7 +17,8 @@ import pytest
 from poseidon.dist.sim import profile as simprofile
 from poseidon.dist.sim.cost import (Shape, algorithm1_plan, layer_times, paper_scheme,
                                    predicted_plan)
-from poseidon.dist.sim.simulate import MODES, Network, parse_bandwidth, simulate
+from poseidon.dist.sim.simulate import MODES, Network, simulate
+from poseidon.dist.units import parse_rate
 
 from .test_simulate import one_layer_profile, poseidon
 
@@ -32,7 +33,7 @@ def profiles():
 
 
 def net_at(bandwidth, **kw):
-    return Network(bandwidth=parse_bandwidth(bandwidth), **kw)
+    return Network(bandwidth=parse_rate(bandwidth), **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def test_cli_runs_the_new_modes_with_leaders(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (("--devices-per-node", "0"), "--devices-per-node"),
-    (("--intra-bandwidth", "fast"), "cannot read the bandwidth 'fast'"),
+    (("--intra-bandwidth", "fast"), "cannot read --intra-bandwidth 'fast'"),
     (("--gemm-rate", "quick"), "cannot read --gemm-rate 'quick'"),
 ])
 def test_cli_rejects_bad_leader_values_with_one_line(tmp_path, args, needle):

@@ -24,7 +24,6 @@ from .placement import DEFAULT_PAIR_BYTES, MAX_BUNDLE_ARRAYS, bundle_pairs, cut_
 from ..schemes import SCHEMES, choose_scheme, hybrid_members, scheme_class, usable_schemes
 
 
-
 def relaxed_consistency(options):
     """'--straggler-timeout' or '--staleness' when the options relax BSP, else None. Under either,
     every layer goes by PS: SFB needs every peer's factors of the iteration, so it cannot leave a
@@ -256,6 +255,62 @@ def merge_on_servers(bundles):
     return merged
 
 
+def layer_records(description, workers, servers, options, relaxed, model, itemsize):
+    """The book's record of each layer: its description with its first scheme (Algorithm 1),
+    the schemes it may move to under the measured model, and the ring's piece size."""
+    sync = options.get("sync", "hybrid")
+    piece = options.get("piece_bytes")
+    layers = []
+    for rec in description["layers"]:
+        rec = dict(rec)
+        if piece:
+            rec["piece_floats"] = max(1, int(piece) // itemsize)
+        rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
+        rec["candidates"] = (candidates(rec, servers, relaxed, sync) if model == "measured"
+                             else [rec["scheme"]])
+        layers.append(rec)
+    return layers
+
+
+def check_servers(layers, servers, sync, relaxed):
+    """Refuse --servers 0 when a layer's scheme needs a parameter server, naming the layers."""
+    needs_ps = [rec for rec in layers if scheme_class(rec["scheme"]).uses_servers]
+    if not needs_ps or servers != 0:
+        return
+    names = ", ".join(f"'{r['name']}' ({r['type']})" for r in needs_ps[:6])
+    more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
+    why = ("--sync ps sends every layer through the servers" if sync == "ps" else
+           f"{relaxed} sends every layer through the servers" if relaxed else
+           f"--sync {sync} applies to only some layers, the others go by PS; --sync "
+           f"hybrid sends them by a scheme without servers")
+    serverless = ", ".join(n for n, c in SCHEMES.items() if not c.uses_servers)
+    raise DistError(f"--servers 0 needs every layer with parameters to go by a scheme "
+                    f"without servers ({serverless}), but "
+                    f"{names}{more} would be synced through a parameter server ({why}): "
+                    f"give --servers 1 or more")
+
+
+def place_params(params, layers, servers, options, itemsize):
+    """(KV pairs, bundles): the parameters a scheme with servers may sync, cut into KV pairs,
+    bundled per layer and placed on the servers (each pair and bundle names its server)."""
+    on_servers = {rec["index"] for rec in layers if may_use_servers(rec)}
+    pair_bytes = int(options.get("kv_pair_bytes"))
+    ps_params = [(p["id"], p["count"]) for p in params
+                 if p["scheme"] is not None and p["layer"] in on_servers]
+    cut = cut_pairs(ps_params, itemsize, pair_bytes)
+    length = {pair_id: n for pair_id, _, _, n in cut}
+    bundles = make_bundles(layers, cut, itemsize, fusion_bytes(options))
+    where = place_pairs([sum(length[k] for k in b["pairs"]) * itemsize for b in bundles],
+                        servers)
+    server_of = {}
+    for bundle, s in zip(bundles, where):
+        bundle["server"] = s
+        server_of.update((k, s) for k in bundle["pairs"])
+    pairs = [{"id": i, "param": pid, "offset": off, "length": n, "server": server_of[i]}
+             for (i, pid, off, n) in cut]
+    return pairs, bundles
+
+
 # ------------------------------------------------------------------------------------------------
 # the book
 # ------------------------------------------------------------------------------------------------
@@ -294,60 +349,22 @@ class InformationBook:
                             f"(under {relaxed} every layer then goes by PS)")
         model = cost_model(options, hosts, relaxed)
         itemsize = 8 if description.get("dtype") == "float64" else 4
-        piece = options.get("piece_bytes")
-        layers = []
-        for rec in description["layers"]:
-            rec = dict(rec)
-            if piece:
-                rec["piece_floats"] = max(1, int(piece) // itemsize)
-            rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
-            rec["candidates"] = (candidates(rec, servers, relaxed, sync) if model == "measured"
-                                 else [rec["scheme"]])
-            layers.append(rec)
+        layers = layer_records(description, workers, servers, options, relaxed, model, itemsize)
         param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
         single_host = one_host(local, workers + servers)
         bucket = bucket_bytes(options, single_host)
         group_of = sync_groups(layers, param_bytes, bucket)
         for rec in layers:
             rec["group"] = group_of[rec["index"]]
+        check_servers(layers, servers, sync, relaxed)
         scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
-        needs_ps = [rec for rec in layers if scheme_class(rec["scheme"]).uses_servers]
-        if needs_ps and servers == 0:
-            names = ", ".join(f"'{r['name']}' ({r['type']})" for r in needs_ps[:6])
-            more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
-            why = ("--sync ps sends every layer through the servers" if sync == "ps" else
-                   f"{relaxed} sends every layer through the servers" if relaxed else
-                   f"--sync {sync} applies to only some layers, the others go by PS; --sync "
-                   f"hybrid sends them by a scheme without servers")
-            serverless = ", ".join(n for n, c in SCHEMES.items() if not c.uses_servers)
-            raise DistError(f"--servers 0 needs every layer with parameters to go by a scheme "
-                            f"without servers ({serverless}), but "
-                            f"{names}{more} would be synced through a parameter server ({why}): "
-                            f"give --servers 1 or more")
-        params = []
-        on_servers = {rec["index"] for rec in layers if may_use_servers(rec)}
-        for p in description["params"]:
-            p = dict(p)
-            p["scheme"] = scheme_of.get(p["layer"]) if p["synced"] else None
-            params.append(p)
-        pair_bytes = int(options.get("kv_pair_bytes"))
-        ps_params = [(p["id"], p["count"]) for p in params
-                     if p["scheme"] is not None and p["layer"] in on_servers]
-        cut = cut_pairs(ps_params, itemsize, pair_bytes)
-        length = {pair_id: n for pair_id, _, _, n in cut}
-        bundles = make_bundles(layers, cut, itemsize, fusion_bytes(options))
-        where = place_pairs([sum(length[k] for k in b["pairs"]) * itemsize for b in bundles],
-                            servers)
-        server_of = {}
-        for bundle, s in zip(bundles, where):
-            bundle["server"] = s
-            server_of.update((k, s) for k in bundle["pairs"])
+        params = [dict(p, scheme=scheme_of.get(p["layer"]) if p["synced"] else None)
+                  for p in description["params"]]
+        pairs, bundles = place_params(params, layers, servers, options, itemsize)
         merged = (single_host and options.get("fusion_bytes") is None and not relaxed
                   and servers_share_memory(local, workers, servers))
         if merged:
             bundles = merge_on_servers(bundles)
-        pairs = [{"id": i, "param": pid, "offset": off, "length": n, "server": server_of[i]}
-                 for (i, pid, off, n) in cut]
         iter_size = int(description.get("iter_size", 1))
         scale = (1.0 if options.get("sum_gradients") else 1.0 / workers) / iter_size
         data = {"workers": workers, "servers": servers, "options": dict(options),

@@ -9,9 +9,10 @@ process starts, so nothing in the file may hang it, exhaust its memory or end it
 - at most MAX_COST_TABLE_BYTES are read (a real table is a few KB);
 - the text must be UTF-8 (a byte-order mark is allowed), the JSON no deeper than the decoder's
   recursion allows;
-- the shape is checked where costmodel's checks would not give one short line: link keys are
-  'RANK->RANK' in ASCII digits, `links` is an object, every number slot holds a JSON number and
-  `encrypted` true or false. The ranges (positive, finite) are costmodel's to check.
+- the shape is checked where dist/cost/links.py's checks would not give one short line: link
+  keys are 'RANK->RANK' in ASCII digits, `links` is an object, every number slot holds a JSON
+  number and `encrypted` true or false. The ranges (positive, finite) are dist/cost/links.py's
+  to check.
 
 Every fault is one DistError line naming the file, what is wrong and what to give instead.
 """
@@ -122,7 +123,7 @@ def _number_slot(path, where, value):
 
 def _link_shape(path, where, spec):
     if not isinstance(spec, dict):
-        return                                  # costmodel names the object a link must be
+        return                                  # links.py names the object a link must be
     for key in LINK_NUMBERS:
         if key in spec:
             _number_slot(path, f"{where}.{key}", spec[key])
@@ -136,7 +137,7 @@ def check_shape(path, value):
     specs = value if isinstance(value, list) else [value]
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict):
-            continue                            # costmodel: "must be an object"
+            continue                            # links.py: "must be an object"
         where = f"table {i}" if isinstance(value, list) else "the table"
         if "from_iteration" in spec and not (isinstance(spec["from_iteration"], int)
                                              and not isinstance(spec["from_iteration"], bool)):

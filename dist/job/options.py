@@ -144,6 +144,17 @@ def add_dist_options(parser):
 
     def add(*flags, **kw):
         actions.append(g.add_argument(*flags, **kw))
+    # in this order: it is the order of --help
+    for topic in (_job_flags, _scheme_flags, _record_flags, _message_flags, _patience_flags,
+                  _network_flags):
+        topic(add)
+    parser.set_defaults(dist_flag_defaults={a.dest: (a.option_strings[0], a.default)
+                                            for a in actions})
+    return parser
+
+
+def _job_flags(add):
+    """Who is in the job, and which process this one is."""
     add("--workers", type=_positive_int, help="P1: worker processes (batch_size in the "
         "model is per worker; the global batch is P1 x batch_size)")
     add("--servers", type=_nonneg_int, help="P2: KV-store server processes (default 1; "
@@ -153,6 +164,10 @@ def add_dist_options(parser):
     add("--rank", type=_nonneg_int, help="this process's global rank: 0..P1-1 are "
         "workers, P1..P1+P2-1 servers (default: OMPI_COMM_WORLD_RANK, PMI_RANK or "
         "SLURM_PROCID)")
+
+
+def _scheme_flags(add):
+    """How each layer's scheme is chosen, and whether syncs overlap the backward."""
     add("--sync", default="hybrid", metavar="|".join(sync_choices()) + "|A+B",
         help="hybrid: BestScheme per layer, the cheapest registered scheme (default); A+B: "
         "BestScheme among the named schemes alone (ps+sfb: the paper's Algorithm 1); a "
@@ -173,10 +188,18 @@ def add_dist_options(parser):
         "POSEIDON_COST_TABLE); checked before any process starts, read by worker 0")
     add("--no-overlap", action="store_true",
         help="sync after the whole backward instead of layer by layer (no WFBP)")
+
+
+def _record_flags(add):
+    """What each process writes down about its iterations."""
     add("--stats", metavar="FILE", help="each process writes one JSON object per "
         "iteration to FILE with its role and rank in the name (stats.worker-0.jsonl)")
     add("--timeline", metavar="FILE", help="one Chrome trace of all workers "
         "(forward, backward and sync of each layer), written by worker 0")
+
+
+def _message_flags(add):
+    """How the syncs' messages are cut, grouped, summed, paced and ordered."""
     add("--kv-pair-bytes", type=_bytes, default=DEFAULT_PAIR_BYTES, metavar="BYTES",
         help="largest KV pair (default 2MB)")
     add("--slice-bytes", type=_slice_bytes, metavar="BYTES",
@@ -208,6 +231,11 @@ def add_dist_options(parser):
     add("--credit-bytes", type=_credit_bytes, metavar="BYTES",
         help="with --priority: bytes of one peer's slices handed to ZeroMQ and not yet "
         "written out, at most (default: 4 slices)")
+
+
+def _patience_flags(add):
+    """How long the job waits for its processes, when it stops or restarts, and how far a late
+    worker may fall behind."""
     add("--timeout", type=_seconds, default=30.0, metavar="S",
         help="seconds a sync waits for a peer's message before failing (default 30)")
     add("--heartbeat-timeout", type=_seconds, default=10.0, metavar="S",
@@ -225,6 +253,10 @@ def add_dist_options(parser):
         "averages the gradients that came (every layer goes by PS)")
     add("--staleness", type=_nonneg_int, default=0, metavar="s", help="SSP: a worker "
         "may run s iterations ahead of the slowest (0: BSP; >0: every layer by PS)")
+
+
+def _network_flags(add):
+    """Which interface, keys and local paths the processes talk over."""
     add("--interface", metavar="NAME|ADDR",
         help="network interface (eth0) or address to use for this process's sockets "
         "in a multi-host job (default: the one on the route to the coordinator)")
@@ -245,9 +277,6 @@ def add_dist_options(parser):
         "the same, the arrays on the links; zmq: the same Unix sockets, every "
         "message through "
         "ZeroMQ; off: TCP between every pair, as between hosts (default auto)")
-    parser.set_defaults(dist_flag_defaults={a.dest: (a.option_strings[0], a.default)
-                                            for a in actions})
-    return parser
 
 
 def dist_flags_given(args):

@@ -45,23 +45,29 @@ def make_current(session):
         _current = session
 
 
+def _checked_rank(rank, options, roles):
+    """This process's rank: given, from --rank, or from mpirun's / srun's variables; in range."""
+    if rank is None:
+        rank = options.rank
+    if rank is None:
+        rank, _ = rank_from_environment()
+    if rank is None:
+        raise DistError("this process's rank is unknown: give --rank (0..P1+P2-1), or start "
+                        "it with mpirun or srun (which set OMPI_COMM_WORLD_RANK, PMI_RANK or "
+                        "SLURM_PROCID)")
+    if not 0 <= rank < roles.size:
+        raise DistError(f"rank {rank} is outside this job of {roles.workers} workers and "
+                        f"{roles.servers} servers (ranks 0..{roles.size - 1})")
+    return rank
+
+
 class Session:
     def __init__(self, options, rank=None, log=None, verdict_file=None):
         """verdict_file: on worker 0, where the coordinator writes why it stopped the job and
         whom it blames (the local launcher reads it for its last line)."""
         self.options = options
-        if rank is None:
-            rank = options.rank
-        if rank is None:
-            rank, _ = rank_from_environment()
-        if rank is None:
-            raise DistError("this process's rank is unknown: give --rank (0..P1+P2-1), or start "
-                            "it with mpirun or srun (which set OMPI_COMM_WORLD_RANK, PMI_RANK or "
-                            "SLURM_PROCID)")
         self.roles = Roles(options.workers, options.servers)
-        if not 0 <= rank < self.roles.size:
-            raise DistError(f"rank {rank} is outside this job of {self.roles.workers} workers and "
-                            f"{self.roles.servers} servers (ranks 0..{self.roles.size - 1})")
+        rank = _checked_rank(rank, options, self.roles)
         if not options.coordinator:
             raise DistError("a distributed process needs --coordinator tcp://HOST:PORT")
         self.rank = rank

@@ -69,69 +69,82 @@ def walk_shapes(param, source="<net>"):
     Concat, Eltwise, Flatten and the shape-preserving ones); anything else is one clear error."""
     shapes, rows = {}, []
     for lp in param.layer:
-        t = lp.type
         bottoms = []
         for b in lp.bottom:
             if b not in shapes:
                 raise ProfileError(f"{source}: layer '{lp.name}' reads '{b}', which no layer "
                                    f"produced: give a deploy file whose input is an Input layer")
             bottoms.append(shapes[b])
-        params = []
-        if t == "Input":
-            tops = [tuple(s.dim) for s in lp.input_param.shape]
-            if len(tops) == 1 and len(lp.top) > 1:
-                tops = tops * len(lp.top)
-        elif t == "Convolution":
-            cp = lp.convolution_param
-            n, c, h, w = bottoms[0]
-            kh, kw = (cp.kernel_h, cp.kernel_w) if cp.kernel_h else _pair(cp.kernel_size, 1)
-            ph, pw = (cp.pad_h, cp.pad_w) if cp.pad_h or cp.pad_w else _pair(cp.pad, 0)
-            sh, sw = (cp.stride_h, cp.stride_w) if cp.stride_h else _pair(cp.stride, 1)
-            dh, dw = _pair(cp.dilation, 1)
-            g = cp.group or 1
-            tops = [(n, cp.num_output, _conv_out(h, kh, ph, sh, dh), _conv_out(w, kw, pw, sw, dw))]
-            params = [(cp.num_output, c // g, kh, kw)] + ([(cp.num_output,)] if cp.bias_term else [])
-        elif t == "Pooling":
-            pp = lp.pooling_param
-            n, c, h, w = bottoms[0]
-            if pp.global_pooling:
-                tops = [(n, c, 1, 1)]
-            else:
-                kh, kw = (pp.kernel_h, pp.kernel_w) if pp.kernel_h else (pp.kernel_size,) * 2
-                ph, pw = (pp.pad_h, pp.pad_w) if pp.pad_h or pp.pad_w else (pp.pad,) * 2
-                sh, sw = (pp.stride_h, pp.stride_w) if pp.stride_h else (pp.stride or 1,) * 2
-                tops = [(n, c, _pool_out(h, kh, ph, sh), _pool_out(w, kw, pw, sw))]
-        elif t == "InnerProduct":
-            ip = lp.inner_product_param
-            b = bottoms[0]
-            axis = ip.axis if ip.HasField("axis") else 1
-            k = int(math.prod(b[:axis]))
-            n_in = int(math.prod(b[axis:]))
-            tops = [tuple(b[:axis]) + (ip.num_output,)]
-            params = [(ip.num_output, n_in)] + ([(ip.num_output,)] if ip.bias_term else [])
-        elif t == "Concat":
-            axis = lp.concat_param.axis if lp.concat_param.HasField("axis") else 1
-            s = list(bottoms[0])
-            s[axis] = sum(b[axis] for b in bottoms)
-            tops = [tuple(s)]
-        elif t == "Eltwise" or t in _SAME_SHAPE:
-            tops = [bottoms[0]] * max(1, len(lp.top))
-            if t == "Scale" and lp.scale_param.bias_term:
-                params = [(bottoms[0][1],), (bottoms[0][1],)]
-            elif t == "Scale":
-                params = [(bottoms[0][1],)]
-            elif t == "PReLU":
-                params = [(bottoms[0][1],)]
-        elif t == "Flatten":
-            b = bottoms[0]
-            tops = [(b[0], int(math.prod(b[1:])))]
-        else:
-            raise ProfileError(f"{source}: layer '{lp.name}' has type '{t}', which the simulator's "
-                               f"shape walker does not know: measure it instead (--measure)")
+        tops, params = layer_shapes(lp, bottoms, source)
         for name, shape in zip(lp.top, tops):
             shapes[name] = tuple(int(v) for v in shape)
         rows.append((lp, bottoms, tops, params))
     return rows
+
+
+def layer_shapes(lp, bottoms, source="<net>"):
+    """(top shapes, param shapes) of one layer whose inputs have the shapes `bottoms`."""
+    t = lp.type
+    params = []
+    if t == "Input":
+        tops = [tuple(s.dim) for s in lp.input_param.shape]
+        if len(tops) == 1 and len(lp.top) > 1:
+            tops = tops * len(lp.top)
+    elif t == "Convolution":
+        tops, params = _conv_shapes(lp.convolution_param, bottoms[0])
+    elif t == "Pooling":
+        tops = _pool_shapes(lp.pooling_param, bottoms[0])
+    elif t == "InnerProduct":
+        ip = lp.inner_product_param
+        b = bottoms[0]
+        axis = ip.axis if ip.HasField("axis") else 1
+        n_in = int(math.prod(b[axis:]))
+        tops = [tuple(b[:axis]) + (ip.num_output,)]
+        params = [(ip.num_output, n_in)] + ([(ip.num_output,)] if ip.bias_term else [])
+    elif t == "Concat":
+        axis = lp.concat_param.axis if lp.concat_param.HasField("axis") else 1
+        s = list(bottoms[0])
+        s[axis] = sum(b[axis] for b in bottoms)
+        tops = [tuple(s)]
+    elif t == "Eltwise" or t in _SAME_SHAPE:
+        tops = [bottoms[0]] * max(1, len(lp.top))
+        if t == "Scale" and lp.scale_param.bias_term:
+            params = [(bottoms[0][1],), (bottoms[0][1],)]
+        elif t == "Scale":
+            params = [(bottoms[0][1],)]
+        elif t == "PReLU":
+            params = [(bottoms[0][1],)]
+    elif t == "Flatten":
+        b = bottoms[0]
+        tops = [(b[0], int(math.prod(b[1:])))]
+    else:
+        raise ProfileError(f"{source}: layer '{lp.name}' has type '{t}', which the simulator's "
+                           f"shape walker does not know: measure it instead (--measure)")
+    return tops, params
+
+
+def _conv_shapes(cp, bottom):
+    """(top shapes, param shapes) of a Convolution with settings `cp` on an NCHW `bottom`."""
+    n, c, h, w = bottom
+    kh, kw = (cp.kernel_h, cp.kernel_w) if cp.kernel_h else _pair(cp.kernel_size, 1)
+    ph, pw = (cp.pad_h, cp.pad_w) if cp.pad_h or cp.pad_w else _pair(cp.pad, 0)
+    sh, sw = (cp.stride_h, cp.stride_w) if cp.stride_h else _pair(cp.stride, 1)
+    dh, dw = _pair(cp.dilation, 1)
+    g = cp.group or 1
+    tops = [(n, cp.num_output, _conv_out(h, kh, ph, sh, dh), _conv_out(w, kw, pw, sw, dw))]
+    params = [(cp.num_output, c // g, kh, kw)] + ([(cp.num_output,)] if cp.bias_term else [])
+    return tops, params
+
+
+def _pool_shapes(pp, bottom):
+    """The top shapes of a Pooling with settings `pp` on an NCHW `bottom`."""
+    n, c, h, w = bottom
+    if pp.global_pooling:
+        return [(n, c, 1, 1)]
+    kh, kw = (pp.kernel_h, pp.kernel_w) if pp.kernel_h else (pp.kernel_size,) * 2
+    ph, pw = (pp.pad_h, pp.pad_w) if pp.pad_h or pp.pad_w else (pp.pad,) * 2
+    sh, sw = (pp.stride_h, pp.stride_w) if pp.stride_h else (pp.stride or 1,) * 2
+    return [(n, c, _pool_out(h, kh, ph, sh), _pool_out(w, kw, pw, sw))]
 
 
 def layer_flops(lp, bottoms, tops, first_with_params):

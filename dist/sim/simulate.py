@@ -24,14 +24,13 @@ Sync of a layer starts when its backward is done (WFBP) or when the whole backwa
 (no overlap, the paper's Caffe+PS). The iteration ends when every worker has every layer back;
 with priority (ps-sfb-ar-priority) the next forward instead runs layer by layer, each layer as
 soon as its own sync is in, and the iteration's time is when that forward ends less its own
-length: serving lower layers first is what lets it start early. A server on the same node as a worker exchanges with it without touching the NIC.
+length: serving lower layers first is what lets it start early. A server on the same node as a
+worker exchanges with it without touching the NIC. The records a run is given and gives back (modes,
+the network's figures, the result) are in modes.py.
 Speedup is P1 * G * t_1 / t_P1 with t_1 the one-device compute time (plain Caffe, no sync), as in
 the paper.
 """
 import dataclasses
-import math
-import re
-from dataclasses import dataclass, field
 
 from ..coord.book import InformationBook
 from ..coord.placement import DEFAULT_PAIR_BYTES
@@ -39,76 +38,7 @@ from .cost import (Shape, algorithm1_plan, candidate_plans, compute_seconds, fac
                       intra_bytes, profile_flop_rate, rebuild_flops, reduction_flops, ring_bytes,
                       ring_steps, single_scheme_plan)
 from .engine import EventQueue, Fifo, after, seconds
-
-
-@dataclass(frozen=True)
-class Mode:
-    """How one mode syncs: `plan` is ps, sfb (every FC layer), hybrid (Algorithm 1), allreduce or
-    timed (per layer by predicted time, dist/sim/cost.py); `overlap` is WFBP; `priority` serves
-    lower layers first on every queue; `layerwise` lets the next forward start on a layer as soon
-    as that layer is synced."""
-    plan: str
-    overlap: bool
-    priority: bool = False
-    layerwise: bool = False
-    label: str = ""
-
-
-MODES = {
-    "ps-nooverlap": Mode("ps", False, label="PS, no overlap"),   # Caffe+PS
-    "wfbp": Mode("ps", True, label="WFBP (PS)"),                 # Caffe+WFBP
-    "poseidon": Mode("hybrid", True, label="Poseidon (paper)"),  # WFBP + Algorithm 1 per layer
-    "sfb": Mode("sfb", True, label="SFB for FC, PS elsewhere"),
-    "allreduce": Mode("allreduce", True, label="ring all-reduce"),
-    "hybrid-nooverlap": Mode("hybrid", False, label="Poseidon (paper), no overlap"),
-    "ps-sfb-ar": Mode("timed", True, label="PS+SFB+all-reduce"),
-    "ps-sfb-ar-priority": Mode("timed", True, priority=True, layerwise=True,
-                               label="PS+SFB+all-reduce, priority"),
-}
-
-
-@dataclass
-class Network:
-    """Link and host figures; rates in bytes/s (math.inf for 'free'), latency in seconds."""
-    bandwidth: float = 40e9 / 8
-    latency: float = 5e-6
-    pcie: float = 12e9                 # PCIe 3.0 x16 as measured in practice, each direction
-    update_rate: float = 10e9          # bytes/s a server adds or applies (16-core Xeon, memory bound)
-    gemm_rate: float = None            # FLOP/s of the SFB rebuild and all-reduce's reduction
-    #                                    (None: the profile's own rate, its FLOPs over its time)
-    intra_bandwidth: float = 12e9      # between the G devices of a node and their leader (PCIe)
-    chunk_bytes: int = DEFAULT_PAIR_BYTES   # messages cross the wire in pieces of at most this
-    kv_pair_bytes: int = DEFAULT_PAIR_BYTES
-    separate_servers: bool = False     # servers on their own nodes instead of beside the workers
-
-    @classmethod
-    def ideal(cls, **kw):
-        """Everything but compute free: the speedup must then be P1."""
-        base = dict(bandwidth=math.inf, latency=0.0, pcie=math.inf, update_rate=math.inf,
-                    gemm_rate=math.inf, intra_bandwidth=math.inf)
-        base.update(kw)
-        return cls(**base)
-
-
-@dataclass
-class Result:
-    mode: str
-    workers: int
-    servers: int
-    iteration_s: float
-    compute_s: float
-    speedup: float
-    schemes: dict
-    devices: int = 1
-    plan: str = ""                     # for a by-time mode: which candidate plan ran
-    node_bytes_sent: list = field(default_factory=list)
-    node_bytes_received: list = field(default_factory=list)
-    layer_done_s: dict = field(default_factory=dict)
-    backward_done_s: float = 0.0
-    events: int = 0
-
-    def as_dict(self):
-        return dict(self.__dict__)
+from .modes import MODES, Network, Result
 
 
 def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES, layers=None):
@@ -476,38 +406,3 @@ def scaling_table(profile, nodes, modes, net=None, servers=None, devices=1):
     """{mode: {P: Result}} for every mode and node count."""
     return {mode: {p: simulate(profile, p, mode, net, servers, devices) for p in nodes}
             for mode in modes}
-
-
-# ------------------------------------------------------------------------------------------------
-# parsing user figures
-# ------------------------------------------------------------------------------------------------
-_BITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_bandwidth(text):
-    """'40Gbit', '10GbE', '10Gbps', '10Gb/s' (bits) or '1.25GB/s', '5GByte/s' (bytes), 'inf'
-    -> bytes per second. A lower-case b means bits, an upper-case B bytes."""
-    s = str(text).strip().replace(" ", "")
-    if s.lower() in ("inf", "infinite", "unlimited"):
-        return math.inf
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)([kKmMgGtT]?)"
-                     r"(bit|bits|bit/s|bits/s|bps|b/s|bE|B/s|B|Byte/s|byte/s)", s)
-    if not m:
-        raise ValueError(f"cannot read the bandwidth '{text}': give e.g. 40Gbit, 10GbE, "
-                         f"1.25GB/s or inf")
-    value = float(m.group(1)) * _BITS[m.group(2).lower()]
-    if not m.group(3).startswith("B") and not m.group(3).startswith("Byte"):
-        value /= 8.0
-    if value <= 0:
-        raise ValueError(f"the bandwidth must be positive, got '{text}'")
-    return value
-
-
-def parse_latency(text):
-    """'5us', '0.1ms', '0', '1e-6s' -> seconds."""
-    s = str(text).strip().lower().replace(" ", "").replace("µ", "u")
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(ns|us|ms|s)?", s)
-    if not m:
-        raise ValueError(f"cannot read the latency '{text}': give e.g. 5us, 0.1ms or 0")
-    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[m.group(2)]
-    return float(m.group(1)) * scale

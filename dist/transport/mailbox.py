@@ -317,14 +317,6 @@ class Mailbox:
         deadline = None if timeout is None else start + timeout
         stall = self.stall_warning or 0
         warn_at = start + stall
-
-        def awaited(box):            # (what, from whom) for the deadline error and stall lines
-            have = {m.sender for m in (box or [])}
-            missing = [s for s in (senders or []) if s not in have]
-            return (what or f"{Msg(mtype).name} key {key} iteration {iteration}",
-                    ", ".join(self._namer(s) for s in missing) if missing
-                    else f"{count - len(have)} sender(s)")
-
         with self._lock:
             cond = None
             try:
@@ -333,30 +325,17 @@ class Mailbox:
                         raise self._error
                     box = self._boxes.get(k)
                     if box is not None and len(box) >= count:
-                        got = box[:count]
-                        del box[:count]
-                        self._filed -= count
-                        self._release(got)
-                        if not box:
-                            del self._boxes[k]
-                        got.sort(key=lambda m: m.sender)
-                        return got, self._stepped(mtype, iteration)
+                        return self._pop(k, count), self._stepped(mtype, iteration)
                     now = time.monotonic()
                     left = None if deadline is None else deadline - now
                     if left is not None and left <= 0:
-                        label, source = awaited(box)
+                        label, source = self._awaited(k, count, what, senders, box)
                         raise DeadlineError(f"timed out after {timeout:g} s waiting for {label} "
                                             f"from {source} (raise --timeout if the peers are "
                                             f"just slow)")
                     if stall and now >= warn_at:
                         warn_at = now + stall
-                        where = ("" if COORDINATOR in (senders or [])
-                                 else f"iteration {iteration}: ")
-                        got = f"; got {len(box or [])} of {count}" if count > 1 else ""
-                        label, source = awaited(box)
-                        logging.getLogger("poseidon").warning(
-                            f"{self.owner or 'this process'}: {where}waiting "
-                            f"{now - start:.0f} s for {label} from {source}{got}")
+                        self._warn_stalled(k, count, what, senders, box, now - start)
                     if pump is not None:
                         self._lock.release()
                         try:
@@ -366,18 +345,57 @@ class Mailbox:
                             self._lock.acquire()
                         continue
                     if cond is None:          # register as a waiter for k (put wakes only us)
-                        waiting = self._waiting.get(k)
-                        if waiting is None:
-                            waiting = self._waiting[k] = [threading.Condition(self._lock), 0]
-                        waiting[1] += 1
-                        cond = waiting[0]
+                        cond = self._add_waiter(k)
                     cond.wait(1.0 if left is None else min(left, 1.0))
             finally:
                 if cond is not None:
-                    waiting = self._waiting[k]
-                    waiting[1] -= 1
-                    if not waiting[1]:
-                        del self._waiting[k]
+                    self._remove_waiter(k)
+
+    # the helpers of _take run with the lock held
+    def _pop(self, k, count):
+        """The first `count` messages filed under k, by sender, no longer held."""
+        box = self._boxes[k]
+        got = box[:count]
+        del box[:count]
+        self._filed -= count
+        self._release(got)
+        if not box:
+            del self._boxes[k]
+        got.sort(key=lambda m: m.sender)
+        return got
+
+    def _awaited(self, k, count, what, senders, box):
+        """(what, from whom) a wait for k is waiting for: its deadline error and stall lines."""
+        mtype, key, iteration = k
+        have = {m.sender for m in (box or [])}
+        missing = [s for s in (senders or []) if s not in have]
+        return (what or f"{Msg(mtype).name} key {key} iteration {iteration}",
+                ", ".join(self._namer(s) for s in missing) if missing
+                else f"{count - len(have)} sender(s)")
+
+    def _warn_stalled(self, k, count, what, senders, box, waited):
+        """Log that a wait for k is still waiting, for what and from whom."""
+        where = "" if COORDINATOR in (senders or []) else f"iteration {k[2]}: "
+        got = f"; got {len(box or [])} of {count}" if count > 1 else ""
+        label, source = self._awaited(k, count, what, senders, box)
+        logging.getLogger("poseidon").warning(
+            f"{self.owner or 'this process'}: {where}waiting "
+            f"{waited:.0f} s for {label} from {source}{got}")
+
+    def _add_waiter(self, k):
+        """The condition a taker of k sleeps on, counting it as one more waiter (put wakes only
+        the waiters of the key it files)."""
+        waiting = self._waiting.get(k)
+        if waiting is None:
+            waiting = self._waiting[k] = [threading.Condition(self._lock), 0]
+        waiting[1] += 1
+        return waiting[0]
+
+    def _remove_waiter(self, k):
+        waiting = self._waiting[k]
+        waiting[1] -= 1
+        if not waiting[1]:
+            del self._waiting[k]
 
     def next(self, timeout=None):
         """The next FIFO message, or None after `timeout` seconds (None: wait for ever)."""

@@ -43,12 +43,10 @@ slowest).
 import logging
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 
 from poseidon.engine import backend
-from poseidon.engine.errors import ModelError
 from poseidon.engine.solvers.hooks import SolverHooks
 
 from ..job import faults
@@ -62,6 +60,7 @@ from .layerwait import forward_waits
 from ..schemes import may_send_bottom_data
 from ..job.session import current, make_current
 from .snapshots import JobSnapshots
+from .startup import check_solver, solver_text, sync_pool
 from .syncer import StreamPool, SyncContext, Syncer
 from .timeline import Timeline, role_path, slice_recorder, write_trace
 from ..transport import onehost
@@ -69,34 +68,6 @@ from ..job.verdicts import Verdicts
 from .wfbp import WaitFreeBackprop
 
 log = logging.getLogger("poseidon")
-
-_NET_FIELDS = ("net", "net_param", "train_net", "train_net_param", "test_net", "test_net_param",
-               "weights", "snapshot_prefix", "device_id", "solver_mode")
-
-
-def solver_text(param):
-    """The solver settings that must agree between workers (and that the servers need)."""
-    from google.protobuf import text_format
-    from poseidon.engine.proto import caffe_pb2
-    p = caffe_pb2.SolverParameter()
-    p.CopyFrom(param)
-    for name in _NET_FIELDS:
-        p.ClearField(name)
-    return text_format.MessageToString(p)
-
-
-def _current_device(xp):
-    if xp is numpy:
-        return None
-    import cupy
-    return cupy.cuda.runtime.getDevice()
-
-
-def _start_sync_thread(device):
-    """Pool threads start on CUDA device 0: make them use the worker's device."""
-    if device is not None:
-        import cupy
-        cupy.cuda.Device(device).use()
 
 
 def spin_seconds(book, roles):
@@ -122,20 +93,7 @@ class WorkerHooks(SolverHooks):
         self.options = opts = session.options
         self.rank, self.roles = session.rank, session.roles
         self.transport, self.client = session.transport, session.client
-        if tuple(solver.shard) != session.shard():
-            raise DistError(f"{session.name}: the solver's train net reads data shard "
-                            f"{tuple(solver.shard)}, not {session.shard()}: build it with "
-                            f"get_solver(path, **session.solver_kwargs())")
-        replicas = session.solver_kwargs()["replicas"]
-        if solver.replicas.count != replicas:
-            raise DistError(f"{session.name}: the solver runs {solver.replicas.count} replica(s) "
-                            f"of the train net, but the job has {replicas} devices per node: "
-                            f"build it with get_solver(path, **session.solver_kwargs())")
-        if solver.param.clip_gradients >= 0:
-            raise ModelError("clip_gradients is not supported in distributed training yet (it "
-                             "needs the global gradient norm over every KV pair and every SFB "
-                             "layer before any update); remove it from the solver file or train "
-                             "on one process")
+        check_solver(solver, session)
         self.solver, self.net = solver, solver.net
         self.book = session.register({"role": "worker",
                                       "description": describe_net(solver.net,
@@ -150,44 +108,14 @@ class WorkerHooks(SolverHooks):
         self.kv = KVClient(self.transport, self.book, self.roles, self._slow)
         self.verdicts = Verdicts(session.name)
         self.placed = set()                     # parameters kept in a server's shared memory
-        self.streams = StreamPool(len(self.book.synced_layers()))
-        ctx = SyncContext(name=session.name, rank=self.rank, roles=self.roles, book=self.book,
-                          net=self.net, rule=solver.rule, history=solver.history,
-                          grad_scale=self.book.data["grad_scale"], transport=self.transport,
-                          kv=self.kv, streams=self.streams, placed=self.placed,
-                          verdicts=self.verdicts, factors=solver.factored.factors)
-        self.syncers = {li: Syncer(ctx, li) for li in self.book.synced_layers()}
+        self._make_syncers(solver)
         self.costs = CostSync(self.book, self.client, self.kv, self.transport, self.roles,
                               opts.cost_refresh, self._slow)
         self.snapshots = JobSnapshots(session.name, self.rank, self.roles, self.client, self.kv,
                                       self.transport, self.verdicts, opts.staleness,
                                       self._average_statistics, self._slow)
-        # the sync that starts after the last backward has nothing left to overlap with: the main
-        # thread runs it itself (only if no layer below it has a backward to run, as under
-        # force_backward)
-        need = self.net.layer_need_backward
-        lowest = min((li for li in self.syncers if need[li]), default=None)
-        inline = lowest if lowest is not None and not any(need[:lowest]) else None
-        if inline is not None:
-            self.syncers[inline].spin = spin_seconds(self.book, self.roles)
-        self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.syncers)),
-                                       thread_name_prefix="sync",
-                                       initializer=_start_sync_thread,
-                                       initargs=(_current_device(self.net.xp),))
-        # the per-layer wait (dist/worker/layerwait.py); --no-overlap and relaxed consistency keep the
-        # full barrier in before_update
-        self.layer_wait = not (opts.no_overlap or self.relaxed)
-        waits = (forward_waits(self.net, self.syncers,
-                               lambda s: may_send_bottom_data(self.book, s.members, self.relaxed))
-                 if self.layer_wait else {})
-        self.wfbp = WaitFreeBackprop(self.syncers, self.pool, not opts.no_overlap, waits, inline,
-                                     self._sync_failed)
-        self.timeline = Timeline(self.rank, enabled=bool(opts.timeline))
-        if opts.timeline:
-            self.transport.slice_log = slice_recorder(self.timeline, self.net.layer_names)
-        stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
-                 if opts.stats else None)
-        self.record = IterationRecorder(self.rank, self.timeline, self.net.layer_names, stats)
+        self._make_schedule()
+        self._make_records()
         # the last iteration's barrier wait and exposed sync (seconds), kept without --stats for
         # callers in this process (the bench's part c, which must not pay for writing a --stats
         # line every iteration while it measures the sync path's cost)
@@ -197,6 +125,48 @@ class WorkerHooks(SolverHooks):
         self._finished = False
         if self.rank == 0:
             self._log_job()
+
+    def _make_syncers(self, solver):
+        """One Syncer per synced layer, all sharing one SyncContext (what a sync may use)."""
+        self.streams = StreamPool(len(self.book.synced_layers()))
+        ctx = SyncContext(name=self.session.name, rank=self.rank, roles=self.roles,
+                          book=self.book, net=self.net, rule=solver.rule, history=solver.history,
+                          grad_scale=self.book.data["grad_scale"], transport=self.transport,
+                          kv=self.kv, streams=self.streams, placed=self.placed,
+                          verdicts=self.verdicts, factors=solver.factored.factors)
+        self.syncers = {li: Syncer(ctx, li) for li in self.book.synced_layers()}
+
+    def _make_schedule(self):
+        """Wait-free backprop over the syncers: the sync pool, the per-layer waits, and which
+        sync (if any) the training thread runs itself."""
+        opts = self.options
+        # the sync that starts after the last backward has nothing left to overlap with: the main
+        # thread runs it itself (only if no layer below it has a backward to run, as under
+        # force_backward)
+        need = self.net.layer_need_backward
+        lowest = min((li for li in self.syncers if need[li]), default=None)
+        inline = lowest if lowest is not None and not any(need[:lowest]) else None
+        if inline is not None:
+            self.syncers[inline].spin = spin_seconds(self.book, self.roles)
+        self.pool = sync_pool(len(self.syncers), self.net.xp)
+        # the per-layer wait (dist/worker/layerwait.py); --no-overlap and relaxed consistency keep the
+        # full barrier in before_update
+        self.layer_wait = not (opts.no_overlap or self.relaxed)
+        waits = (forward_waits(self.net, self.syncers,
+                               lambda s: may_send_bottom_data(self.book, s.members, self.relaxed))
+                 if self.layer_wait else {})
+        self.wfbp = WaitFreeBackprop(self.syncers, self.pool, not opts.no_overlap, waits, inline,
+                                     self._sync_failed)
+
+    def _make_records(self):
+        """The timeline and the per-iteration record (with its --stats file, if asked for)."""
+        opts = self.options
+        self.timeline = Timeline(self.rank, enabled=bool(opts.timeline))
+        if opts.timeline:
+            self.transport.slice_log = slice_recorder(self.timeline, self.net.layer_names)
+        stats = (open(role_path(opts.stats, "worker", self.rank), "w", encoding="utf-8")
+                 if opts.stats else None)
+        self.record = IterationRecorder(self.rank, self.timeline, self.net.layer_names, stats)
 
     def _log_job(self):
         opts = self.options

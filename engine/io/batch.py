@@ -31,7 +31,7 @@ def decode_batch(records, source="?", color=None, where=None):
 
     n = len(records)
     labels = numpy.empty(n, numpy.int64)
-    raw, arrays, shape0, key0 = [], [], None, None
+    raw, shape0, key0 = [], None, None
     all_raw = True
     for i, (key, value) in enumerate(records):
         try:
@@ -41,30 +41,7 @@ def decode_batch(records, source="?", color=None, where=None):
                             f"({e}): the database is corrupt or was not written by Caffe or "
                             f"`poseidon data`; re-create it") from None
         labels[i] = datum.label
-        if datum.encoded:
-            from .datum import datum_to_array
-            try:
-                arr = numpy.asarray(datum_to_array(datum, color=color))
-            except ValueError as e:
-                raise DataError(f"record '{_key_text(key)}' of '{origin(key)}': cannot decode its "
-                                f"encoded image ({e})") from None
-            if arr.ndim == 2:
-                arr = arr[None]
-            shape = tuple(arr.shape)
-        else:
-            shape = (datum.channels, datum.height, datum.width)
-            size = shape[0] * shape[1] * shape[2]
-            nbytes, nfloats = len(datum.data), len(datum.float_data)
-            if min(shape) <= 0:           # two negative sizes would pass the size test below
-                raise DataError(f"record '{_key_text(key)}' of '{origin(key)}' is a corrupt "
-                                f"Datum: its shape {shape} (channels, height, width) has a size "
-                                f"that is not positive; re-create the database")
-            if nbytes != size and nfloats != size:
-                raise DataError(f"record '{_key_text(key)}' of '{origin(key)}' is a corrupt Datum: "
-                                f"shape {shape} but {nbytes} data bytes and {nfloats} float_data "
-                                f"values; re-create the database")
-            arr = (datum.data if nbytes == size
-                   else numpy.asarray(datum.float_data, numpy.float32).reshape(shape))
+        arr, shape = _datum_contents(datum, key, origin, color)
         if shape0 is None:
             shape0, key0 = shape, key
         elif shape != shape0:
@@ -72,17 +49,49 @@ def decode_batch(records, source="?", color=None, where=None):
                             f"record '{_key_text(key0)}' of the same batch has shape {shape0}: "
                             f"records batched together must have one shape (resize the images "
                             f"when converting)")
-        if isinstance(arr, bytes):
-            raw.append(arr)
-        else:
+        if not isinstance(arr, bytes):
             all_raw = all_raw and arr.dtype == numpy.uint8
-            raw.append(arr)
+        raw.append(arr)
+    return _stack(raw, all_raw, n, shape0), labels
+
+
+def _datum_contents(datum, key, origin, color):
+    """(contents, (C, H, W)) of one Datum: its raw bytes as stored, or an array (a decoded
+    image, or float_data); a corrupt record is a DataError naming its key and origin(key)."""
+    if datum.encoded:
+        from .datum import datum_to_array
+        try:
+            arr = numpy.asarray(datum_to_array(datum, color=color))
+        except ValueError as e:
+            raise DataError(f"record '{_key_text(key)}' of '{origin(key)}': cannot decode its "
+                            f"encoded image ({e})") from None
+        if arr.ndim == 2:
+            arr = arr[None]
+        return arr, tuple(arr.shape)
+    shape = (datum.channels, datum.height, datum.width)
+    size = shape[0] * shape[1] * shape[2]
+    nbytes, nfloats = len(datum.data), len(datum.float_data)
+    if min(shape) <= 0:           # two negative sizes would pass the size test below
+        raise DataError(f"record '{_key_text(key)}' of '{origin(key)}' is a corrupt "
+                        f"Datum: its shape {shape} (channels, height, width) has a size "
+                        f"that is not positive; re-create the database")
+    if nbytes != size and nfloats != size:
+        raise DataError(f"record '{_key_text(key)}' of '{origin(key)}' is a corrupt Datum: "
+                        f"shape {shape} but {nbytes} data bytes and {nfloats} float_data "
+                        f"values; re-create the database")
+    arr = (datum.data if nbytes == size
+           else numpy.asarray(datum.float_data, numpy.float32).reshape(shape))
+    return arr, shape
+
+
+def _stack(raw, all_raw, n, shape0):
+    """The batch (n,) + shape0 of the records' contents: uint8 when all_raw, else float32; one
+    join when every record is raw bytes."""
     if all_raw and all(isinstance(r, bytes) for r in raw):
-        batch = numpy.frombuffer(b"".join(raw), numpy.uint8).reshape((n,) + shape0)
-    else:
-        dtype = numpy.uint8 if all_raw else numpy.float32
-        batch = numpy.empty((n,) + shape0, dtype)
-        for i, r in enumerate(raw):
-            batch[i] = (numpy.frombuffer(r, numpy.uint8).reshape(shape0)
-                        if isinstance(r, bytes) else r)
-    return batch, labels
+        return numpy.frombuffer(b"".join(raw), numpy.uint8).reshape((n,) + shape0)
+    dtype = numpy.uint8 if all_raw else numpy.float32
+    batch = numpy.empty((n,) + shape0, dtype)
+    for i, r in enumerate(raw):
+        batch[i] = (numpy.frombuffer(r, numpy.uint8).reshape(shape0)
+                    if isinstance(r, bytes) else r)
+    return batch

@@ -23,7 +23,8 @@ gets the BatchNorm's own output: unfold writes x-hat into the blob, and the Scal
 scales it as usual.
 """
 from ..parallel import split_range
-from .normalization import BatchNormLayer, ScaleLayer, dot_per_dim, reuse_buffer, sum_per_dim
+from .normalization import BatchNormLayer, dot_per_dim, reuse_buffer, sum_per_dim
+from .scale_bias import ScaleLayer
 
 
 def can_pair(norm, scale, norm_top, scale_bottom, scale_top):

@@ -18,7 +18,7 @@ flattened over (N, C, Qh, Qw) with Qh = out_h + (kh-1)//sh, Qw = out_w + (kw-1)/
 computed on an out_h+... x Qw grid (the cells past out_h x out_w are discarded), and every pass over
 an offset is a contiguous slice, which numpy runs as one long SIMD loop instead of thousands of
 short strided rows, each paying a loop's start-up. The passes take a run of samples at a time, all
-offsets over one run while it is in cache (CHUNK_BYTES). Forward is a running maximum (or sum) over the offsets;
+offsets over one run while it is in cache (pooling_plan.CHUNK_BYTES). Forward is a running maximum (or sum) over the offsets;
 MAX backward hands the top gradient to the first offset (row-major) that holds the window's maximum
 and removes it from what remains, so a later tie receives nothing; the phase gradients are then
 written back into the bottom gradient. Global pooling (one window covering the whole plane) is a
@@ -34,16 +34,10 @@ from ..backend import get_array_module
 from ..layer import Layer
 from ..registry import register
 from ..parallel import BufferCache, WorkerBuffers, parallel
-from .im2col import NEG_FLT_MAX, Geometry, offset_slices
+from .im2col import NEG_FLT_MAX, Geometry
+from .pooling_plan import PoolingPlan
 
 MAX, AVE, STOCHASTIC = 0, 1, 2
-
-# The grid passes run over runs of samples whose grid takes about this many bytes, so that the
-# half-dozen arrays a pass touches (phases, maxima, gradients, masks) stay in cache across the
-# kernel offsets instead of streaming from memory at each: a quarter to half of a typical L2, so
-# those arrays fit beside each other. Much smaller runs (a single small sample) pay more in the
-# per-call cost of the numpy calls, a handful per offset, than they save in cache misses.
-CHUNK_BYTES = 256 << 10
 CEIL, FLOOR = 0, 1
 
 
@@ -57,182 +51,6 @@ def pooled_size(size, kernel, pad, stride, round_mode=CEIL):
     if pad > 0 and (out - 1) * stride >= size + pad:
         out -= 1
     return out
-
-
-def _phase_span(a, s, pad, size, q):
-    """Phase a of stride s along one axis: (first grid index, first image index, -, count) of the
-    image cells it holds within a grid of q cells (padded coordinate a + s*k <-> image a + s*k -
-    pad), or None when it holds none."""
-    k0 = max(0, -((a - pad) // s)) if a < pad else 0
-    first = a + s * k0 - pad
-    if first >= size or k0 >= q:
-        return None
-    count = min(q - k0, (size - 1 - first) // s + 1)
-    return (k0, first, None, count)
-
-
-class _Plan:
-    """Everything that depends only on the input shape: window slices, padding, AVE divisors."""
-
-    def __init__(self, h, w, out_h, out_w, geom, dtype, xp):
-        g = self.geom = geom
-        self.h, self.w = h, w
-        self.out_h, self.out_w = out_h, out_w
-        self.global_reduce = (g.ph == 0 and g.pw == 0 and out_h == 1 and out_w == 1
-                              and g.kh >= h and g.kw >= w)
-        self.overlap = g.sh < g.kh or g.sw < g.kw
-        # rows/columns the windows span, in padded coordinates (row 0 = first padding row)
-        self.ext_h = (out_h - 1) * g.sh + g.kh
-        self.ext_w = (out_w - 1) * g.sw + g.kw
-        self.padded = bool(g.ph or g.pw or self.ext_h > h or self.ext_w > w)
-        # the part of the image that the windows reach
-        self.used_h = min(h, self.ext_h - g.ph)
-        self.used_w = min(w, self.ext_w - g.pw)
-        # does every input pixel lie in some window?
-        self.covers_all = (g.sh <= g.kh and g.sw <= g.kw and self.used_h == h and self.used_w == w)
-        self.slices = [offset_slices(i, j, out_h, out_w, g) for i in range(g.kh)
-                       for j in range(g.kw)]
-        # AVE divisor: window clipped to [start, in + pad) before clipping to the image.
-        hs = numpy.arange(out_h) * g.sh - g.ph
-        ws = numpy.arange(out_w) * g.sw - g.pw
-        pool_h = numpy.minimum(hs + g.kh, h + g.ph) - hs
-        pool_w = numpy.minimum(ws + g.kw, w + g.pw) - ws
-        real_h = numpy.minimum(hs + g.kh, h) - numpy.maximum(hs, 0)
-        real_w = numpy.minimum(ws + g.kw, w) - numpy.maximum(ws, 0)
-        divisor = numpy.outer(pool_h, pool_w).astype(numpy.float64)
-        has_pixel = numpy.outer(real_h > 0, real_w > 0)
-        inv = numpy.where(has_pixel & (divisor > 0), 1.0 / numpy.where(divisor > 0, divisor, 1), 0)
-        if numpy.all(inv == inv.flat[0]):
-            self.inv_divisor = float(inv.flat[0])          # one scalar: cheaper to apply
-        else:
-            self.inv_divisor = xp.asarray(inv.astype(dtype))
-        self._index_planes = None
-        # ----- the stride-phase grid (see the module docstring) -----
-        sh, sw = g.sh, g.sw
-        self.qh = out_h + (g.kh - 1) // sh
-        self.qw = out_w + (g.kw - 1) // sw
-        # per kernel offset, row-major: (phase index, flat shift inside the phase)
-        self.offsets = [((i % sh) * sw + (j % sw), (i // sh) * self.qw + j // sw)
-                        for i in range(g.kh) for j in range(g.kw)]
-        self.margin = max(off for _, off in self.offsets)
-        # offsets that never share a phase (kernel <= stride): backward writes instead of adding
-        self.disjoint = g.kh <= sh and g.kw <= sw
-        # per phase (a, b): the part of the image it holds, as (grid rows, grid cols, image rows,
-        # image cols) slices, or None when it holds no pixel
-        self.regions = []
-        rows_covered = cols_covered = 0
-        row_parts, col_parts = [], []
-        for a in range(sh):
-            row_parts.append(_phase_span(a, sh, g.ph, h, self.qh))
-        for b in range(sw):
-            col_parts.append(_phase_span(b, sw, g.pw, w, self.qw))
-        rows_covered = sum(p[3] for p in row_parts if p)
-        cols_covered = sum(p[3] for p in col_parts if p)
-        for a in range(sh):
-            for b in range(sw):
-                r, c = row_parts[a], col_parts[b]
-                if r is None or c is None:
-                    self.regions.append(None)
-                    continue
-                self.regions.append(((slice(r[0], r[0] + r[3]), slice(c[0], c[0] + c[3])),
-                                     (slice(r[1], r[1] + (r[3] - 1) * sh + 1, sh),
-                                      slice(c[1], c[1] + (c[3] - 1) * sw + 1, sw))))
-        # does every image pixel sit in some phase's grid (else backward zeroes dx first)?
-        self.grid_covers_all = rows_covered == h and cols_covered == w
-
-    # ----- the stride-phase grid ------------------------------------------------------------------
-    def grid_size(self, n, c):
-        return n * c * self.qh * self.qw
-
-    def phases(self, n, c, buffers, fill, dtype, xp):
-        """The cached (sh*sw, N*C*Qh*Qw + margin) buffer of the stride phases of n samples,
-        whose padding cells keep `fill` (written once, when the buffer is made)."""
-        return buffers.get(f"phases{fill}", (len(self.regions), self.grid_size(n, c) + self.margin),
-                           dtype, xp, fill)
-
-    def chunks(self, n, c, itemsize, xp):
-        """(first sample, end sample, first grid cell, end grid cell) of the runs of samples that
-        a pass takes at once: on the CPU a run's grid arrays fit the L2 cache together (see
-        CHUNK_BYTES); on a GPU, all n."""
-        per = self.grid_size(1, c)
-        step = n if xp is not numpy else max(1, min(n, CHUNK_BYTES // (per * itemsize)))
-        return [(s0, min(n, s0 + step), s0 * per, min(n, s0 + step) * per)
-                for s0 in range(0, n, step)]
-
-    def split(self, x, buf, start):
-        """Write x's samples into the phase buffer from sample `start` on."""
-        k, c = x.shape[:2]
-        lo = self.grid_size(start, c)
-        for p, region in enumerate(self.regions):
-            if region is None:
-                continue
-            (gr, gc), (ir, ic) = region
-            buf[p, lo:lo + self.grid_size(k, c)].reshape(k, c, self.qh, self.qw)[:, :, gr, gc] = \
-                x[:, :, ir, ic]
-
-    def scatter_back(self, dphases, dx, start=0):
-        """dx (k, C, H, W) = the phase gradients of samples start..start+k written back at their
-        image cells."""
-        k, c = dx.shape[:2]
-        lo = self.grid_size(start, c)
-        if not self.grid_covers_all:
-            dx.fill(0)
-        for p, region in enumerate(self.regions):
-            if region is None:
-                continue
-            (gr, gc), (ir, ic) = region
-            dx[:, :, ir, ic] = dphases[p, lo:lo + self.grid_size(k, c)].reshape(
-                k, c, self.qh, self.qw)[:, :, gr, gc]
-
-    def valid(self, grid, n, c):
-        """The (N, C, out_h, out_w) cells of a flat (N*C*Qh*Qw) grid array (a view)."""
-        return grid.reshape(n, c, self.qh, self.qw)[:, :, :self.out_h, :self.out_w]
-
-    def index_planes(self, dtype, xp):
-        """For the argmax top: per offset, the flat input index h*W + w of each output cell."""
-        if self._index_planes is None:
-            g = self.geom
-            planes = []
-            for i in range(g.kh):
-                for j in range(g.kw):
-                    rows = numpy.arange(self.out_h) * g.sh - g.ph + i
-                    cols = numpy.arange(self.out_w) * g.sw - g.pw + j
-                    plane = rows[:, None] * self.w + cols[None, :]
-                    planes.append(xp.asarray(plane.astype(dtype)))
-            self._index_planes = planes
-        return self._index_planes
-
-    def source(self, x, buffers, fill, xp, copy=True):
-        """x as the windows see it: the padded copy (a cached buffer, refreshed unless copy is
-        False, as in backward, which reuses forward's copy) or x itself."""
-        if not self.padded:
-            return x
-        g = self.geom
-        n, c = x.shape[:2]
-        buf = buffers.get("xpad", (n, c, self.ext_h, self.ext_w), x.dtype, xp, fill)
-        if copy:
-            buf[:, :, g.ph:g.ph + self.used_h, g.pw:g.pw + self.used_w] = \
-                x[:, :, :self.used_h, :self.used_w]
-        return buf
-
-    def grad_target(self, dx, buffers, xp):
-        """Where backward accumulates: a zeroed padded buffer, or dx itself (zeroed if needed)."""
-        if self.padded:
-            n, c = dx.shape[:2]
-            buf = buffers.get("dxpad", (n, c, self.ext_h, self.ext_w), dx.dtype, xp)
-            buf.fill(0)
-            return buf
-        if self.overlap or not self.covers_all:
-            dx.fill(0)
-        return dx
-
-    def grad_finish(self, target, dx):
-        if self.padded:
-            g = self.geom
-            if self.used_h < self.h or self.used_w < self.w:
-                dx.fill(0)
-            dx[:, :, :self.used_h, :self.used_w] = \
-                target[:, :, g.ph:g.ph + self.used_h, g.pw:g.pw + self.used_w]
 
 
 @register("Pooling")
@@ -323,7 +141,7 @@ class PoolingLayer(Layer):
             t.reshape(n, c, out_h, out_w)
         key = (h, w, g, x.dtype)
         if self._plan_key != key:
-            self._plan = _Plan(h, w, out_h, out_w, g, x.dtype, self.xp)
+            self._plan = PoolingPlan(h, w, out_h, out_w, g, x.dtype, self.xp)
             self._plan_key = key
             self.buffers.clear()   # padded buffers keep their border only for one geometry
             self._wbuf.clear()
@@ -333,10 +151,12 @@ class PoolingLayer(Layer):
                     and g.sh == 1 and g.sw == 1 and g.kh > 1 and g.kw > 1):
                 # separable (see _between_passes): along each row (1 x kw), then down the columns
                 # (kh x 1) of those row maxima
-                self._rows_plan = _Plan(h, w, h, out_w, Geometry(1, g.kw, 1, 1, 0, g.pw, 1, 1),
-                                        x.dtype, self.xp)
-                self._cols_plan = _Plan(h, out_w, out_h, out_w,
-                                        Geometry(g.kh, 1, 1, 1, g.ph, 0, 1, 1), x.dtype, self.xp)
+                self._rows_plan = PoolingPlan(h, w, h, out_w,
+                                              Geometry(1, g.kw, 1, 1, 0, g.pw, 1, 1),
+                                              x.dtype, self.xp)
+                self._cols_plan = PoolingPlan(h, out_w, out_h, out_w,
+                                              Geometry(g.kh, 1, 1, 1, g.ph, 0, 1, 1),
+                                              x.dtype, self.xp)
 
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, bottom, top):

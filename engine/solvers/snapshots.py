@@ -19,6 +19,7 @@ import numpy
 from .. import backend
 from ..errors import ModelError
 from ..io import caffemodel, manifest
+from ..net_weights import name_list
 from ..proto import caffe_pb2
 
 log = logging.getLogger("poseidon")
@@ -151,7 +152,6 @@ def read(solver, path):
             raise ModelError(f"{path}: is a snapshot of another net ({detail}); resume with "
                              f"the solver and model that wrote it") from None
         if missing:     # a weights file cut at a layer boundary still parses
-            from ..net import name_list
             raise ModelError(f"{weights}: has no weights for layer(s) {name_list(missing)} of the "
                              f"net, and a resume needs them all (the file is cut short, or of "
                              f"another net): resume from an earlier snapshot")

@@ -13,7 +13,8 @@ One iteration of `step` (Caffe's Solver::Step, same order and same log lines):
 
 It is the one loop for everyone: a SolverHooks object (engine/solvers/hooks.py) sees each iteration
 at fixed points, and with hooks that synchronise each layer after its backward the same loop is a
-distributed worker. The solver file is read and checked in solverfile.py, snapshots are written in
+distributed worker. The solver file is read and checked in solverfile.py, its nets are built in
+nets.py, test passes and the output lines are in evaluation.py, snapshots are written in
 snapshots.py, and the log is in glog's line format (logs.py), so Caffe's log parsers read it.
 """
 import logging
@@ -21,25 +22,24 @@ import math
 import os
 import sys
 import time
-from collections import OrderedDict
 
 import numpy
 
 from .. import backend, graphs, rng
 from ..errors import ModelError, PoseidonError
-from ..layer import TEST, TRAIN
 from ..io import manifest
 from ..proto import caffe_pb2
-from ..replicas import ReplicaGroup, check_replicas, replica_shard
+from ..replicas import ReplicaGroup, check_replicas
 from . import rules
 from .factored import FactoredWeights, update_from_factors
 from .flat_update import update_params
 from ..flat_params import FlatParams
 from .health import DeviceHealth, all_finite, first_bad_param, nonfinite_stop
 from .smoothing import SmoothedLoss
-from . import snapshots, solverfile
+from . import evaluation, snapshots, solverfile
 from .logs import g as _g, log_to_stderr, logging_configured
 from .hooks import SolverHooks
+from .nets import NetBuilder
 
 log = logging.getLogger("poseidon")
 
@@ -63,23 +63,8 @@ class Solver:
     def __init__(self, solver_param_or_path, dtype=numpy.float32, xp=None, shard=(0, 1),
                  level=None, stages=None, weights=None, progress=False, test_shard=(0, 1),
                  solver_type=None, hooks=None, replicas=1, devices=None):
-        if isinstance(solver_param_or_path, (str, os.PathLike)):
-            self.source = os.fspath(solver_param_or_path)
-            param = solverfile.read_solver(self.source)
-            solverfile.upgrade_snapshot_prefix(param, self.source)
-        else:
-            self.source = None
-            param = caffe_pb2.SolverParameter()
-            param.CopyFrom(solver_param_or_path)
-        if solver_type is not None:
-            param.ClearField("solver_type")
-            param.type = solver_type
-        if level is not None:
-            param.train_state.level = int(level)
-        if stages:
-            param.train_state.stage.extend(stages)
-        if weights:
-            param.weights.extend([weights] if isinstance(weights, str) else list(weights))
+        self.source, param = _solver_param(solver_param_or_path, solver_type, level, stages,
+                                           weights)
         self.param = param
         self.dtype = numpy.dtype(dtype)
         self.xp = xp or backend.default_xp()
@@ -96,13 +81,14 @@ class Solver:
             raise self._at_key(e) from None
         if param.random_seed >= 0:
             rng.seed(param.random_seed)          # before the nets: fillers draw from it
+        nets = NetBuilder(param, self.source, self.dtype, self.xp)
         with backend.device_scope(devices[0] if devices else None):
-            self.net, build_replica = self._init_train_net(replicas)
+            self.net, build_replica = nets.train_net(self.shard, replicas)
             # parameters, gradients and history as views of flat buffers in backward order
             # (engine/flat_params.py), before the test nets take the train net's blobs
             self.net.flat = FlatParams(self.net)
             self.history = self.net.flat.attach_history(self.rule.num_state)
-            self.test_nets = self._init_test_nets()
+            self.test_nets = nets.test_nets(self.test_shard, self.net)
             # after the test nets, so that a solver of one replica draws the same numbers
             self.replicas = ReplicaGroup(self.net, build_replica, replicas, devices, self.shard)
         self.iter = 0
@@ -130,78 +116,6 @@ class Solver:
 
     def _check_param(self):
         solverfile.check_param(self.param, self._where())
-
-    def _resolve(self, path, what):
-        return solverfile.resolve(path, what, self.source)
-
-    def _build_net(self, model, phase, state, shard):
-        """A Net in `phase` whose NetState is Caffe's merge: phase < the net's own state < `state`."""
-        from ..net import Net
-        from .. import prototxt
-        param = prototxt.read_net(model) if isinstance(model, str) else model
-        merged = caffe_pb2.NetState(phase=phase)
-        merged.MergeFrom(param.state)
-        if state is not None:
-            merged.MergeFrom(state)
-        merged.phase = phase
-        return Net(model, phase, level=merged.level, stages=list(merged.stage), dtype=self.dtype,
-                   xp=self.xp, shard=shard, state=merged)
-
-    def _init_train_net(self, replicas=1):
-        """The train net (the leader of `replicas`), and a function that builds another replica
-        of it on a given data shard."""
-        p = self.param
-        fields = ("net", "net_param", "train_net", "train_net_param")
-        given = [f for f in fields if p.HasField(f)]
-        if len(given) != 1:
-            raise ModelError(f"{self._where()}: give exactly one of {', '.join(fields)} for the "
-                             f"train net (found {', '.join(given) or 'none'})")
-        source = given[0]
-        if source.endswith("param"):
-            log.info(f"Creating training net specified in {source}.")
-            model = getattr(p, source)
-        else:
-            model = self._resolve(getattr(p, source), "net file")
-            log.info(f"Creating training net from {source} file: {model}")
-        state = p.train_state if p.HasField("train_state") else None
-        net = self._build_net(model, TRAIN, state, replica_shard(self.shard, 0, replicas))
-        for entry in p.weights:
-            for path in entry.split(","):
-                if path:
-                    path = self._resolve(path, "weights file")
-                    log.info(f"Finetuning from {path}")
-                    net.copy_from(path)
-        return net, lambda shard: self._build_net(model, TRAIN, state, shard)
-
-    def _init_test_nets(self):
-        p = self.param
-        generic = p.HasField("net") + p.HasField("net_param")
-        specific = len(p.test_net_param) + len(p.test_net)
-        if (generic and len(p.test_iter) < specific) or (not generic and len(p.test_iter) != specific):
-            raise ModelError(f"{self._where()}: test_iter must be given once for each test net "
-                             f"({specific} test nets, {len(p.test_iter)} test_iter values)")
-        count = len(p.test_iter) if generic else specific
-        if len(p.test_state) and len(p.test_state) != count:
-            raise ModelError(f"{self._where()}: test_state must be unspecified or given once per "
-                             f"test net ({count} test nets, {len(p.test_state)} test_state)")
-        if count and p.test_interval <= 0:
-            raise ModelError(f"{self._where()}: there are {count} test nets but test_interval is "
-                             f"{p.test_interval}; set test_interval > 0")
-        models = [(m, "test_net_param") for m in p.test_net_param]
-        models += [(self._resolve(f, "test net file"), f"test_net file: {f}") for f in p.test_net]
-        rest = count - len(models)
-        if p.HasField("net_param"):
-            models += [(p.net_param, "net_param")] * rest
-        elif p.HasField("net"):
-            models += [(self._resolve(p.net, "net file"), f"net file: {p.net}")] * rest
-        nets = []
-        for i, (model, described) in enumerate(models):
-            log.info(f"Creating test net (#{i}) specified by {described}")
-            state = p.test_state[i] if len(p.test_state) else None
-            net = self._build_net(model, TEST, state, self.test_shard)
-            net.share_with(self.net)
-            nets.append(net)
-        return nets
 
     # ----- the loop ---------------------------------------------------------------------------------
     @property
@@ -360,8 +274,6 @@ class Solver:
             loss = pass_loss if pass_index == 0 else loss + pass_loss
             for li in range(len(net.layers) - 1, -1, -1):
                 group.backward_layer(li, li in factored, reduce=pass_index == n - 1)
-                for callback in net.after_backward:
-                    callback(li)
                 hooks.after_backward(self, it, li, pass_index,
                                      backend.record_event(net.xp) if events else None)
         return loss / n if n > 1 else loss
@@ -485,13 +397,7 @@ class Solver:
                  f"iters), loss = {_g(self.smoothed_loss)}")
         self._timer = now
         self._iterations_last = self.iter
-        net = self.net
-        k = 0
-        for name in net.output_names:
-            weight = net.blob_loss_weights.get(name, 0)
-            for value in backend.to_numpy(net.blobs[name].data).reshape(-1):
-                log.info(f"    Train net output #{k}: {name} = {_g(value)}{_loss_suffix(weight, value)}")
-                k += 1
+        evaluation.log_train_outputs(self.net)
 
     def test_all(self):
         self.check_recorded()
@@ -500,43 +406,8 @@ class Solver:
 
     def test(self, i):
         """test_iter[i] forward passes of test net i; logs and returns {output blob: mean value}
-        (a float for one-element blobs, else an array averaged element by element). The hooks
-        may run a share of the batches here and combine the means with other processes'."""
-        p, hooks = self.param, self.hooks
-        net = self.test_nets[i]
-        hooks.before_test(self, i)
-        n = hooks.test_batches(self, i, p.test_iter[i])
-        log.info(f"Iteration {self.iter}, Testing net (#{i})")
-        sums = None
-        loss = 0.0
-        for _ in range(n):
-            iter_loss = net.Forward()
-            if p.test_compute_loss:
-                loss += iter_loss
-            if sums is None:
-                sums = [net.blobs[name].data.astype(numpy.float64) for name in net.output_names]
-            else:
-                for acc, name in zip(sums, net.output_names):
-                    acc += net.blobs[name].data
-        if self.on_device:
-            net.check_deferred()                # the test net's own label checks
-        if not n:
-            return OrderedDict()
-        local = numpy.concatenate([[loss]] + [backend.to_numpy(acc).reshape(-1) for acc in sums])
-        means = hooks.reduce_test(self, i, local / n)
-        if p.test_compute_loss:
-            log.info(f"Test loss: {_g(means[0])}")
-        results = OrderedDict()
-        k, off = 0, 1
-        for acc, name in zip(sums, net.output_names):
-            mean = means[off:off + acc.size]
-            off += acc.size
-            weight = net.blob_loss_weights.get(name, 0)
-            for value in mean:
-                log.info(f"    Test net output #{k}: {name} = {_g(value)}{_loss_suffix(weight, value)}")
-                k += 1
-            results[name] = float(mean[0]) if mean.size == 1 else mean.reshape(acc.shape)
-        return results
+        (engine/solvers/evaluation.py)."""
+        return evaluation.test_net(self, i)
 
     def _progress_bar(self, total):
         if not self.progress or total <= 0 or not sys.stderr.isatty():
@@ -598,8 +469,27 @@ class Solver:
             self.net.set_conv_routes(state["conv_routes"])
 
 
-def _loss_suffix(weight, value):
-    return f" (* {_g(weight)} = {_g(weight * value)} loss)" if weight else ""
+def _solver_param(solver_param_or_path, solver_type, level, stages, weights):
+    """(the solver file or None, the SolverParameter as the arguments amend it): a copy of a
+    given message, or the file read and upgraded."""
+    if isinstance(solver_param_or_path, (str, os.PathLike)):
+        source = os.fspath(solver_param_or_path)
+        param = solverfile.read_solver(source)
+        solverfile.upgrade_snapshot_prefix(param, source)
+    else:
+        source = None
+        param = caffe_pb2.SolverParameter()
+        param.CopyFrom(solver_param_or_path)
+    if solver_type is not None:
+        param.ClearField("solver_type")
+        param.type = solver_type
+    if level is not None:
+        param.train_state.level = int(level)
+    if stages:
+        param.train_state.stage.extend(stages)
+    if weights:
+        param.weights.extend([weights] if isinstance(weights, str) else list(weights))
+    return source, param
 
 
 def get_solver(path_or_param, **kwargs):

@@ -128,7 +128,7 @@ def test_copies_of_a_message_are_dropped_not_filed(pair):
     assert server.next(timeout=1).key == 7 and server.next(timeout=0) is None
     server.send(0, Msg.KV_VALUE, iteration=4, key=7, arrays=[value])    # the next one: filed
     assert worker.receive(Msg.KV_VALUE, key=7, iteration=4)[0].sender == 1
-    print(f"\n300 copies of a 1 MB KV_VALUE and of a KV_PUSH: 1 filed, 299 dropped each")
+    print("\n300 copies of a 1 MB KV_VALUE and of a KV_PUSH: 1 filed, 299 dropped each")
 
 
 def test_the_mailbox_is_bounded(monkeypatch):

@@ -171,7 +171,7 @@ def test_a_bad_cost_report_from_worker_1_ends_a_job_at_once_naming_it(tmp_path, 
     of bandwidth 0. The job ends within seconds (not the 10 x --timeout the workers would wait
     for schemes that never come) with an error naming worker 1 and the field."""
     import time
-    from poseidon.dist.cost.formulas import probe
+    from poseidon.dist.cost import probe
     real = probe.Prober.report
 
     def report(self, dtype, xp=numpy):

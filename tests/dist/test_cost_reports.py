@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy
 import pytest
 
-from poseidon.dist.cost.formulas import probe
+from poseidon.dist.cost import probe
 from poseidon.dist.coord.book import InformationBook
 from poseidon.dist.cost.model import LinkTable
 from poseidon.dist.cost.sync import CostSync

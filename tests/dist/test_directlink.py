@@ -144,7 +144,7 @@ def test_the_last_syncs_wait_spins_only_where_every_process_has_a_core(monkeypat
                                                                       spins):
     from types import SimpleNamespace
 
-    from poseidon.dist.worker.hooks import hooks as worker
+    from poseidon.dist.worker import hooks as worker
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     book = SimpleNamespace(data={"one_host": one_host})
     got = worker.spin_seconds(book, Roles(workers, servers))

@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 

@@ -7,7 +7,8 @@ import numpy
 from poseidon.engine.blob import Blob
 from poseidon.engine.layer import Layer
 from poseidon.engine.layers.batchnorm_scale import BatchNormScalePair, PairedBatchNorm, PairedScale
-from poseidon.engine.layers.normalization import BatchNormLayer, ScaleLayer
+from poseidon.engine.layers.normalization import BatchNormLayer
+from poseidon.engine.layers.scale_bias import ScaleLayer
 from tests.harness import make_layer
 from tests.test_net import _bn_scale_net
 
@@ -178,11 +179,13 @@ def test_the_pairs_input_gradient_uses_the_scale_of_its_own_forward():
         net.blobs["data"].data[...] = data
         net.blobs["label"].data[...] = label
         sc = net.layer_names.index("sc1")
-        if bump:   # the scale's new values arrive right after its backward
-            net.after_backward.append(
-                lambda li: li == sc and net.params["sc1"][0].data.__imul__(3.0))
+
+        def bump_scale(li):   # the scale's new values arrive right after its backward
+            if li == sc:
+                net.params["sc1"][0].data[...] *= 3.0
+
         net.Forward()
         net.ClearParamDiffs()
-        net.Backward()
+        net.Backward(after_layer=bump_scale if bump else None)
         grads.append(numpy.array(net.params["ip1"][0].diff))
     numpy.testing.assert_array_equal(grads[1], grads[0])

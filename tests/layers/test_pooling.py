@@ -146,15 +146,17 @@ def test_forward_and_backward_match_caffe_loops(name, shape, extra, kw):
 @pytest.mark.parametrize("run_samples", [1, 2])
 @pytest.mark.parametrize("name,shape,extra,kw", CONFIGS, ids=IDS)
 def test_runs_of_samples_match_caffe_loops(name, shape, extra, kw, run_samples, monkeypatch):
-    """The grid passes taken a run of samples at a time (pooling.CHUNK_BYTES), twice, the second
-    time with ties: a run's offsets reach into the next run's cells, left from the pass before."""
-    from poseidon.engine.layers import pooling
+    """The grid passes taken a run of samples at a time (pooling_plan.CHUNK_BYTES), twice, the
+    second time with ties: a run's offsets reach into the next run's cells, left from the pass
+    before."""
+    from poseidon.engine.layers import pooling_plan
     rs = numpy.random.RandomState(6)
     shape = (5,) + shape[1:]
     layer = pool(extra)
     bottom, top = run_forward(layer, [distinct(shape, seed=7)])
     plan = layer._plan
-    monkeypatch.setattr(pooling, "CHUNK_BYTES", run_samples * plan.grid_size(1, shape[1]) * 8)
+    monkeypatch.setattr(pooling_plan, "CHUNK_BYTES",
+                        run_samples * plan.grid_size(1, shape[1]) * 8)
     if not plan.global_reduce:
         assert len(plan.chunks(5, shape[1], 8, numpy)) == -(-5 // run_samples)
     for x in (distinct(shape, seed=8), rs.randint(0, 3, size=shape).astype(float)):

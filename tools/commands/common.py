@@ -1,9 +1,9 @@
 """Pieces several subcommands share: device choice, phase parsing, logging set-up."""
 import logging
-import os
 import sys
 
-from poseidon.engine import backend
+from poseidon.engine import backend, settings
+from poseidon.engine.errors import PoseidonError
 
 
 def add_gpu_option(parser):
@@ -11,26 +11,33 @@ def add_gpu_option(parser):
                         help="GPU id to run on (CuPy); 'all' is not supported; omit for the CPU")
     parser.add_argument("--refresh-routes", action="store_true",
                         help="time the convolution routes again on this machine instead of "
-                             "taking the cached choices (POSEIDON_CONV_REFRESH=1)")
+                             "taking the cached choices (as POSEIDON_CONV_REFRESH=1)")
     parser.add_argument("--tf32", action="store_true",
                         help="with --gpu: let float32 GEMMs use TF32 tensor cores (Ampere and "
                              "newer; faster, 10-bit mantissa inputs); default full FP32")
 
 
 def apply_route_refresh(args):
-    """--refresh-routes, through the environment so that a job's processes see it too."""
+    """--refresh-routes: the engine's conv_refresh setting."""
     if getattr(args, "refresh_routes", False):
-        os.environ["POSEIDON_CONV_REFRESH"] = "1"
+        settings.configure(conv_refresh=True)
+
+
+def configure_engine(args, **values):
+    """The engine's settings from this command's flags (`values`: more of them, None where a
+    flag was not given), then all of them checked: a bad POSEIDON_* variable ends the command
+    here with one line, before any work starts."""
+    apply_route_refresh(args)
+    settings.configure(**{name: value for name, value in values.items() if value is not None})
 
 
 def apply_gpu(args, local_rank=0):
-    apply_route_refresh(args)
+    configure_engine(args)
     if getattr(args, "tf32", False):
         if args.gpu is None or str(args.gpu).lower() in ("", "none", "cpu", "-1"):
-            from poseidon.engine.errors import PoseidonError
             raise PoseidonError("--tf32 is a GPU math mode and the run is on the CPU: add "
                                 "--gpu N, or drop --tf32")
-        os.environ[backend.TF32_VARIABLE] = "1"     # through the environment: a job's processes
+        settings.configure(tf32=True)
     backend.set_mode_from_flag(args.gpu, local_rank)
 
 

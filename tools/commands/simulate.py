@@ -44,7 +44,8 @@ def add(sub):
     p.add_argument("--separate-servers", action="store_true",
                    help="servers on their own nodes instead of beside the workers")
     p.add_argument("--bandwidth", default="40Gbit", help="per NIC and direction, e.g. 40Gbit, "
-                                                         "10GbE, 1.25GB/s, inf")
+                                                         "10GbE, 1.25GB/s, inf (rates: "
+                                                         "docs/configuration.md)")
     p.add_argument("--goodput", default=None,
                    help="the most a node's software stack moves per direction (default: the "
                         "line rate); the link runs at min(bandwidth, goodput)")
@@ -96,15 +97,17 @@ def _flops(text):
 
 def network_from_args(args):
     from poseidon.dist.coord.placement import DEFAULT_PAIR_BYTES, parse_bytes
-    from poseidon.dist.sim.simulate import Network, parse_bandwidth, parse_latency
+    from poseidon.dist.sim.modes import Network
+    from poseidon.dist.units import parse_latency, parse_rate
+
+    def rate(flag):
+        return parse_rate(getattr(args, flag[2:].replace("-", "_")), flag, infinite=True)
     try:
-        bandwidth = parse_bandwidth(args.bandwidth)
+        bandwidth = rate("--bandwidth")
         if args.goodput is not None:
-            bandwidth = min(bandwidth, parse_bandwidth(args.goodput))
-        latency = parse_latency(args.latency)
-        pcie = parse_bandwidth(args.pcie)
-        update = parse_bandwidth(args.update_rate)
-        intra = parse_bandwidth(args.intra_bandwidth)
+            bandwidth = min(bandwidth, rate("--goodput"))
+        latency = parse_latency(args.latency, "--latency")
+        pcie, update, intra = rate("--pcie"), rate("--update-rate"), rate("--intra-bandwidth")
         pair = parse_bytes(args.kv_pair)
     except ValueError as e:
         raise PoseidonError(str(e)) from None

@@ -16,10 +16,11 @@ from pathlib import Path
 from poseidon import prototxt as shipped_prototxt
 from poseidon.dist.job.options import (add_dist_options, check_devices_per_node,
                                    dist_flags_given)
+from poseidon.engine import settings
 from poseidon.engine.errors import PoseidonError
 from poseidon.engine.solvers import final_accuracy_lines
 
-from .common import add_gpu_option, apply_gpu, apply_route_refresh, out, setup_logging
+from .common import add_gpu_option, apply_gpu, configure_engine, out, setup_logging
 
 DEMO_SOLVER = shipped_prototxt.path("digits_quick", "solver.prototxt")
 
@@ -80,8 +81,8 @@ def is_distributed(args):
 
 
 def run(args):
-    if args.cuda_graphs:                     # through the environment, as a job's processes see it
-        os.environ["POSEIDON_CUDA_GRAPHS"] = args.cuda_graphs
+    configure_engine(args, cuda_graphs=None if args.cuda_graphs is None
+                     else args.cuda_graphs == "on")
     if args.demo:
         args.solver = _prepare_demo(args)
     if not args.solver:
@@ -96,7 +97,7 @@ def run(args):
         from poseidon.engine.solvers import check_solver_file
         check_solver_file(args.solver)   # a bad file: one line, before any process starts
         from poseidon.dist.job.launch import launch
-        apply_route_refresh(args)
+        os.environ.update(settings.environ())    # the job's processes inherit this environment
         return launch(args)
     given = dist_flags_given(args)
     if given:

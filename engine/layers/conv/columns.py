@@ -22,9 +22,10 @@ the block sizes in routes.py):
   (a copy in cache is cheaper than reading stored columns back from memory), one GEMM of the
   chunk's top gradient (O, cells) against them into a per-thread partial; partials are added in
   thread order, so the result does not depend on timing;
-- input gradient, stride 1: a stride-1 convolution of the channels-last, zero-padded top gradient
-  with the flipped, transposed kernel (the same chunked pass as forward); other strides: GEMM to
-  columns, then col2im into a padded channels-last buffer, per chunk of whole samples;
+- input gradient (data_grad.py), stride 1: a stride-1 convolution of the channels-last,
+  zero-padded top gradient with the flipped, transposed kernel (the same chunked pass as
+  forward); other strides: GEMM to columns, then col2im into a padded channels-last buffer, per
+  chunk of whole samples;
 - 1x1 kernels with no pad skip the columns (pointwise.py), and narrow inputs (a net's first
   layer, 3 channels) take Caffe's own column layout in forward and in the input gradient
   (planar.py).
@@ -44,15 +45,16 @@ from ...backend import get_array_module as _xp
 from ...gemm import matmul
 from ...parallel import BufferCache, WorkerBuffers, parallel
 from ..activation import relu_backward, relu_forward
-from ..im2col import Geometry, nhwc_col2im, nhwc_window_view
+from ..im2col import nhwc_window_view
 from . import routes
 from .bias import bias_gradient_of, bias_gradient_part, bias_gradient_sum
+from .data_grad import InputGradient
 from .kernel_route import KernelColumns
 from .planar import PlanarColumns
 from .pointwise import Pointwise
 
 
-class Im2colConvCore(PlanarColumns, Pointwise, KernelColumns):
+class Im2colConvCore(PlanarColumns, Pointwise, KernelColumns, InputGradient):
     """Convolution arithmetic for one geometry and group count (input x: N x C x H x W).
 
     Deconvolution shares it as the transpose: its forward is `backward_data`, its input
@@ -297,11 +299,7 @@ class Im2colConvCore(PlanarColumns, Pointwise, KernelColumns):
         if relu is not None:
             relu_backward(dy, relu[0], dy, relu[1], xp)
         if self.strided and dx is not None:           # strided implies pointwise
-            dxs = self.buffers.get("dxsub", dy.shape[:1] + dx.shape[1:2] + dy.shape[2:],
-                                   dx.dtype, xp)
-            self._backward_pointwise(dy, weight, weight_diff, bias_diff, dxs, key)
-            self._scatter(dxs, dx)
-            return dx
+            return self._backward_strided(dy, weight, weight_diff, bias_diff, dx, key)
         if self.pointwise:
             return self._backward_pointwise(dy, weight, weight_diff, bias_diff, dx, key)
         g = self.geom
@@ -342,6 +340,15 @@ class Im2colConvCore(PlanarColumns, Pointwise, KernelColumns):
         if bias_diff is not None:
             for worker in range(parts):
                 bias_diff += bias_gradient_of(self._wbuf(worker), dy)
+        return dx
+
+    def _backward_strided(self, dy, weight, weight_diff, bias_diff, dx, key):
+        """backward of a strided 1x1 layer: the input gradient of the cells the kernel met, made
+        as a 1x1's, then scattered into dx (zeros elsewhere)."""
+        dxs = self.buffers.get("dxsub", dy.shape[:1] + dx.shape[1:2] + dy.shape[2:], dx.dtype,
+                               _xp(dy))
+        self._backward_pointwise(dy, weight, weight_diff, bias_diff, dxs, key)
+        self._scatter(dxs, dx)
         return dx
 
     def _add_weight_partials(self, weight_diff, parts, shared, dtype, xp, grp, og, cg):
@@ -445,64 +452,3 @@ class Im2colConvCore(PlanarColumns, Pointwise, KernelColumns):
     def backward_data(self, dy, weight, dx):
         """dx (N, C, H, W) = dL/dx for top gradient dy (N, O, Ho, Wo); dx is overwritten."""
         return self.backward(dy, weight, dx=dx)
-
-    def _data_grad_plan(self, dy, weight):
-        """How the input gradient is made: 'correlate' (stride 1: a convolution of the padded
-        top gradient with the flipped kernel) or 'col2im', with the weight in the needed order."""
-        xp = _xp(dy)
-        g = self.geom
-        grp = self.group
-        o, cg = weight.shape[:2]
-        og = o // grp
-        w5 = weight.reshape(grp, og, cg, g.kh, g.kw)
-        qh = g.dh * (g.kh - 1) - g.ph
-        qw = g.dw * (g.kw - 1) - g.pw
-        if self._planar_width(cg * grp, weight.itemsize, xp):
-            return {"mode": "planar", "wk": weight.reshape(o, -1)}
-        if g.sh == 1 and g.sw == 1 and qh >= 0 and qw >= 0:
-            # K order (kh, kw, O/g) of the padded gradient's columns, output C/g: a copy that
-            # moves every number across the array, so the cores share it (by output channels)
-            wt = xp.empty((grp, g.kh, g.kw, og, cg), weight.dtype)
-            flipped = w5[:, :, :, ::-1, ::-1].transpose(0, 3, 4, 1, 2)
-
-            def part(worker, lo, hi):
-                wt[:, :, :, lo:hi] = flipped[:, :, :, lo:hi]
-
-            parallel().run(part, og, xp, min_per_worker=64)
-            return {"mode": "correlate", "qh": qh, "qw": qw,
-                    "wt": wt.reshape(grp, g.kh * g.kw * og, cg),
-                    "geom": Geometry(g.kh, g.kw, 1, 1, 0, 0, g.dh, g.dw)}
-        # (g, O/g, kh*kw*C/g): top gradient rows x this -> channels-last columns
-        wmat = xp.ascontiguousarray(w5.transpose(0, 1, 3, 4, 2)).reshape(grp, og, -1)
-        return {"mode": "col2im", "wmat": wmat}
-
-    def _data_grad_pass(self, buf, data, dy, dx, lo, hi, wgrad=None):
-        xp = _xp(dy)
-        g = self.geom
-        if data["mode"] == "correlate":
-            qh, qw = data["qh"], data["qw"]
-            dpad = data["dpad"]
-            self._fill(dy, dpad, qh, qw, lo, hi)
-            self._conv_pass(buf, dpad, data["geom"], data["wt"], dx, None, lo, hi, "dcol", wgrad)
-            return
-        if data["mode"] == "planar":
-            self._data_grad_planar(buf, data["wk"], dy, dx, lo, hi)
-            return
-        # general stride: GEMM to channels-last columns, then scatter them back (col2im)
-        grp, og, kg = data["wmat"].shape
-        o, out_h, out_w = dy.shape[1:]
-        c, h, w = dx.shape[1:]
-        plane = out_h * out_w
-        for s0, m, _, _ in self._chunks(lo, hi, out_h, out_w, grp * kg * dy.itemsize, kg, xp,
-                                        whole_samples=True):
-            cells = m * plane
-            dyc = buf.get(f"dyc{m}", (grp, cells, og), dy.dtype, xp)
-            dyc.reshape(grp, m, plane, og)[...] = \
-                dy[s0:s0 + m].reshape(m, grp, og, plane).transpose(1, 0, 3, 2)
-            dcol = buf.get(f"dcolg{m}", (grp, cells, kg), dy.dtype, xp)
-            matmul(xp, dyc, data["wmat"], out=dcol)
-            cols = dcol.reshape(grp, m, out_h, out_w, g.kh, g.kw, kg // (g.kh * g.kw)
-                                ).transpose(1, 2, 3, 0, 4, 5, 6)
-            dpad = buf.get(f"dxpad{m}", (m, h + 2 * g.ph, w + 2 * g.pw, c), dy.dtype, xp)
-            nhwc_col2im(cols, dpad, g)
-            dx[s0:s0 + m] = dpad[:, g.ph:g.ph + h, g.pw:g.pw + w].transpose(0, 3, 1, 2)

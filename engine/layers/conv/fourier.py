@@ -304,15 +304,7 @@ class FourierConvCore:
                             raise RuntimeError("Fourier convolution: backward cut the batch "
                                                "differently from forward (the thread count "
                                                "changed in between)")
-                        xp.conjugate(dspec, out=dspec)
-                        partial = mine((plan.freqs, o, cg), plan.complex)
-                        xspec = buf.get(f"xspec{key}", (plan.freqs, hi - lo, c), plan.complex, xp)
-                        for cs, os_ in groups:
-                            matmul(xp, dspec[:, :, os_].transpose(0, 2, 1), xspec[:, :, cs],
-                                   out=partial[:, os_])
-                        # back to (O, C, kh, kw) here, so what outlives the pass is weight-sized
-                        self._from_freq(partial, plan.to_kernel, plan, mine,
-                                        buf.get("dw", weight.shape, dy.dtype, xp))
+                        self._weight_grad_part(buf, mine, dspec, plan, groups, weight, key)
 
             parts = parallel().run(work, n, xp)
         for worker in range(parts):   # in thread order: the sum does not depend on timing
@@ -322,3 +314,19 @@ class FourierConvCore:
             if bias_diff is not None:
                 bias_diff += bias_gradient_of(buf, dy)
         return dx
+
+    def _weight_grad_part(self, buf, take, dspec, plan, groups, weight, key):
+        """One worker's weight gradient, (O, C/g, kh, kw), into its buffer "dw": per frequency,
+        the top gradient's spectrum dspec (F, B, O; conjugated here, in place) against the
+        input's, which forward kept in the worker's buffer for the same samples."""
+        xp = _xp(dspec)
+        o, cg = weight.shape[:2]
+        b, c = dspec.shape[1], cg * self.group
+        xp.conjugate(dspec, out=dspec)
+        partial = take((plan.freqs, o, cg), plan.complex)
+        xspec = buf.get(f"xspec{key}", (plan.freqs, b, c), plan.complex, xp)
+        for cs, os_ in groups:
+            matmul(xp, dspec[:, :, os_].transpose(0, 2, 1), xspec[:, :, cs], out=partial[:, os_])
+        # back to (O, C, kh, kw) here, so what outlives the pass is weight-sized
+        self._from_freq(partial, plan.to_kernel, plan, take,
+                        buf.get("dw", weight.shape, plan.real, xp))

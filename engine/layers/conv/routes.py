@@ -13,14 +13,15 @@ The choice, per layer and input size, first match wins (`choose`):
    machine's timings (the FALLBACK_ constants below), which need no time at start-up but can be
    wrong elsewhere.
 A route that does not apply to a shape is never a candidate; where only im2col applies (strides,
-dilation) nothing is measured.
+dilation) nothing is measured. The three POSEIDON_CONV* settings come from engine/settings.py
+(the variables, or settings.configure from Python and the command line's flags).
 """
 import logging
-import os
 from collections import namedtuple
 
 import numpy
 
+from ... import settings
 from ...parallel import CACHE_BLOCK_BYTES, parallel
 from . import measure, route_cache
 from .fourier import fourier_applies, fourier_flops
@@ -28,39 +29,25 @@ from .winograd import winograd_applies
 
 log = logging.getLogger("poseidon")
 
-ROUTES = ("im2col", "fourier", "winograd")
-SETTINGS = ("auto",) + ROUTES
+ROUTES = settings.CONV_ROUTES
+SETTINGS = settings.CONV_CHOICES
 
 
 def conv_setting():
-    """The POSEIDON_CONV setting: 'auto' (default) or one of ROUTES. A ValueError names the
-    accepted values."""
-    value = os.environ.get("POSEIDON_CONV", "auto").strip().lower() or "auto"
-    if value not in SETTINGS:
-        raise ValueError(f"POSEIDON_CONV={value!r}: use one of {', '.join(SETTINGS)}")
-    return value
-
-
-def _switch(name, default):
-    """A yes/no environment variable (1/0, yes/no, on/off, true/false)."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("1", "yes", "on", "true"):
-        return True
-    if value in ("0", "no", "off", "false"):
-        return False
-    raise ValueError(f"{name}={value!r}: use 1 or 0")
+    """POSEIDON_CONV (engine/settings.py): 'auto' or one of ROUTES. A bad value raises a
+    ValueError that names the accepted ones."""
+    return settings.current().conv
 
 
 def measuring_on():
     """POSEIDON_CONV_MEASURE (default 1): whether 'auto' may time the routes."""
-    return _switch("POSEIDON_CONV_MEASURE", True)
+    return settings.current().conv_measure
 
 
 def refresh_asked():
-    """POSEIDON_CONV_REFRESH=1: measure again rather than read the route cache."""
-    return _switch("POSEIDON_CONV_REFRESH", False)
+    """POSEIDON_CONV_REFRESH=1 (or --refresh-routes): measure again rather than read the route
+    cache."""
+    return settings.current().conv_refresh
 
 
 def applies(route, geom, group, h, w):
@@ -196,8 +183,8 @@ def fourier_pays(geom, group, n, c, o, h, w, ranges=1):
 # launches, not the columns' traffic, set the time, and the route only adds launches), the planes
 # wide enough for its DFT products to fill the card (MIN_CELLS), and the input wide enough that
 # its transforms are not most of its work (MIN_CHANNELS: a 3-channel first layer loses); a 1x1
-# kernel has no columns to save. The thresholds sit between the VGG19, GoogLeNet, ResNet-50 and
-# cifar10_quick layers on which the route won and lost on data-centre GPUs.
+# kernel has no columns to save. The thresholds sit between the layers on which the route won and
+# lost on data-centre GPUs (docs/performance.md, "GPU").
 FALLBACK_GPU_FOURIER_MIN_CELLS = 28 * 28
 FALLBACK_GPU_FOURIER_MIN_CHANNELS = 32
 FALLBACK_GPU_FOURIER_MIN_COLUMNS = 40_000_000

@@ -1,0 +1,81 @@
+"""What one run of the simulator is asked and what it answers: the sync modes (`MODES`), the
+cluster's figures (`Network`) and one iteration's outcome (`Result`).
+
+Why apart from simulate.py: these are the plain records a caller fills in and reads (the command
+line builds a Network from its flags and checks modes against MODES); simulate.py keeps the event
+model alone.
+"""
+import math
+from dataclasses import dataclass, field
+
+from ..coord.placement import DEFAULT_PAIR_BYTES
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How one mode syncs: `plan` is ps, sfb (every FC layer), hybrid (Algorithm 1), allreduce or
+    timed (per layer by predicted time, dist/sim/cost.py); `overlap` is WFBP; `priority` serves
+    lower layers first on every queue; `layerwise` lets the next forward start on a layer as soon
+    as that layer is synced."""
+    plan: str
+    overlap: bool
+    priority: bool = False
+    layerwise: bool = False
+    label: str = ""
+
+
+MODES = {
+    "ps-nooverlap": Mode("ps", False, label="PS, no overlap"),   # Caffe+PS
+    "wfbp": Mode("ps", True, label="WFBP (PS)"),                 # Caffe+WFBP
+    "poseidon": Mode("hybrid", True, label="Poseidon (paper)"),  # WFBP + Algorithm 1 per layer
+    "sfb": Mode("sfb", True, label="SFB for FC, PS elsewhere"),
+    "allreduce": Mode("allreduce", True, label="ring all-reduce"),
+    "hybrid-nooverlap": Mode("hybrid", False, label="Poseidon (paper), no overlap"),
+    "ps-sfb-ar": Mode("timed", True, label="PS+SFB+all-reduce"),
+    "ps-sfb-ar-priority": Mode("timed", True, priority=True, layerwise=True,
+                               label="PS+SFB+all-reduce, priority"),
+}
+
+
+@dataclass
+class Network:
+    """Link and host figures; rates in bytes/s (math.inf for 'free'), latency in seconds."""
+    bandwidth: float = 40e9 / 8
+    latency: float = 5e-6
+    pcie: float = 12e9                 # PCIe 3.0 x16 as measured in practice, each direction
+    update_rate: float = 10e9          # bytes/s a server adds or applies (16-core Xeon, memory bound)
+    gemm_rate: float = None            # FLOP/s of the SFB rebuild and all-reduce's reduction
+    #                                    (None: the profile's own rate, its FLOPs over its time)
+    intra_bandwidth: float = 12e9      # between the G devices of a node and their leader (PCIe)
+    chunk_bytes: int = DEFAULT_PAIR_BYTES   # messages cross the wire in pieces of at most this
+    kv_pair_bytes: int = DEFAULT_PAIR_BYTES
+    separate_servers: bool = False     # servers on their own nodes instead of beside the workers
+
+    @classmethod
+    def ideal(cls, **kw):
+        """Everything but compute free: the speedup must then be P1."""
+        base = dict(bandwidth=math.inf, latency=0.0, pcie=math.inf, update_rate=math.inf,
+                    gemm_rate=math.inf, intra_bandwidth=math.inf)
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass
+class Result:
+    mode: str
+    workers: int
+    servers: int
+    iteration_s: float
+    compute_s: float
+    speedup: float
+    schemes: dict
+    devices: int = 1
+    plan: str = ""                     # for a by-time mode: which candidate plan ran
+    node_bytes_sent: list = field(default_factory=list)
+    node_bytes_received: list = field(default_factory=list)
+    layer_done_s: dict = field(default_factory=dict)
+    backward_done_s: float = 0.0
+    events: int = 0
+
+    def as_dict(self):
+        return dict(self.__dict__)
