@@ -41,7 +41,7 @@ settings.configure(cuda_graphs=True) (engine/settings.py); off by default until 
 shows a gain. It applies to a solver training alone on one device with iter_size 1 and no layer
 updated from its sufficient factors; any other step runs Solver.forward_backward unchanged.
 poseidon/testing/fake_graphs.py gives the counting stand-in the same capture API, so
-tests/test_cuda_graphs.py checks all this on the CPU.
+tests/engine/test_cuda_graphs.py checks all this on the CPU.
 """
 import logging
 import weakref

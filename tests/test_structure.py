@@ -8,6 +8,7 @@
   or function grows past the size a reader can hold: 500 and 60 lines;
 - no import cycle anywhere, not even one dodged by an import inside a function;
 - dist asks the engine's layers through engine.Layer's protocol, not by probing attributes.
+- the tests mirror the package, and every test that runs a job is marked slow.
 """
 import ast
 import configparser
@@ -278,3 +279,61 @@ def test_the_probe_check_finds_probes():
               '    k = getattr(net.layers[0], "k", None)\n    if type(hooks) is SolverHooks:\n'
               '        pass\n    ok = getattr(rec, "scheme", None)\n')
     assert [line.split(":")[0] for line in duck_typed_probes(sample)] == ["2", "4", "5"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the tests' own layout
+# ------------------------------------------------------------------------------------------------
+TEST_FOLDERS = {"engine", "dist", "tools", "hosts"}
+WHOLE_TREE_CHECKS = {"test_docs.py", "test_structure.py", "test_env_vars.py"}
+JOB_STARTERS = {"run_threads", "run_processes", "LocalJob", "Job"}
+
+
+def test_the_tests_mirror_the_package():
+    """Tests live beside the part they test; only the checks of the whole tree stay at the top."""
+    tests = ROOT / "tests"
+    loose = sorted(p.name for p in tests.glob("test_*.py") if p.name not in WHOLE_TREE_CHECKS)
+    assert not loose, f"move these into tests/engine, dist, tools or hosts: {loose}"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name[0] not in "._"}
+    assert folders == TEST_FOLDERS
+
+
+def unmarked_job_tests(source):
+    """Test functions of a module that start a distributed job (threads or processes) without
+    the `slow` mark, on themselves or on the whole module."""
+    tree = ast.parse(source)
+    if any(isinstance(n, ast.Assign) and "pytestmark" in map(ast.unparse, n.targets)
+           and "slow" in ast.unparse(n.value) for n in tree.body):
+        return []
+    starters = set(JOB_STARTERS)
+    if any(isinstance(n, ast.ImportFrom) and (n.module or "").endswith("jobs")
+           and "train" in [a.name for a in n.names] for n in tree.body):
+        starters.add("train")
+
+    def starts_a_job(call):
+        f = call.func
+        if isinstance(f, ast.Attribute):
+            return f.attr in JOB_STARTERS or (f.attr == "train" and ast.unparse(f.value) == "jobs")
+        return isinstance(f, ast.Name) and f.id in starters
+
+    return [f.name for f in tree.body
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")
+            and any(isinstance(c, ast.Call) and starts_a_job(c) for c in ast.walk(f))
+            and not any("mark.slow" in ast.unparse(d) for d in f.decorator_list)]
+
+
+def test_job_level_tests_are_marked_slow():
+    """`pytest -m "not slow"` leaves out every test that runs a job."""
+    found = {str(p.relative_to(ROOT)): unmarked_job_tests(p.read_text())
+             for p in sorted((ROOT / "tests").rglob("test_*.py"))}
+    assert not {k: v for k, v in found.items() if v}
+
+
+def test_the_slow_check_finds_an_unmarked_job():
+    source = ("import pytest\nfrom .jobs import train\nfrom .helpers import run_threads\n"
+              "@pytest.mark.slow\ndef test_a():\n    train('s')\n"
+              "def test_b():\n    run_threads(1, 2, 3)\n"
+              "def test_c():\n    jobs.train('s')\n"
+              "def test_d():\n    assert 1\n")
+    assert unmarked_job_tests(source) == ["test_b", "test_c"]
+    assert unmarked_job_tests("import pytest\npytestmark = pytest.mark.slow\n" + source) == []

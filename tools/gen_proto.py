@@ -7,7 +7,7 @@ installed protobuf runtime):
     python tools/gen_proto.py            # writes engine/proto/caffe_pb2.py
     python tools/gen_proto.py OUT_DIR    # writes OUT_DIR/caffe_pb2.py instead
 
-Commit the regenerated module together with the .proto edit; tests/test_proto.py
+Commit the regenerated module together with the .proto edit; tests/engine/test_proto.py
 fails when the two disagree.
 """
 import sys

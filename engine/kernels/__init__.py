@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 COMMON = "common.cuh"
 INCLUDE_LINE = f'#include "{COMMON}"'
 
-# Every source and the kernels it defines, in its order (tests/test_kernels_compile.py checks
+# Every source and the kernels it defines, in its order (tests/engine/test_kernels_compile.py checks
 # that each compiles to exactly these entry points).
 KERNELS = {
     "pooling.cu": ("max_pool_forward", "max_pool_backward", "ave_pool_forward",

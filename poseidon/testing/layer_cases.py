@@ -1,5 +1,5 @@
 """One small case of each layer type, run forward and backward on an array module, so a GPU's
-results can be compared with numpy's (tests/test_gpu.py, the bench's GPU probe)."""
+results can be compared with numpy's (tests/engine/test_gpu.py, the bench's GPU probe)."""
 import numpy as np
 from google.protobuf import text_format
 

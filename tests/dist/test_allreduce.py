@@ -135,6 +135,7 @@ def test_best_scheme_takes_the_cheapest_of_three():
 
 
 # ----- equivalence ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("P1", [2, 3, 4])
 @pytest.mark.parametrize("no_overlap", [False, True])
 def test_sync_allreduce_equals_one_process(data, tmp_path, small_pieces, P1, no_overlap):
@@ -167,6 +168,7 @@ def mixed_net(source, batch):
     return text.replace(head, head + " bias_term: false")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1", [2, 3, 4])
 @pytest.mark.parametrize("no_overlap", [False, True])
 def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path, small_pieces, P1,
@@ -181,6 +183,7 @@ def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path,
         assert costs[rec["scheme"]] == min(costs.values()), (rec["name"], costs)
 
 
+@pytest.mark.slow
 def test_sync_a_plus_b_chooses_among_the_named_schemes_alone(data, tmp_path, small_pieces):
     """`--sync ps+sfb` is the paper's Algorithm 1: on the net where the full hybrid sends ip2 by
     the ring, it goes by PS (which ties the ring there on floats), and the job still equals one
@@ -195,11 +198,13 @@ def test_sync_a_plus_b_chooses_among_the_named_schemes_alone(data, tmp_path, sma
             choose_scheme(rec, 8, 8, sync=bad)
 
 
+@pytest.mark.slow
 def test_no_servers_under_hybrid_sends_convolutions_by_the_ring(data, tmp_path):
     _, schemes = run_and_compare(data, tmp_path, conv_net, 2, 2, 0)
     assert schemes == {"conv1": "allreduce", "conv2": "allreduce", "ip1": "sfb", "ip2": "sfb"}
 
 
+@pytest.mark.slow
 def test_resume_from_a_snapshot_is_bitwise(data, tmp_path):
     """Worker 0's snapshot holds the ring layers' solver history (each worker keeps its own copy,
     as for SFB); a resumed run hands it to every worker and ends with the uninterrupted run's
@@ -218,6 +223,7 @@ def test_resume_from_a_snapshot_is_bitwise(data, tmp_path):
 
 
 # ----- bytes on the wire ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bytes_per_layer_are_the_plan_and_the_cost_model(data, tmp_path, small_pieces):
     P1, K = 3, 4
     stats, trace = str(tmp_path / "stats.jsonl"), str(tmp_path / "trace.json")
@@ -271,6 +277,7 @@ def _description(layers):
     return {"net": "t", "dtype": "float64", "iter_size": 1, "layers": recs, "params": params}
 
 
+@pytest.mark.slow
 def test_relaxed_consistency_falls_back_to_ps(data):
     desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 100, 40, 64, True)])
     base = {"kv_pair_bytes": 1 << 20}
@@ -308,6 +315,7 @@ def test_a_bad_piece_is_dropped_at_the_door():
     assert "RING may come only from the workers" in rules.check(piece(3, 0, length))
 
 
+@pytest.mark.slow
 def test_a_missing_peer_stops_the_job_within_the_deadline(data, monkeypatch):
     """Worker 1 skips its part of ip2's ring at iteration 1: worker 0 waits for ip2's piece no
     longer than --timeout and the job stops with one line naming the layer and worker 1."""

@@ -80,6 +80,7 @@ def last_line(text):
     return [line for line in text.splitlines() if line.strip()][-1]
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_mid_run_is_named_by_the_last_line(solver, tmp_path):
     """SIGSTOP worker 1 of a training job (measured cost model): the job stops within a few
     heartbeat timeouts and the launcher's last line names worker 1, not whoever exited first."""
@@ -106,6 +107,7 @@ def test_a_worker_stopped_mid_run_is_named_by_the_last_line(solver, tmp_path):
     assert not any(alive(pid) for pid in pids), "a process was left behind"
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_before_registering_is_named_within_the_heartbeat_timeout(solver,
                                                                                   tmp_path):
     """Worker 1 stops itself (a failpoint with SIGSTOP) before it registers: the coordinator
@@ -170,6 +172,7 @@ def _wait_state(pid, states, limit=10):
     raise AssertionError(f"pid {pid} is in state {process_state(pid)}, not one of {states}")
 
 
+@pytest.mark.slow
 def test_the_cause_is_the_stopped_child_then_the_coordinators_verdict_then_the_lowest_error(
         local_job):
     job = local_job
@@ -199,6 +202,7 @@ def test_the_cause_is_the_stopped_child_then_the_coordinators_verdict_then_the_l
     assert job._cause() == f"worker 1 (pid {pid1}) was killed by SIGKILL"
 
 
+@pytest.mark.slow
 def test_the_launcher_stops_a_job_whose_child_stays_stopped(local_job):
     """The monitor itself: a child stopped for --heartbeat-timeout (3 s here) is lost; the
     others are told why, woken and stopped, and the reason names the stopped child."""

@@ -48,6 +48,7 @@ def _wait_lines(path, n, limit):
     raise AssertionError(f"{path} has {_lines(path)} lines after {limit} s, expected {n}")
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_does_not_stop_the_server(tmp_path):
     """Answers to the stopped worker queue up (its socket is not read): the server's next update of
     the same pair must not wait for them. Big enough answers (a 3072 x 48 layer) to fill a socket's

@@ -55,6 +55,7 @@ def data(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("db") / "train")
 
 
+@pytest.mark.slow
 def test_worker_0_measures_and_every_replica_runs_its_routes(timing, data):
     solvers = run_threads(solver_param(conv_net(data, 2), max_iter=3), 2, 1)
     chosen = [s.net.conv_routes() for s in solvers]

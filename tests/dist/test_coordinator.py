@@ -166,6 +166,7 @@ def test_missing_rank_is_named():
         coord.join(5)
 
 
+@pytest.mark.slow
 def test_a_bad_cost_report_from_worker_1_ends_a_job_at_once_naming_it(tmp_path, monkeypatch):
     """Two workers and a server train under the measured model; worker 1's probe reports a link
     of bandwidth 0. The job ends within seconds (not the 10 x --timeout the workers would wait
@@ -256,6 +257,7 @@ def test_server_sums_in_rank_order_then_handles(handler):
 
 
 # ----- refusals -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_clip_gradients_refused_clearly(tmp_path):
     data = make_lmdb(tmp_path / "db")
     p = solver_param(fc_net(data, 4), max_iter=2)

@@ -222,6 +222,7 @@ def test_one_iteration_windows_need_eight_iterations_of_evidence():
 
 
 # ----- a job ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_measured_job_rarely_switches(tmp_path):
     """Two workers train the fc net 200 iterations with --cost-model measured --cost-refresh 4 as
     threads of one process, where every scheme costs about the same (the sync of a small layer is

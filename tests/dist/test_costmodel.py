@@ -165,6 +165,7 @@ def schemes_by_iteration(records):
     return [{name: rec["scheme"] for name, rec in r["layers"].items()} for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ipc", ["auto", "off"])
 def test_probed_choices_agree_on_every_worker(data, tmp_path, ipc):
     """The real probe, two workers, over Unix sockets and over TCP with CURVE: both write the same
@@ -220,12 +221,14 @@ def check_switching(solvers, want, seen, seen_1):
         assert numpy.array_equal(x, y), "replicas differ"
 
 
+@pytest.mark.slow
 def test_switching_sfb_to_ps_and_back_equals_one_process(data, tmp_path):
     """Momentum's history moves with each switch, so the parameters still equal one process's on
     the combined batch (float64), and the replicas are bitwise equal."""
     check_switching(*switching_run(data, tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
 def test_switching_on_gpu_workers_equals_one_process(data, tmp_path):
@@ -235,6 +238,7 @@ def test_switching_on_gpu_workers_equals_one_process(data, tmp_path):
     check_switching(solvers, want, seen, seen_1)
 
 
+@pytest.mark.slow
 def test_train_with_a_bad_cost_table_fails_in_one_line_before_any_process(tmp_path):
     import subprocess
     import sys
@@ -253,6 +257,7 @@ def test_train_with_a_bad_cost_table_fails_in_one_line_before_any_process(tmp_pa
         result.stderr
 
 
+@pytest.mark.slow
 def test_snapshot_of_a_switching_run_resumes(data, tmp_path):
     """Snapshot at iteration 8, where the fc layers leave a peer scheme (SFB or the ring, whichever
     the table makes cheaper) for PS: the solverstate takes their

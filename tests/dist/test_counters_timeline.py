@@ -30,6 +30,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync,ipc", [("ps", "auto"), ("ps", "links"), ("sfb", "auto")])
 def test_payload_per_layer_per_iteration(data, tmp_path, sync, ipc):
     """--ipc auto keeps a KV push's arrays in the server's shared memory
@@ -125,6 +126,7 @@ def overlaps(trace, pid):
     return found
 
 
+@pytest.mark.slow
 def test_timeline_shows_wfbp_overlap(data, tmp_path):
     path = str(tmp_path / "trace.json")
     run_threads(solver_param(conv_net(data, 8), max_iter=6), 2, 1, timeline=path,
@@ -151,6 +153,7 @@ def test_timeline_shows_wfbp_overlap(data, tmp_path):
             assert on_pool == (e["args"]["layer"] != lowest), (e["name"], rows[e["tid"]])
 
 
+@pytest.mark.slow
 def test_no_overlap_syncs_after_the_whole_backward(data, tmp_path):
     path = str(tmp_path / "trace.json")
     run_threads(solver_param(conv_net(data, 8), max_iter=4), 2, 1, timeline=path,
@@ -165,6 +168,7 @@ def test_no_overlap_syncs_after_the_whole_backward(data, tmp_path):
             assert min(s["ts"] for s in syncs) >= max(b["ts"] + b["dur"] for b in backs) - 1
 
 
+@pytest.mark.slow
 def test_bandwidth_cap_is_applied(data, tmp_path):
     """--bandwidth 20Mbit: every process's sends go through a 2.5 MB/s token bucket."""
     import time
@@ -177,6 +181,7 @@ def test_bandwidth_cap_is_applied(data, tmp_path):
     assert elapsed > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force", [False, True])
 def test_the_last_sync_runs_on_the_training_thread_unless_a_backward_follows_it(data, tmp_path,
                                                                                 force):

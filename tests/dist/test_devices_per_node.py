@@ -42,6 +42,7 @@ def combined(data, tmp_path_factory):
     return weights, want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["ps", "hybrid"])
 def test_workers_of_two_replicas_equal_one_process(data, combined, sync):
     weights, want = combined
@@ -118,6 +119,7 @@ def test_bad_devices_per_node_is_one_line(capsys, tmp_path, data):
     assert "at least 1" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
 def test_two_workers_of_two_replicas_on_one_gpu(data, combined):

@@ -46,6 +46,7 @@ CASES = list(itertools.product(["fc", "conv"], [2, 4], [1, 2], ["ps", "sfb", "hy
                                [False, True]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net,P1,P2,sync,no_overlap", CASES,
                          ids=[f"{n}-w{a}-s{b}-{s}{'-noov' if o else ''}" for n, a, b, s, o in CASES])
 def test_equals_one_process_on_the_combined_batch(data, references, net, P1, P2, sync, no_overlap):
@@ -85,6 +86,7 @@ def test_processes_equal_one_process_on_the_combined_batch(data, tmp_path, monke
     assert_params_close(got, want, rtol=1e-5, label="processes: conv P1=2 P2=2 hybrid")
 
 
+@pytest.mark.slow
 def test_hybrid_mixes_schemes_on_the_fc_net(data, references):
     """At K=8, P1=4, P2=2 BestScheme sends the two big layers by SFB and the 5x24 classifier by
     the ring (3·125 floats against PS's 2·120·4/2 and SFB's 2·8·3·29)."""
@@ -94,6 +96,7 @@ def test_hybrid_mixes_schemes_on_the_fc_net(data, references):
     assert schemes == ["sfb", "sfb", "allreduce"]
 
 
+@pytest.mark.slow
 def test_sum_gradients_is_the_papers_sum(data, tmp_path):
     """--sum-gradients: the update uses the SUM of the workers' gradients, i.e. one process with
     P1 x base_lr and weight_decay / P1 (momentum SGD)."""
@@ -107,6 +110,7 @@ def test_sum_gradients_is_the_papers_sum(data, tmp_path):
         assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label=f"sum {sync}")
 
 
+@pytest.mark.slow
 def test_adam_state_lives_on_servers_and_workers(data, tmp_path):
     """A two-state rule (Adam): history kept per KV pair and per SFB layer still gives one process."""
     P1, K = 2, 8
@@ -118,6 +122,7 @@ def test_adam_state_lives_on_servers_and_workers(data, tmp_path):
     assert_params_close(params_of(solvers[1]), want, rtol=1e-5, label="adam")
 
 
+@pytest.mark.slow
 def test_iter_size_accumulates_then_syncs_once(data, tmp_path):
     """iter_size 2: gradients of two passes accumulate, the sync runs after the last one (SFB needs
     one pass's factors, so every layer goes by PS) and equals one process with iter_size 2."""
@@ -132,6 +137,7 @@ def test_iter_size_accumulates_then_syncs_once(data, tmp_path):
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="iter_size 2")
 
 
+@pytest.mark.slow
 def test_fused_messages_change_nothing_but_the_message_count(data, references, tmp_path):
     """A layer's pairs on a server travel as one message (--fusion-bytes, default the pair size):
     with it and with one message per pair (--fusion-bytes 0), the same bits come out, and the
@@ -157,6 +163,7 @@ def test_fused_messages_change_nothing_but_the_message_count(data, references, t
     assert sent_flat == ITERS * pairs and sent_fused == ITERS * n_fused
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("no_overlap", [False, True], ids=["wfbp", "no-overlap"])
 def test_buckets_change_nothing_but_the_message_count(data, references, tmp_path, no_overlap):
     """--bucket-bytes: small layers share one sync, started after the lowest of them is back.

@@ -125,6 +125,7 @@ def check_snapshots(folder):
     return len(manifests), unlisted, temporary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", list(CHAINS))
 def test_kill_chain_resumes_bitwise(victim, net_text, reference, tmp_path):
     points = CHAINS[victim]
@@ -179,6 +180,7 @@ def test_kill_chain_resumes_bitwise(victim, net_text, reference, tmp_path):
     assert equal, "the resumed run's final parameters differ from the uninterrupted run's"
 
 
+@pytest.mark.slow
 def test_max_restarts_then_fails_naming_the_cause_and_a_rerun_resumes(net_text, reference,
                                                                        tmp_path):
     """A failpoint that fires on every attempt: after --max-restarts 1 the launcher gives up
@@ -199,6 +201,7 @@ def test_max_restarts_then_fails_naming_the_cause_and_a_rerun_resumes(net_text, 
     assert all(numpy.array_equal(g, w) for g, w in zip(got, reference))
 
 
+@pytest.mark.slow
 def test_multi_host_job_killed_then_rerun_with_resume_auto(net_text, reference, tmp_path):
     """No launcher: worker 1 dies inside the BSP barrier of iteration 7; the others notice by
     heartbeat and stop; the scheduler re-runs the same commands, and worker 0 (rank 0, the one
@@ -285,6 +288,7 @@ def test_newest_complete_skips_torn_and_foreign_snapshots(tmp_path):
     assert newest_complete(prefix, 1, say=lines.append) is None       # every one has cursors
 
 
+@pytest.mark.slow
 def test_single_process_resume_auto(tmp_path):
     """`poseidon train --resume auto` on one process: the newest complete snapshot, a torn newer
     one skipped; with none, from the beginning."""

@@ -27,6 +27,7 @@ def gpu():
     backend.set_mode_cpu()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net,K", [("fc", 8), ("conv", 2)])
 @pytest.mark.parametrize("sync", ["ps", "sfb", "allreduce", "hybrid"])
 def test_gpu_workers_equal_one_process(data, tmp_path, gpu, net, K, sync):

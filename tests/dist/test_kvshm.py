@@ -61,6 +61,7 @@ def _run(param, P1, P2, weights, ipc, **extra):
     return run_threads(param, P1, P2, weights=weights, sync="ps", ipc=ipc, **extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1,P2", [(1, 1), (2, 1), (3, 2)])
 def test_shared_memory_changes_nothing_but_the_copies(data, tmp_path, P1, P2):
     """One worker: the server updates from the worker's diff without writing it (keep_grad);
@@ -89,6 +90,7 @@ def test_shared_memory_changes_nothing_but_the_copies(data, tmp_path, P1, P2):
     assert all(not s.placed for s in links)
 
 
+@pytest.mark.slow
 def test_a_worker_without_the_memory_sends_arrays_beside_one_with_it(data, tmp_path,
                                                                      monkeypatch):
     """Worker 1 cannot map the server's memory (as in another container): it pushes arrays and
@@ -108,6 +110,7 @@ def test_a_worker_without_the_memory_sends_arrays_beside_one_with_it(data, tmp_p
             numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_placed_parameters_carry_their_sharers_along(data, tmp_path):
     """Weight sharing (param name): every blob that shared a placed parameter's storage reads
     the server's values afterwards, so the job still equals one process on the combined
@@ -143,6 +146,7 @@ def test_placed_parameters_carry_their_sharers_along_in_processes(data, tmp_path
         numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_a_python_layers_parameter_is_not_placed(data, tmp_path):
     """A Python layer may keep its blobs' arrays from setup on (tests/dist/fault_layers.py
     CachedScale): its parameter stays where it is (copied through the shared memory), the
@@ -168,6 +172,7 @@ def test_a_python_layers_parameter_is_not_placed(data, tmp_path):
             numpy.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_fc_net_with_sfb_layers_places_only_what_goes_by_ps(data, tmp_path):
     """Under hybrid an InnerProduct may go by SFB (each worker updates its own copy): such a
     parameter is never placed in the shared values. As many servers as workers, so that the

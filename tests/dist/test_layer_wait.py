@@ -57,6 +57,7 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip3" bottom: "label" top:
 CAPPED = dict(bucket_bytes=0, slice_bytes=65536, bandwidth="2MB", priority="on")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1", [2, 3])
 @pytest.mark.parametrize("sync", ["ps", "sfb", "allreduce", "hybrid"])
 def test_equals_one_process_with_the_per_layer_wait(data, tmp_path, sync, P1):
@@ -73,6 +74,7 @@ def test_equals_one_process_with_the_per_layer_wait(data, tmp_path, sync, P1):
         assert s.last_sync["iter"] == ITERS - 1          # the last iteration's syncs all landed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["ps", "sfb"])
 def test_each_forward_waits_for_its_own_sync_and_for_those_that_send_what_it_writes(data, sync):
     """fc_net: data, ip1, relu1 (in place on ip1), ip2, relu2, ip3, loss. Under PS a forward
@@ -93,6 +95,7 @@ def test_each_forward_waits_for_its_own_sync_and_for_those_that_send_what_it_wri
     assert got == want
 
 
+@pytest.mark.slow
 def test_a_forward_waits_for_a_sync_that_sends_a_split_of_what_it_writes(data):
     """ip2's output feeds ip3 and an InnerProduct off the loss path (aux, to an Accuracy), so the
     net splits it: ip3's bottom is a Split's top, another Blob over the same memory. SFB sends
@@ -132,6 +135,7 @@ def probe(data, folder, **options):
     return stamps, ip3
 
 
+@pytest.mark.slow
 def test_the_bottom_layers_next_forward_runs_while_the_top_layers_sync_is_on_the_wire(data,
                                                                                       tmp_path):
     stamps, ip3 = probe(data, tmp_path)
@@ -144,6 +148,7 @@ def test_the_bottom_layers_next_forward_runs_while_the_top_layers_sync_is_on_the
                                       f"iteration {it} ended")
 
 
+@pytest.mark.slow
 def test_without_overlap_the_next_forward_waits_for_every_sync(data, tmp_path):
     """--no-overlap keeps the full barrier: the same probe sees the forward after ip3's sync."""
     stamps, ip3 = probe(data, tmp_path, no_overlap=True)
@@ -151,6 +156,7 @@ def test_without_overlap_the_next_forward_waits_for_every_sync(data, tmp_path):
         assert stamps[it + 1] > ip3[it][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["ps", "sfb"])
 def test_a_slow_zero_copy_sync_is_not_overwritten_by_the_next_iteration(data, tmp_path, sync):
     """PS sends each diff zero-copy (the clearing of the gradients must wait for it), SFB each

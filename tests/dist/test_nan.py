@@ -36,6 +36,7 @@ def data(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("db") / "train")
 
 
+@pytest.mark.slow
 def test_nan_stops_the_launched_job_naming_iteration_worker_and_layer(data, tmp_path):
     """`poseidon train --workers 2 --servers 1`, snapshots every 3 iterations, NaN at 7."""
     solver = write_solver(tmp_path / "job", poisoned(fc_net(data, 4)), 20, snapshot=3)
@@ -66,6 +67,7 @@ def test_nan_stops_the_launched_job_naming_iteration_worker_and_layer(data, tmp_
     assert not later, f"a snapshot was written after the fault: {later}"
 
 
+@pytest.mark.slow
 def test_nan_through_the_parameter_server(data):
     """--sync ps, roles as threads: the gradient is checked before it is pushed, and the job's
     error names worker 1, the iteration and ip2 (the first bad layer in backward order)."""
@@ -77,6 +79,7 @@ def test_nan_through_the_parameter_server(data):
             f"(last good snapshot: none written yet)") in str(error.value)
 
 
+@pytest.mark.slow
 def test_nan_in_a_bucket_names_the_layer_inside_it(data):
     """--bucket-bytes puts the three layers into one sync ('ip3+ip2+ip1'): the error names the
     bucket and, inside it, ip2, whose gradient is the first bad one in backward order."""

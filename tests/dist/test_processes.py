@@ -71,6 +71,7 @@ def alive(pid):
 
 
 # ----- multi-host form -----------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("ipc", ["auto", "zmq", "off"])
 def test_multi_host_form_with_explicit_ranks(data, tmp_path, ipc):
     """Three separate processes, each with --coordinator and its own rank (rank 1 from mpirun's
@@ -145,6 +146,7 @@ def _wait_for_snapshot(folder, procs, limit=60):
     raise AssertionError("no snapshot within the time limit")
 
 
+@pytest.mark.slow
 def test_sigkill_under_the_launcher_stops_everyone(data, tmp_path):
     solver = write_solver(tmp_path / "job", conv_net(data, 4), 1_000_000, snapshot=5)
     launcher = subprocess.Popen(cli("--solver", solver, "--workers", 2, "--servers", 1),
@@ -174,6 +176,7 @@ def test_sigkill_under_the_launcher_stops_everyone(data, tmp_path):
     _last_snapshot(tmp_path / "job" / "snap")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [2, 0], ids=["server", "worker0-with-coordinator"])
 def test_sigkill_in_a_multi_host_job(data, tmp_path, victim):
     """No launcher: the others learn of the loss from the heartbeats and stop, naming it."""
@@ -207,6 +210,7 @@ def test_sigkill_in_a_multi_host_job(data, tmp_path, victim):
 
 
 # ----- the launcher on the demo net ----------------------------------------------------------------
+@pytest.mark.slow
 def test_launcher_trains_the_digits_demo_net(tmp_path):
     """`poseidon train --workers 2 --servers 1` on the digits demo set and model (a test copy of
     prototxt/digits_quick with smaller batches and 6 iterations)."""
@@ -289,6 +293,7 @@ def test_workers_with_different_networks_are_stopped(data, tmp_path):
     assert "worker 0 and worker 1 do not train the same network" in text and "'ip3'" in text
 
 
+@pytest.mark.slow
 def test_no_servers_refused_for_convolutions_under_sync_sfb(data):
     """--sync sfb sends a convolution by PS, which --servers 0 cannot (under hybrid the ring
     takes it: tests/dist/test_allreduce.py)."""
@@ -296,6 +301,7 @@ def test_no_servers_refused_for_convolutions_under_sync_sfb(data):
         run_threads(solver_param(conv_net(data, 2), max_iter=2), 2, 0, timeout=20, sync="sfb")
 
 
+@pytest.mark.slow
 def test_no_servers_with_an_all_fc_net(data, tmp_path):
     weights = str(tmp_path / "w.caffemodel")
     ref = solver_param(fc_net(data, 8), max_iter=5)
@@ -330,6 +336,7 @@ def _digits_run(tmp_path, name, batch, extra_args):
     return float(re.findall(r"Final test accuracy \(net #0\): ([0-9.]+)", out)[-1])
 
 
+@pytest.mark.slow
 def test_four_workers_two_servers_converge_like_one_process_on_the_combined_batch(tmp_path):
     """The digits demo set, 500 iterations (about 22 epochs of the combined batch 64), with
     conv1's filler at std 0.01 instead of the file's 0.0001 and base_lr 0.005 instead of 0.01.

@@ -220,6 +220,7 @@ def data(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("db") / "train")
 
 
+@pytest.mark.slow
 def test_a_stalled_worker_is_named_by_its_right_neighbour(data, monkeypatch):
     """Three workers; worker 2 skips its part of ip2's ring at iteration 1. Worker 0, whose left
     neighbour is worker 2, waits for ip2's piece no longer than --timeout, and the job stops with

@@ -292,6 +292,7 @@ def data(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("ring_pieces") / "train")
 
 
+@pytest.mark.slow
 def test_a_job_stops_on_a_nan_piece_naming_it_not_the_loss(data, monkeypatch):
     """A job of two workers whose worker 0 sends a piece of layer ip2 holding NaN at iteration
     1 (its own gradient was finite when it was checked): the job stops at iteration 1 with a line

@@ -109,6 +109,7 @@ def test_best_scheme_picks_it_where_it_is_cheapest(registered):
     assert choose_scheme(rec, 4, 2, relaxed="--staleness") == "ps"      # BSP only
 
 
+@pytest.mark.slow
 def test_hybrid_runs_it_on_the_layer_it_is_cheapest_for(registered, data, tmp_path):
     CHEAP_FOR.add("ip2")
     schemes = check_equivalence(data, tmp_path, fc_net, 8, 3, 1)
@@ -116,6 +117,7 @@ def test_hybrid_runs_it_on_the_layer_it_is_cheapest_for(registered, data, tmp_pa
     assert schemes["ip1"] != NAME and schemes["ip3"] != NAME
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("no_overlap", [False, True])
 def test_sync_name_runs_it_for_every_layer(registered, data, tmp_path, no_overlap):
     schemes = check_equivalence(data, tmp_path, conv_net, 2, 2, 1, sync=NAME,

@@ -166,6 +166,7 @@ def test_bad_key_files_give_one_clear_line(tmp_path):
     print()
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_missing_key_file_and_a_multi_host_job_without_keys(data, tmp_path):
     solver = tmp_path / "solver.prototxt"
     (tmp_path / "net.prototxt").write_text(fc_net(data, 4))
@@ -182,6 +183,7 @@ def test_cli_refuses_a_missing_key_file_and_a_multi_host_job_without_keys(data, 
     print(f"\nmulti-host without keys: {out[0]}\nlocal with a missing file: {out2[0]}")
 
 
+@pytest.mark.slow
 def test_insecure_is_refused_on_a_routable_address_unless_the_network_is_trusted(data, tmp_path):
     """Without CURVE anyone who reaches a port can push gradients or abort the job: --insecure
     alone with a coordinator on a routable address stops with one line saying why and how;
@@ -250,6 +252,7 @@ def _unix_inboxes(pid):
             and r[7].endswith("/inbox") and "/poseidon-" in r[7]]
 
 
+@pytest.mark.slow
 def test_a_local_job_listens_on_loopback_only(data, tmp_path):
     (tmp_path / "net.prototxt").write_text(fc_net(data, 4))
     (tmp_path / "solver.prototxt").write_text(

@@ -23,6 +23,7 @@ def data(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("db") / "train")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1,P2", [(2, 1), (3, 0)])
 def test_rebuild_in_small_blocks_equals_one_process(data, tmp_path, monkeypatch, P1, P2):
     """Blocks of 5 rows (ip1: 48 rows = 9 blocks of 5 + one of 3; ip2: 20 + 4) give the
@@ -77,6 +78,7 @@ def test_rebuild_in_blocks_as_processes_equals_one_process(tmp_path):
     assert_params_close(got, want, rtol=1e-5, label="processes: sfb P1=3 P2=0, blocked rebuild")
 
 
+@pytest.mark.slow
 def test_layers_by_ps_keep_their_weight_gradient(data, tmp_path):
     """Under --sync ps the InnerProducts compute their weight gradients as usual."""
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=2), 2, 1, sync="ps")
@@ -85,6 +87,7 @@ def test_layers_by_ps_keep_their_weight_gradient(data, tmp_path):
         assert net.layers[net.layer_names.index(name)].blobs[0].diff.any()
 
 
+@pytest.mark.slow
 def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
     """Under hybrid (ip1, ip2 by SFB, ip3 by the ring, whose backward writes its weight gradient
     as a PS layer's does) the step clears every diff but the SFB weights,
@@ -125,6 +128,7 @@ def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
         assert b.diff.any() == (b in weights)
 
 
+@pytest.mark.slow
 def test_an_inner_product_off_the_loss_path_is_not_rebuilt_from_factors(data, tmp_path):
     """An InnerProduct whose output only feeds an Accuracy runs no backward, so it has no factors:
     it is not SFB-capable, and the job trains as one process on the combined batch does."""

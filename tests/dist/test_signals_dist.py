@@ -106,6 +106,7 @@ def hup_then_int(path, cwd, workers):
     return out.text(), proc.returncode, pids
 
 
+@pytest.mark.slow
 def test_sighup_snapshots_and_sigint_stops_every_worker_at_one_iteration(solver, tmp_path):
     folder, path = solver
     text, status, pids = hup_then_int(path, tmp_path, workers=2)
@@ -122,6 +123,7 @@ def test_sighup_snapshots_and_sigint_stops_every_worker_at_one_iteration(solver,
           f"every worker's cursor at the same iteration")
 
 
+@pytest.mark.slow
 def test_a_one_worker_job_takes_signals_without_the_loss_round_trip(solver, tmp_path):
     """With one worker the loss is not reduced through the coordinator (its mean is the worker's
     own); a request is read from the coordinator, which shares worker 0's process, at the next
@@ -136,6 +138,7 @@ def test_a_one_worker_job_takes_signals_without_the_loss_round_trip(solver, tmp_
     assert not any(alive(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_signals_to_any_rank_of_a_multi_host_job(solver, tmp_path):
     """SIGHUP to worker 1 snapshots the whole job; SIGINT to the server stops it (rank 0 hears of
     both through the coordinator)."""
@@ -170,6 +173,7 @@ def test_signals_to_any_rank_of_a_multi_host_job(solver, tmp_path):
     assert len(found) == 2 and all(a == b == it for it, (a, b) in found.items()), found
 
 
+@pytest.mark.slow
 def test_stall_inspector_names_the_stopped_process(solver, tmp_path):
     """SIGSTOP worker 1, then server 0: worker 0 logs, every --stall-warning seconds, what it
     waits for and from whom; after SIGCONT the job goes on."""

@@ -203,6 +203,7 @@ def big(tmp_path_factory):
     return make_lmdb(folder / "train", n=64, shape=(3, 16, 16)), folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["ps", "sfb", "allreduce", "hybrid"])
 def test_parameters_larger_than_a_slice_train_as_in_one_process(big, sync):
     data, folder = big
@@ -231,6 +232,7 @@ def test_parameters_larger_than_a_slice_train_as_processes(big, tmp_path):
     assert_params_close(got, want, rtol=1e-5, label="processes: --sync hybrid, 8 KB slices")
 
 
+@pytest.mark.slow
 def test_a_resume_with_slices_is_bitwise_equal_to_an_uninterrupted_run(big, tmp_path):
     data, _ = big
 

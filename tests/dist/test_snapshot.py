@@ -37,6 +37,7 @@ def snap_param(train, test, prefix, max_iter=20, batch=2, test_batch=5):
     return p
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(data, tmp_path):
     train, test = data
     P1, P2 = 2, 1
@@ -86,6 +87,7 @@ def test_processes_resume_bitwise_equal_to_an_uninterrupted_run(data, tmp_path):
         assert numpy.array_equal(numpy.asarray(x), numpy.asarray(y))
 
 
+@pytest.mark.slow
 def test_snapshot_restores_in_one_process(data, tmp_path):
     """The distributed snapshot is a normal Caffe snapshot with complete solver state: one process
     restores it (its data cursor aside) and its next update matches one process's own."""
@@ -119,6 +121,7 @@ def test_snapshot_restores_in_one_process(data, tmp_path):
         s.net.shutdown()
 
 
+@pytest.mark.slow
 def test_distributed_test_phase_averages_the_shares(data, tmp_path):
     """Each worker tests test_iter / P1 batches of its shard; the averaged outputs equal one
     process testing test_iter batches with the same weights."""
@@ -138,6 +141,7 @@ def test_distributed_test_phase_averages_the_shares(data, tmp_path):
         assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_are_averaged(data, tmp_path, monkeypatch):
     train, _ = data
     net = fc_net(train, 4).replace(

@@ -115,6 +115,7 @@ def test_options_and_schemes():
                                                       straggler_timeout=1.0).shared())
 
 
+@pytest.mark.slow
 def test_without_stragglers_both_options_equal_bsp_bitwise(job):
     """--straggler-timeout with nobody late, and --staleness 0, change no bit."""
     net = fc_net(job["data"], K)
@@ -131,6 +132,7 @@ def test_without_stragglers_both_options_equal_bsp_bitwise(job):
         assert diff == 0.0, label
 
 
+@pytest.mark.slow
 def test_a_late_worker_is_dropped_and_the_replicas_stay_identical(job, warnings):
     """Worker 2 sleeps 3 s at iteration 4; the others go on without its gradient after 1 s."""
     stats = str(job["folder"] / "drop.jsonl")
@@ -176,6 +178,7 @@ def test_a_late_worker_process_is_dropped_and_the_replicas_stay_identical(job, t
     assert [r["iter"] for r in mine] == list(range(ITERS)) and mine[4]["averaged"] == 2
 
 
+@pytest.mark.slow
 def test_bounded_staleness_with_a_slow_worker(job):
     """--staleness 2, worker 2 sleeping 0.3 s at iterations 2..9: nobody runs more than 2
     iterations ahead of it, training still reduces the loss and ends near BSP."""

@@ -215,6 +215,7 @@ def capped_timeline(data, path, priority):
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("priority", ["on", "off"])
 def test_under_a_cap_the_bottom_layer_syncs_before_the_top_layers_last_slice(data, tmp_path,
                                                                             priority):
@@ -234,6 +235,7 @@ def test_under_a_cap_the_bottom_layer_syncs_before_the_top_layers_last_slice(dat
             assert bottom_done > top_last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["ps", "sfb"])
 def test_with_priority_on_the_job_still_equals_one_process(data, tmp_path, sync):
     """Pushes and answers through the scheduler (ps), factors between the workers (sfb)."""

@@ -32,6 +32,8 @@ from . import REPORT
 from .jobs import (CALM_HEARTBEAT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, ROOT, Job, assert_bitwise_equal,
                    cli, environment, public_key, wait_for)
 
+pytestmark = pytest.mark.slow   # every test here is a job across emulated hosts
+
 SLOW = "256kbit"                # keeps a 12-iteration job running for some seconds
 SLOW_BURST = "8kb"
 # From the cut, a process may take this long beyond --heartbeat-timeout to be gone: the loss is

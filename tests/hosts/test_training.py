@@ -29,6 +29,8 @@ from ..dist.helpers import assert_params_close, fc_net, reference, solver_param
 from . import REPORT
 from .jobs import BATCH, Job, assert_bitwise_equal, wait_for
 
+pytestmark = pytest.mark.slow   # every test here is a job across emulated hosts
+
 PS_ITERS = 100                  # one-off messages stay within about 2% of the syncs' bytes
 CAP = "100mbit"
 SLACK = 0.05

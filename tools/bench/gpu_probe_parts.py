@@ -106,7 +106,7 @@ def tests(ctx):
 def layers(ctx):
     import cupy
     from poseidon.engine import registered_types
-    from poseidon.testing import layer_cases as cases   # the layer cases tests/test_gpu.py runs
+    from poseidon.testing import layer_cases as cases   # the layer cases tests/engine/test_gpu.py runs
     rs = numpy.random.RandomState(0)
     results, covered = [], set()
     for i, (text, shapes, n_tops) in enumerate(cases.CONFIGS):
