@@ -49,12 +49,15 @@ def test_wheel_holds_one_namespace_and_the_model_files(wheel):
     names = zipfile.ZipFile(wheel[0]).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"poseidon"}
-    for needed in ("poseidon/engine/net.py", "poseidon/dist/worker.py", "poseidon/tools/cli.py",
+    for needed in ("poseidon/engine/net.py", "poseidon/dist/worker/hooks.py", "poseidon/tools/cli.py",
+                   "poseidon/dist/worker/wfbp.py", "poseidon/dist/coord/coordinator.py",
+                   "poseidon/dist/job/launch.py", "poseidon/dist/cost/model.py",
+                   "poseidon/dist/kv/store.py", "poseidon/dist/units.py", "poseidon/engine/settings.py",
                    "poseidon/dist/schemes/best.py", "poseidon/engine/solvers/hooks.py",
                    "poseidon/dist/transport/zmq_transport.py",
                    "poseidon/dist/transport/onehost/directlink.py",
                    "poseidon/models/builder.py", "poseidon/engine/proto/caffe.proto",
-                   "poseidon/dist/profiles/vgg19.json",
+                   "poseidon/dist/sim/profiles/vgg19.json",
                    "poseidon/prototxt/digits_quick/solver.prototxt",
                    "poseidon/prototxt/cifar10_quick/deploy.prototxt"):
         assert needed in names, needed
