@@ -330,7 +330,7 @@ class KVServer:
             if pair.have[r] or pair.iteration != it:
                 del self._suspects[(pid, r)]
             elif now - since > self.report_after:
-                param = self.book.params[pair.param].get("name", pair.param)
+                param = self.book.params[pair.param].name
                 raise DistError(f"{self.roles.name(r)} and {other} disagree about KV pair {pid} "
                                 f"(parameter '{param}'): {why}; nothing valid came "
                                 f"from {self.roles.name(r)} for {self.report_after:g} s "

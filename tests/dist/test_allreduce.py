@@ -20,6 +20,7 @@ import numpy
 import pytest
 
 from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.records import description_from_wire
 from poseidon.dist.coord.checks import WireRules
 from poseidon.dist.cost.formulas import allreduce_cost, ps_cost, sfb_cost
 from poseidon.dist.errors import DistError
@@ -63,7 +64,7 @@ def run_and_compare(data, tmp_path, net_text, K, P1, P2, **options):
     for s in solvers[1:]:
         for a, b in zip(params_of(s), first):
             assert numpy.array_equal(a, b), f"{label}: replicas differ"
-    return solvers, {rec["name"]: rec["scheme"] for rec in solvers[0].book.layers}
+    return solvers, {rec.name: rec.scheme for rec in solvers[0].book.layers}
 
 
 # ----- the plan ------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path,
     for rec in solvers[0].book.layers:                  # what BestScheme picks is the cheapest
         costs = {name: cls.cost(rec, P1, P1) for name, cls in SCHEMES.items()
                  if cls.applies_to(rec)}
-        assert costs[rec["scheme"]] == min(costs.values()), (rec["name"], costs)
+        assert costs[rec.scheme] == min(costs.values()), (rec.name, costs)
 
 
 def test_sync_a_plus_b_chooses_among_the_named_schemes_alone(data, tmp_path, small_pieces):
@@ -224,7 +225,7 @@ def test_bytes_per_layer_are_the_plan_and_the_cost_model(data, tmp_path, small_p
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=3), P1, 1, sync="allreduce",
                           stats=stats, timeline=trace)
     book = solvers[0].book
-    floats = {rec["name"]: layer_floats(rec) for rec in book.layers}
+    floats = {rec.name: layer_floats(rec) for rec in book.layers}
     exact = set()
     for rank in range(P1):
         with open(role_path(stats, "worker", rank), encoding="utf-8") as f:
@@ -268,23 +269,24 @@ def _description(layers):
                            "lr_mult": 1.0, "decay_mult": 1.0, "shared": False, "synced": True})
         recs.append({"index": li, "name": f"l{li}", "type": kind, "M": M, "N": N, "K": K,
                      "sfb": sfb, "params": pids, "shapes": [[M, N], [M]]})
-    return {"net": "t", "dtype": "float64", "iter_size": 1, "layers": recs, "params": params}
+    return description_from_wire({"net": "t", "dtype": "float64", "iter_size": 1, "layers": recs,
+                                  "params": params})
 
 
 def test_relaxed_consistency_falls_back_to_ps(data):
     desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 100, 40, 64, True)])
     base = {"kv_pair_bytes": 1 << 20}
     bsp = InformationBook.build(desc, 4, 1, dict(base, sync="hybrid"))
-    assert [rec["scheme"] for rec in bsp.layers] == ["allreduce", "allreduce"]
+    assert [rec.scheme for rec in bsp.layers] == ["allreduce", "allreduce"]
     for relax in ({"staleness": 2}, {"straggler_timeout": 1.0}):
         book = InformationBook.build(desc, 4, 1, dict(base, sync="hybrid", **relax))
-        assert [rec["scheme"] for rec in book.layers] == ["ps", "ps"]
+        assert [rec.scheme for rec in book.layers] == ["ps", "ps"]
         assert [book.best_scheme(li) for li in (0, 1)] == ["ps", "ps"]
     with pytest.raises(DistError, match="--sync allreduce cannot be combined with --staleness"):
         InformationBook.build(desc, 4, 1, dict(base, sync="allreduce", staleness=1))
     # and a job: the layers the ring would take under BSP go by PS, and it trains
     solvers = run_threads(solver_param(conv_net(data, 2), max_iter=2), 3, 1, staleness=1)
-    assert {rec["scheme"] for rec in solvers[0].book.layers} == {"ps"}
+    assert {rec.scheme for rec in solvers[0].book.layers} == {"ps"}
 
 
 def test_a_bad_piece_is_dropped_at_the_door():

@@ -14,6 +14,7 @@ import os
 import numpy
 import pytest
 
+from poseidon.dist.coord.records import Pair
 from poseidon.dist.transport import ZmqTransport
 from poseidon.dist.transport.onehost import kvshm
 
@@ -178,8 +179,8 @@ def test_fc_net_with_sfb_layers_places_only_what_goes_by_ps(data, tmp_path):
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, P1, weights=weights,
                           sync="hybrid", ipc="auto")
     book = solvers[0].book
-    ps = {p["id"] for p in book.params if p.get("scheme") == "ps"}
-    assert [rec["scheme"] for rec in book.layers] == ["sfb", "sfb", "ps"]
+    ps = {p.id for p in book.params if p.scheme == "ps"}
+    assert [rec.scheme for rec in book.layers] == ["sfb", "sfb", "ps"]
     assert solvers[0].placed == ps and len(ps) < len(book.params)
     for s in solvers:
         for a, b in zip(params_of(s), want):
@@ -192,12 +193,12 @@ class _Book:
         self._pairs = pairs
 
     def pairs_on_server(self, index):
-        return [p for p in self._pairs if p["server"] == index]
+        return [p for p in self._pairs if p.server == index]
 
 
 def test_layout_aligns_each_pair_and_gives_each_worker_a_region():
-    book = _Book([{"id": 0, "server": 0, "length": 5}, {"id": 1, "server": 1, "length": 7},
-                  {"id": 2, "server": 0, "length": 32}, {"id": 3, "server": 0, "length": 1}])
+    book = _Book([Pair(id=i, param=i, offset=0, length=n, server=s)
+                  for i, (s, n) in enumerate([(0, 5), (1, 7), (0, 32), (0, 1)])])
     layout = kvshm.Layout(book, 0, workers=2)
     assert layout.slots == {0: (0, 5), 2: (16, 32), 3: (48, 1)}
     assert layout.region == 64 and layout.nbytes == 3 * 64 * 4
@@ -254,7 +255,7 @@ def test_a_server_without_shared_memory_refuses_a_shared_push():
     param = solver_param(fc_net("unused", 2))
     t = Transport()
     server = KVServer(t, book, Roles(2, 1), make_rule(param))
-    key = book.bundles_on_server(0)[0]["id"]
+    key = book.bundles_on_server(0)[0].id
     for pair in server.pairs.values():
         pair.iteration = 0
     msg = Msg_(Msg.KV_PUSH, 0, 0, key, [])
