@@ -253,7 +253,7 @@ def test_server_sums_in_rank_order_then_handles(handler):
     assert len(t.dropped) == 1 and "the pair is at iteration 1" in t.dropped[0]
     server.on_push(Msg_(Msg.KV_PUSH, 0, 1, bundle.id, grads[0][:1]))   # half a message
     assert len(t.dropped) == 2 and "carries 1 arrays, its message holds 2 pairs" in t.dropped[1]
-    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, pairs[1]["id"], grads[0][1:]))   # not a message key
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, pairs[1].id, grads[0][1:]))   # not a message key
     assert len(t.dropped) == 3 and "is not the first pair of a message" in t.dropped[2]
     assert len(t.sent) == len(replies)
 
