@@ -168,7 +168,7 @@ def test_ten_thousand_bad_frames_change_nothing(data, tmp_path):
     weights = initial_weights(param, tmp_path / "init.caffemodel")
     keys = security.make_keys()
     want, quiet = run_gated(param, P1, P2, CHUNKS, keys=keys, weights=weights)
-    book = InformationBook(quiet[0].book.data)
+    book = InformationBook.from_wire(quiet[0].book.to_wire())
     assert any(r.scheme == "sfb" for r in book.layers) and book.pairs, "need PS and SFB"
 
     targets = {}
@@ -235,7 +235,7 @@ def test_ring_pieces_far_ahead_are_refused_during_training(data, tmp_path, capfd
     keys = security.make_keys()
     job = dict(keys=keys, weights=weights, sync="allreduce")
     want, quiet = run_gated(param, P1, P2, CHUNKS, **job)
-    book = InformationBook(quiet[0].book.data)
+    book = InformationBook.from_wire(quiet[0].book.to_wire())
     ring = [rec for rec in book.layers if rec.scheme == "allreduce"]
     assert ring, "need layers on the ring"
     dtype = numpy.dtype(book.data["dtype"])
