@@ -18,9 +18,11 @@ servers may sync on the servers, so that a layer can change scheme without a new
 """
 import hashlib
 import json
+from dataclasses import replace
 
 from ..errors import DistError
-from .placement import DEFAULT_PAIR_BYTES, MAX_BUNDLE_ARRAYS, bundle_pairs, cut_pairs, place_pairs
+from .records import Bundle, LayerRecord, Pair, ParamRecord
+from .placement import DEFAULT_PAIR_BYTES, cut_pairs, make_bundles, merge_on_servers, place_pairs
 from ..schemes import SCHEMES, choose_scheme, hybrid_members, scheme_class, usable_schemes
 
 
@@ -39,10 +41,11 @@ def relaxed_consistency(options):
 # describing a worker's net
 # ------------------------------------------------------------------------------------------------
 def describe_net(net, iter_size=1, replicas=1):
-    """A JSON-able description of the net's synchronised parameters, from which the coordinator
-    builds the book and which it compares between workers. Parameter ids are indexes into
-    net.learnable_params (the solver's history order). `replicas`: the worker runs the net as
-    that many replicas (engine/replicas.py), so a layer's sufficient factors have K·replicas rows."""
+    """A description of the net's synchronised parameters (records of its layers and parameters;
+    on the wire records.description_to_wire), from which the coordinator builds the book and
+    which it compares between workers. Parameter ids are indexes into net.learnable_params (the
+    solver's history order). `replicas`: the worker runs the net as that many replicas
+    (engine/replicas.py), so a layer's sufficient factors have K·replicas rows."""
     stats_layers = {li for li, layer in enumerate(net.layers) if layer.stores_statistics}
     users = {}
     for li, specs in enumerate(net.layer_param_specs):
@@ -54,10 +57,11 @@ def describe_net(net, iter_size=1, replicas=1):
         synced = spec.lr_mult != 0 and spec.layer_index not in stats_layers
         sync_layer = min(li for li, _ in users[spec.name])
         shared = len(users[spec.name]) > 1
-        params.append({"id": pid, "name": spec.name, "layer": sync_layer,
-                       "owner": [spec.layer_index, spec.blob_index], "shape": list(blob.shape),
-                       "count": int(blob.count), "lr_mult": float(spec.lr_mult),
-                       "decay_mult": float(spec.decay_mult), "shared": shared, "synced": synced})
+        params.append(ParamRecord(id=pid, name=spec.name, layer=sync_layer,
+                                  owner=(spec.layer_index, spec.blob_index),
+                                  shape=tuple(blob.shape), count=int(blob.count),
+                                  lr_mult=float(spec.lr_mult), decay_mult=float(spec.decay_mult),
+                                  shared=shared, synced=synced))
         if synced:
             by_layer.setdefault(sync_layer, []).append(pid)
     layers = []
@@ -67,16 +71,16 @@ def describe_net(net, iter_size=1, replicas=1):
         M, N, K = layer.gemm_dims(net.bottom_vecs[li])
         K *= int(replicas)
         own = [params[p] for p in pids]
-        weight_ok = any(p["owner"] == [li, 0] and not p["shared"] for p in own)
+        weight_ok = any(p.owner == (li, 0) and not p.shared for p in own)
         sfb = bool(layer.has_sufficient_factors and iter_size == 1 and weight_ok
-                   and all(p["owner"][0] == li and not p["shared"] for p in own))
-        layers.append({"index": li, "name": net.layer_names[li], "type": layer.type, "M": M,
-                       "N": N, "K": K, "sfb": sfb, "params": pids,
-                       # whether this net's backward makes the layer's weight gradient (and so
-                       # its factors): not for a layer off the loss path
-                       "weight_grad": bool(net.layer_need_backward[li]
-                                           and layer.param_propagate_down[0]),
-                       "shapes": [params[p]["shape"] for p in pids]})
+                   and all(p.owner[0] == li and not p.shared for p in own))
+        layers.append(LayerRecord(
+            index=li, name=net.layer_names[li], type=layer.type, M=M, N=N, K=K, sfb=sfb,
+            params=tuple(pids),
+            # whether this net's backward makes the layer's weight gradient (and so its
+            # factors): not for a layer off the loss path
+            weight_grad=bool(net.layer_need_backward[li] and layer.param_propagate_down[0]),
+            shapes=tuple(params[p].shape for p in pids)))
     described = {"net": net.name, "dtype": str(net.dtype), "iter_size": int(iter_size),
                  "layers": layers, "params": params}
     if replicas != 1:
@@ -153,7 +157,8 @@ def candidates(rec, servers, relaxed, sync="hybrid"):
 
 
 def may_use_servers(rec):
-    return any(scheme_class(name).uses_servers for name in rec.get("candidates", [rec["scheme"]]))
+    names = rec.candidates if rec.candidates is not None else (rec.scheme,)
+    return any(scheme_class(name).uses_servers for name in names)
 
 
 def one_host(local, size):
@@ -187,44 +192,22 @@ def sync_groups(layers, param_bytes, bucket):
     small layers pay per layer; a bucket trades some of WFBP's overlap for fewer messages."""
     group_of = {}
     current, size = [], 0
-    for rec in sorted(layers, key=lambda r: -r["index"]):
-        nbytes = sum(param_bytes[p] for p in rec["params"])
-        fits = (bucket and scheme_class(rec["scheme"]).uses_servers and nbytes <= bucket
-                and len(rec.get("candidates", ())) <= 1)
+    for rec in sorted(layers, key=lambda r: -r.index):
+        nbytes = sum(param_bytes[p] for p in rec.params)
+        fits = (bucket and scheme_class(rec.scheme).uses_servers and nbytes <= bucket
+                and len(rec.candidates or ()) <= 1)
         if current and (not fits or size + nbytes > bucket):
             for li in current:
                 group_of[li] = current[-1]
             current, size = [], 0
         if fits:
-            current.append(rec["index"])
+            current.append(rec.index)
             size += nbytes
         else:
-            group_of[rec["index"]] = rec["index"]
+            group_of[rec.index] = rec.index
     for li in current:
         group_of[li] = current[-1]
     return group_of
-
-
-def make_bundles(layers, cut, itemsize, fusion):
-    """The KV messages of every PS sync: [{'id', 'layer', 'pairs': [pair id, ...]}], from the
-    cut [(pair id, param id, offset, length)] (dist/coord/placement.bundle_pairs); a bundle's id is its
-    first pair's id, which keys its push and its reply, and its layer is the one its sync is
-    started after (rec['group'], the layer itself unless --bucket-bytes joins it to the ones below
-    it). The server is added by placement."""
-    by_param = {}
-    for pair_id, pid, _, length in cut:
-        by_param.setdefault(pid, []).append((pair_id, length))
-    members = {}
-    for rec in layers:
-        if may_use_servers(rec):
-            members.setdefault(rec["group"], []).append(rec)
-    bundles = []
-    for trigger in sorted(members):
-        own = [pair for rec in members[trigger] for pid in rec["params"]
-               for pair in by_param.get(pid, [])]
-        for ids in bundle_pairs(own, fusion, itemsize):
-            bundles.append({"id": ids[0], "layer": trigger, "pairs": ids})
-    return bundles
 
 
 def servers_share_memory(local, workers, servers):
@@ -235,26 +218,6 @@ def servers_share_memory(local, workers, servers):
                                for r in range(workers, workers + servers))
 
 
-def merge_on_servers(bundles):
-    """The placed bundles of one sync that went to the same server, merged into one message (in
-    order, up to MAX_BUNDLE_ARRAYS pairs). Why: a message in shared memory carries no bytes, so
-    the fusion size that lets a big layer's answers stream back while its later pairs go out buys
-    nothing there, and every message costs its Python on both sides (a large layer's hundred-odd
-    pairs go as a few messages instead; docs/performance.md, "The distributed path on one host").
-    Placement is unchanged: the pairs stay spread over the servers as the fusion size placed
-    them."""
-    merged, last = [], {}
-    for bundle in bundles:
-        key = (bundle["layer"], bundle["server"])
-        into = last.get(key)
-        if into is not None and len(into["pairs"]) + len(bundle["pairs"]) <= MAX_BUNDLE_ARRAYS:
-            into["pairs"].extend(bundle["pairs"])
-            continue
-        into = last[key] = dict(bundle, pairs=list(bundle["pairs"]))
-        merged.append(into)
-    return merged
-
-
 def layer_records(description, workers, servers, options, relaxed, model, itemsize):
     """The book's record of each layer: its description with its first scheme (Algorithm 1),
     the schemes it may move to under the measured model, and the ring's piece size."""
@@ -262,22 +225,21 @@ def layer_records(description, workers, servers, options, relaxed, model, itemsi
     piece = options.get("piece_bytes")
     layers = []
     for rec in description["layers"]:
-        rec = dict(rec)
         if piece:
-            rec["piece_floats"] = max(1, int(piece) // itemsize)
-        rec["scheme"] = choose_scheme(rec, workers, servers, sync, relaxed)
-        rec["candidates"] = (candidates(rec, servers, relaxed, sync) if model == "measured"
-                             else [rec["scheme"]])
+            rec = replace(rec, piece_floats=max(1, int(piece) // itemsize))
+        rec = replace(rec, scheme=choose_scheme(rec, workers, servers, sync, relaxed))
+        rec = replace(rec, candidates=(tuple(candidates(rec, servers, relaxed, sync))
+                                       if model == "measured" else (rec.scheme,)))
         layers.append(rec)
     return layers
 
 
 def check_servers(layers, servers, sync, relaxed):
     """Refuse --servers 0 when a layer's scheme needs a parameter server, naming the layers."""
-    needs_ps = [rec for rec in layers if scheme_class(rec["scheme"]).uses_servers]
+    needs_ps = [rec for rec in layers if scheme_class(rec.scheme).uses_servers]
     if not needs_ps or servers != 0:
         return
-    names = ", ".join(f"'{r['name']}' ({r['type']})" for r in needs_ps[:6])
+    names = ", ".join(f"'{r.name}' ({r.type})" for r in needs_ps[:6])
     more = f" and {len(needs_ps) - 6} more" if len(needs_ps) > 6 else ""
     why = ("--sync ps sends every layer through the servers" if sync == "ps" else
            f"{relaxed} sends every layer through the servers" if relaxed else
@@ -293,20 +255,17 @@ def check_servers(layers, servers, sync, relaxed):
 def place_params(params, layers, servers, options, itemsize):
     """(KV pairs, bundles): the parameters a scheme with servers may sync, cut into KV pairs,
     bundled per layer and placed on the servers (each pair and bundle names its server)."""
-    on_servers = {rec["index"] for rec in layers if may_use_servers(rec)}
+    layers = [rec for rec in layers if may_use_servers(rec)]
+    on_servers = {rec.index for rec in layers}
     pair_bytes = int(options.get("kv_pair_bytes"))
-    ps_params = [(p["id"], p["count"]) for p in params
-                 if p["scheme"] is not None and p["layer"] in on_servers]
+    ps_params = [(p.id, p.count) for p in params if p.scheme is not None and p.layer in on_servers]
     cut = cut_pairs(ps_params, itemsize, pair_bytes)
     length = {pair_id: n for pair_id, _, _, n in cut}
     bundles = make_bundles(layers, cut, itemsize, fusion_bytes(options))
-    where = place_pairs([sum(length[k] for k in b["pairs"]) * itemsize for b in bundles],
-                        servers)
-    server_of = {}
-    for bundle, s in zip(bundles, where):
-        bundle["server"] = s
-        server_of.update((k, s) for k in bundle["pairs"])
-    pairs = [{"id": i, "param": pid, "offset": off, "length": n, "server": server_of[i]}
+    where = place_pairs([sum(length[k] for k in b.pairs) * itemsize for b in bundles], servers)
+    bundles = [replace(bundle, server=s) for bundle, s in zip(bundles, where)]
+    server_of = {k: bundle.server for bundle in bundles for k in bundle.pairs}
+    pairs = [Pair(id=i, param=pid, offset=off, length=n, server=server_of[i])
              for (i, pid, off, n) in cut]
     return pairs, bundles
 
@@ -314,26 +273,55 @@ def place_params(params, layers, servers, options, itemsize):
 # ------------------------------------------------------------------------------------------------
 # the book
 # ------------------------------------------------------------------------------------------------
-class InformationBook:
-    """Read access to the book dict (which travels as JSON); see the module docstring."""
+# the book's fields on the wire, in the order they travel; the records' lists among them
+WIRE_FIELDS = ("workers", "servers", "options", "net", "dtype", "itemsize", "iter_size",
+               "grad_scale", "layers", "params", "pairs", "bundles", "addresses", "hosts", "local",
+               "solver", "one_host", "bucket_bytes", "merged_on_servers", "cost_model")
+RECORD_LISTS = ("layers", "params", "pairs", "bundles")
 
-    def __init__(self, data):
+
+class InformationBook:
+    """The book: its records (dist/coord/records.py: LayerRecord, ParamRecord, Pair, Bundle, all
+    frozen) and, in `data`, its other fields (workers, options, dtype, grad_scale, addresses, ...)
+    as they travel. It travels as one JSON object: `to_wire` where the coordinator sends it,
+    `from_wire` where a process receives it. The one thing that changes during a run, the measured
+    model's published choices, is kept beside the frozen records in `schedule` (`publish`), so
+    every record stays what the coordinator built and the digest stays that of the sent book."""
+
+    def __init__(self, data, layers, params, pairs, bundles):
         self.data = data
         self.workers = int(data["workers"])
         self.servers = int(data["servers"])
         self.options = data["options"]
-        self.layers = data["layers"]
-        self.params = data["params"]
-        self.pairs = data["pairs"]
-        self._layer = {rec["index"]: rec for rec in self.layers}
+        self.layers, self.params, self.pairs, self.bundles = layers, params, pairs, bundles
+        self._layer = {rec.index: rec for rec in self.layers}
         self._pairs_of = {}
         for pair in self.pairs:
-            self._pairs_of.setdefault(pair["param"], []).append(pair)
-        self.bundles = data["bundles"]
+            self._pairs_of.setdefault(pair.param, []).append(pair)
         self.schedule = []          # [(effective from iteration, {layer: scheme})], published
         self._bundles_of = {}
         for bundle in self.bundles:
-            self._bundles_of.setdefault(bundle["layer"], []).append(bundle)
+            self._bundles_of.setdefault(bundle.layer, []).append(bundle)
+
+    @classmethod
+    def from_wire(cls, obj):
+        """The book from its JSON object (as the coordinator sent it)."""
+        data = {k: v for k, v in obj.items() if k not in RECORD_LISTS}
+        return cls(data, [LayerRecord.from_wire(r) for r in obj["layers"]],
+                   [ParamRecord.from_wire(p) for p in obj["params"]],
+                   [Pair.from_wire(p) for p in obj["pairs"]],
+                   [Bundle.from_wire(b) for b in obj["bundles"]])
+
+    def to_wire(self):
+        """The book's JSON object: the same keys, in the same order, as it always travelled, so
+        its bytes (and digest) are those of a book built by any version of this code."""
+        records = {"layers": [r.to_wire() for r in self.layers],
+                   "params": [p.to_wire() for p in self.params],
+                   "pairs": [p.to_wire() for p in self.pairs],
+                   "bundles": [b.to_wire() for b in self.bundles]}
+        order = list(WIRE_FIELDS) + [k for k in self.data if k not in WIRE_FIELDS]
+        return {k: records[k] if k in records else self.data[k] for k in order
+                if k in records or k in self.data}
 
     # ----- building -------------------------------------------------------------------------------
     @classmethod
@@ -350,15 +338,14 @@ class InformationBook:
         model = cost_model(options, hosts, relaxed)
         itemsize = 8 if description.get("dtype") == "float64" else 4
         layers = layer_records(description, workers, servers, options, relaxed, model, itemsize)
-        param_bytes = {p["id"]: p["count"] * itemsize for p in description["params"]}
+        param_bytes = {p.id: p.count * itemsize for p in description["params"]}
         single_host = one_host(local, workers + servers)
         bucket = bucket_bytes(options, single_host)
         group_of = sync_groups(layers, param_bytes, bucket)
-        for rec in layers:
-            rec["group"] = group_of[rec["index"]]
+        layers = [replace(rec, group=group_of[rec.index]) for rec in layers]
         check_servers(layers, servers, sync, relaxed)
-        scheme_of = {rec["index"]: rec["scheme"] for rec in layers}
-        params = [dict(p, scheme=scheme_of.get(p["layer"]) if p["synced"] else None)
+        scheme_of = {rec.index: rec.scheme for rec in layers}
+        params = [replace(p, scheme=scheme_of.get(p.layer) if p.synced else None)
                   for p in description["params"]]
         pairs, bundles = place_params(params, layers, servers, options, itemsize)
         merged = (single_host and options.get("fusion_bytes") is None and not relaxed
@@ -370,13 +357,12 @@ class InformationBook:
         data = {"workers": workers, "servers": servers, "options": dict(options),
                 "net": description["net"], "dtype": description.get("dtype", "float32"),
                 "itemsize": itemsize, "iter_size": iter_size, "grad_scale": scale,
-                "layers": layers, "params": params, "pairs": pairs, "bundles": bundles,
                 "addresses": {str(k): v for k, v in (addresses or {}).items()},
                 "hosts": {str(k): v for k, v in (hosts or {}).items()},
                 "local": {str(k): v for k, v in (local or {}).items()}, "solver": solver_text,
                 "one_host": single_host, "bucket_bytes": bucket, "merged_on_servers": merged,
                 "cost_model": model}
-        return cls(data)
+        return cls(data, layers, params, pairs, bundles)
 
     # ----- Algorithm 1 and queries -----------------------------------------------------------------
     def layer(self, li):
@@ -384,13 +370,13 @@ class InformationBook:
 
     def synced_layers(self):
         """The layers after whose backward a sync starts (each layer, or the lowest of a bucket)."""
-        return [rec["index"] for rec in self.layers if rec["group"] == rec["index"]]
+        return [rec.index for rec in self.layers if rec.group == rec.index]
 
     def group_members(self, li):
         """The layers synced by the sync that starts after layer li: li alone, or the bucket
         --bucket-bytes made, in backward order (li, the lowest, last)."""
-        return [rec["index"] for rec in sorted(self.layers, key=lambda r: -r["index"])
-                if rec["group"] == li]
+        return [rec.index for rec in sorted(self.layers, key=lambda r: -r.index)
+                if rec.group == li]
 
     def best_scheme(self, li, it=None):
         """BestScheme for layer li (with the --sync override), evaluated on the book; at iteration
@@ -407,7 +393,7 @@ class InformationBook:
 
     def switchable(self, li):
         """Whether layer li may change scheme during the run (measured model, several of them)."""
-        return len(self._layer[li].get("candidates", ())) > 1
+        return len(self._layer[li].candidates or ()) > 1
 
     def publish(self, start, choices):
         """File the measured model's choices {layer: scheme}, in force from iteration `start` on
@@ -418,25 +404,25 @@ class InformationBook:
     def scheme_of_param(self, pid, it=None):
         """The scheme that syncs parameter pid at iteration `it` (None: not synced)."""
         p = self.params[pid]
-        return None if p["scheme"] is None else self.best_scheme(p["layer"], it)
+        return None if p.scheme is None else self.best_scheme(p.layer, it)
 
     def pairs_of_param(self, pid):
         return self._pairs_of.get(pid, [])
 
     def bundles_of_layer(self, li):
-        """The layer's KV messages: [{'id', 'layer', 'server', 'pairs': [pair id, ...]}]."""
+        """The layer's KV messages: [Bundle]."""
         return self._bundles_of.get(li, [])
 
     def bundles_on_server(self, server_index):
-        return [b for b in self.bundles if b["server"] == server_index]
+        return [b for b in self.bundles if b.server == server_index]
 
     def pairs_on_server(self, server_index):
-        return [p for p in self.pairs if p["server"] == server_index]
+        return [p for p in self.pairs if p.server == server_index]
 
     def server_bytes(self):
         loads = [0] * self.servers
         for p in self.pairs:
-            loads[p["server"]] += p["length"] * self.data["itemsize"]
+            loads[p.server] += p.length * self.data["itemsize"]
         return loads
 
     def address(self, rank):
@@ -447,21 +433,23 @@ class InformationBook:
         return self.data.get("local", {}).get(str(rank))
 
     def digest(self):
-        return digest({k: self.data[k] for k in ("layers", "params", "pairs", "bundles", "options",
-                                                 "workers", "servers", "solver")})
+        wire = self.to_wire()
+        return digest({k: wire[k] for k in ("layers", "params", "pairs", "bundles", "options",
+                                            "workers", "servers", "solver")})
 
     def query(self, what, **kw):
         """Coordinator's Query: 'layer' (index=), 'best_scheme' (index=), 'pairs' (param= or
-        server=), 'cluster', 'server_bytes', 'costs' (index=)."""
+        server=), 'cluster', 'server_bytes', 'costs' (index=); the answer as it travels (records
+        as their JSON objects)."""
         from ..cost.formulas import scheme_costs
         if what == "layer":
-            return self.layer(int(kw["index"]))
+            return self.layer(int(kw["index"])).to_wire()
         if what == "best_scheme":
             return self.best_scheme(int(kw["index"]))
         if what == "pairs":
-            if "param" in kw:
-                return self.pairs_of_param(int(kw["param"]))
-            return self.pairs_on_server(int(kw["server"]))
+            pairs = (self.pairs_of_param(int(kw["param"])) if "param" in kw
+                     else self.pairs_on_server(int(kw["server"])))
+            return [pair.to_wire() for pair in pairs]
         if what == "cluster":
             return {"workers": self.workers, "servers": self.servers,
                     "addresses": self.data["addresses"], "hosts": self.data["hosts"]}
@@ -469,7 +457,7 @@ class InformationBook:
             return self.server_bytes()
         if what == "costs":
             rec = self.layer(int(kw["index"]))
-            costs = scheme_costs(rec["M"], rec["N"], rec["K"], self.workers, self.servers)
+            costs = scheme_costs(rec.M, rec.N, rec.K, self.workers, self.servers)
             costs.update((name, cls.cost(rec, self.workers, self.servers))
                          for name, cls in SCHEMES.items())
             return costs
@@ -480,11 +468,10 @@ class InformationBook:
         """Human-readable lines: each synced layer's scheme and the bytes per server."""
         lines = []
         for rec in self.layers:
-            group = rec["group"]
-            with_ = (f" (synced with '{self.layer(group)['name']}')" if group != rec["index"]
+            with_ = (f" (synced with '{self.layer(rec.group).name}')" if rec.group != rec.index
                      else "")
-            lines.append(f"  {rec['name']:<16} {rec['type']:<14} M={rec['M']:<6} N={rec['N']:<7} "
-                         f"K={rec['K']:<5} -> {rec['scheme'].upper()}{with_}")
+            lines.append(f"  {rec.name:<16} {rec.type:<14} M={rec.M:<6} N={rec.N:<7} "
+                         f"K={rec.K:<5} -> {rec.scheme.upper()}{with_}")
         if self.servers:
             loads = ", ".join(f"{b / 1e6:.2f} MB" for b in self.server_bytes())
             n = len(self.bundles)

@@ -16,6 +16,8 @@ A transport made without the job's Roles (unit tests, tools) checks only the dec
 Message types that are in `Msg` but have no rule here pass the role and structure checks (a rule
 is one line in RULES), so a new type works before anyone writes its rule.
 """
+from dataclasses import replace
+
 import numpy
 
 from .control import field_reason
@@ -122,14 +124,14 @@ class WireRules:
     def set_book(self, book):
         """Learn the shapes a worker expects (KV pairs, SFB layers, parameters)."""
         self._dtype = numpy.dtype(book.data["dtype"])
-        self._pairs = {p["id"]: p for p in book.pairs}
+        self._pairs = {p.id: p for p in book.pairs}
         # a layer the measured model may move to a peer scheme too (its own scheme first: the
         # one whose SF messages or ring pieces it checks)
         self._peer = self._layers_taking(book, "peer_arrays")
         self._ring = self._layers_taking(book, "ring_piece")
         self._values = ({} if self.roles is None else
-                        {b["id"]: (self.roles.server_rank(b["server"]),
-                                   [(self._pairs[k]["length"],) for k in b["pairs"]])
+                        {b.id: (self.roles.server_rank(b.server),
+                                [(self._pairs[k].length,) for k in b.pairs])
                          for b in book.bundles})
         self.book = book
 
@@ -139,11 +141,11 @@ class WireRules:
         model's candidates) that defines `method`: takes peer-to-peer messages of that kind}."""
         out = {}
         for rec in book.layers:
-            names = [rec.get("scheme")] + list(rec.get("candidates") or ())
+            names = [rec.scheme] + list(rec.candidates or ())
             takers = [n for n in names if n and not scheme_class(n).uses_servers
                       and getattr(scheme_class(n), method) is not getattr(Scheme, method)]
             if takers:
-                out[rec["index"]] = dict(rec, scheme=takers[0])
+                out[rec.index] = replace(rec, scheme=takers[0])
         return out
 
     # ----- the check -----------------------------------------------------------------------------
@@ -255,29 +257,29 @@ class WireRules:
             pair = self._pairs.get(msg.key)
             if pair is None:
                 return f"{name} for KV pair {msg.key}, which the book does not have"
-            server = self.roles.server_rank(pair["server"])
+            server = self.roles.server_rank(pair.server)
             if msg.sender != server:
                 return (f"{name} for KV pair {msg.key} from {self.namer(msg.sender)}, but the pair "
                         f"lives on {self.namer(server)}")
-            return self._arrays_are(msg, name, [(pair["length"],)] * len(msg.arrays),
+            return self._arrays_are(msg, name, [(pair.length,)] * len(msg.arrays),
                                     f"KV pair {msg.key}")
         if msg.type == Msg.SF:
             rec = self._peer.get(msg.key)
             if rec is None:
                 return f"SF for layer {msg.key}, which the book does not sync peer to peer"
-            want, expected = scheme_class(rec["scheme"]).peer_arrays(rec, msg.arrays)
+            want, expected = scheme_class(rec.scheme).peer_arrays(rec, msg.arrays)
             if want is None:
-                return (f"{name} for layer '{rec['name']}' from {self.namer(msg.sender)}: "
+                return (f"{name} for layer '{rec.name}' from {self.namer(msg.sender)}: "
                         f"{len(msg.arrays)} arrays, {self.namer(self.rank)} expects {expected}")
-            return self._arrays_are(msg, name, want, f"layer '{rec['name']}'", expected)
+            return self._arrays_are(msg, name, want, f"layer '{rec.name}'", expected)
         if msg.type == Msg.RING:
             return self._ring_reason(msg, name)
         if msg.type == Msg.WEIGHTS:
             if not 0 <= msg.key < len(self.book.params):
                 return f"WEIGHTS for parameter {msg.key}, which the book does not have"
-            count = self.book.params[msg.key]["count"]
+            count = self.book.params[msg.key].count
             return self._arrays_are(msg, name, [(count,)] * len(msg.arrays),
-                                    f"parameter '{self.book.params[msg.key]['name']}'")
+                                    f"parameter '{self.book.params[msg.key].name}'")
         return None
 
     def ring_label(self, key):
@@ -285,7 +287,7 @@ class WireRules:
         no such layer), for the lines that name a piece."""
         li, slot = ring_address(key)
         rec = self._ring.get(li)
-        return f"slot {slot} of layer " + (f"'{rec['name']}'" if rec else str(li))
+        return f"slot {slot} of layer " + (f"'{rec.name}'" if rec else str(li))
 
     def _ring_reason(self, msg, name):
         """A ring piece comes from this worker's left neighbour, for a layer the book syncs peer to
@@ -298,13 +300,13 @@ class WireRules:
         position = ring.index(self.rank)
         left = ring[position - 1]
         if msg.sender != left:
-            return (f"{name} for layer '{rec['name']}' from {self.namer(msg.sender)}, but "
+            return (f"{name} for layer '{rec.name}' from {self.namer(msg.sender)}, but "
                     f"{self.namer(self.rank)} takes the ring's pieces from {self.namer(left)}")
-        length = scheme_class(rec["scheme"]).ring_piece(rec, slot, len(ring), position)
+        length = scheme_class(rec.scheme).ring_piece(rec, slot, len(ring), position)
         if length is None:
-            return (f"{name} for layer '{rec['name']}' (synced by {rec['scheme']}): piece {slot} "
+            return (f"{name} for layer '{rec.name}' (synced by {rec.scheme}): piece {slot} "
                     f"is none that {self.namer(self.rank)} takes")
-        return self._arrays_are(msg, name, [(length,)], f"layer '{rec['name']}' (piece {slot})")
+        return self._arrays_are(msg, name, [(length,)], f"layer '{rec.name}' (piece {slot})")
 
     def _arrays_are(self, msg, name, shapes, what, expected=None):
         for i, (a, shape) in enumerate(zip(msg.arrays, shapes)):

@@ -61,7 +61,7 @@ class CoordinatorClient:
                                 f"({self.roles.workers} workers, {self.roles.servers} servers) "
                                 f"been started?") from None
         t.watch(COORDINATOR)
-        return InformationBook(msg.obj)
+        return InformationBook.from_wire(msg.obj)
 
     def barrier(self, name, group="workers", timeout=None):
         key, it = _key(name), self._next(("b", name))

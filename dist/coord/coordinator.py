@@ -38,6 +38,7 @@ import numpy
 
 from . import control
 from .book import InformationBook, describe_net, digest, first_difference
+from .records import description_from_wire
 from .checks import WireRules
 from .client import COSTS_KEY, LOSS_KEY, CoordinatorClient, _key
 from .collectives import FUTURE_CALLS, Collectives
@@ -172,13 +173,14 @@ class Coordinator:
         self._check_agreement()
         workers0 = self.registered[0]
         self.book = InformationBook.build(
-            workers0["description"], roles.workers, roles.servers, workers0["options"],
+            description_from_wire(workers0["description"]), roles.workers, roles.servers,
+            workers0["options"],
             addresses={r: info["address"] for r, info in self.registered.items()},
             hosts={r: info["host"] for r, info in self.registered.items()},
             local={r: info.get("local") for r, info in self.registered.items()},
             solver_text=workers0.get("solver", ""))
         for rank in range(roles.size):
-            self.transport.send(rank, Msg.BOOK, obj=self.book.data)
+            self.transport.send(rank, Msg.BOOK, obj=self.book.to_wire())
         self.log(f"all {roles.size} processes registered ({roles.workers} workers, "
                  f"{roles.servers} servers); book sent")
 
@@ -336,7 +338,7 @@ class Coordinator:
         call = msg.iteration
         current = (self.book.measured and roles.is_worker(msg.sender)
                    and self._costs_done < call <= self._costs_done + FUTURE_CALLS)
-        why = control.costs_reason(msg, roles, {rec["index"] for rec in self.book.layers})
+        why = control.costs_reason(msg, roles, {rec.index for rec in self.book.layers})
         if why is not None:
             self.transport.drop(msg, why)
             if current:

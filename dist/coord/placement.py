@@ -19,6 +19,9 @@ backward is done), and at the default size a big parameter keeps its 2 MB messag
 server sums while the next ones arrive.
 """
 import math
+from dataclasses import replace
+
+from .records import Bundle
 
 DEFAULT_PAIR_BYTES = 2 * 1024 * 1024
 MAX_BUNDLE_ARRAYS = 64            # arrays one KV message may carry (dist/coord/checks.py)
@@ -102,3 +105,45 @@ def bundle_pairs(pairs, fusion_bytes, itemsize):
         bundles[-1].append(pid)
         size += nbytes
     return bundles
+
+
+def make_bundles(layers, cut, itemsize, fusion):
+    """The KV messages of every PS sync of `layers` (those a scheme with servers may sync):
+    [Bundle], from the cut [(pair id, param id, offset,
+    length)] (bundle_pairs); a bundle's id is its first pair's id, which keys
+    its push and its reply, and its layer is the one its sync is started after (rec.group, the
+    layer itself unless --bucket-bytes joins it to the ones below it). The server is added by
+    placement."""
+    by_param = {}
+    for pair_id, pid, _, length in cut:
+        by_param.setdefault(pid, []).append((pair_id, length))
+    members = {}
+    for rec in layers:
+        members.setdefault(rec.group, []).append(rec)
+    bundles = []
+    for trigger in sorted(members):
+        own = [pair for rec in members[trigger] for pid in rec.params
+               for pair in by_param.get(pid, [])]
+        for ids in bundle_pairs(own, fusion, itemsize):
+            bundles.append(Bundle(id=ids[0], layer=trigger, pairs=tuple(ids)))
+    return bundles
+
+
+def merge_on_servers(bundles):
+    """The placed bundles of one sync that went to the same server, merged into one message (in
+    order, up to MAX_BUNDLE_ARRAYS pairs). Why: a message in shared memory carries no bytes, so
+    the fusion size that lets a big layer's answers stream back while its later pairs go out buys
+    nothing there, and every message costs its Python on both sides (a large layer's hundred-odd
+    pairs go as a few messages instead; docs/performance.md, "The distributed path on one host").
+    Placement is unchanged: the pairs stay spread over the servers as the fusion size placed
+    them."""
+    merged, last = [], {}
+    for bundle in bundles:
+        key = (bundle.layer, bundle.server)
+        at = last.get(key)
+        if at is not None and len(merged[at].pairs) + len(bundle.pairs) <= MAX_BUNDLE_ARRAYS:
+            merged[at] = replace(merged[at], pairs=merged[at].pairs + bundle.pairs)
+            continue
+        last[key] = len(merged)
+        merged.append(bundle)
+    return merged

@@ -85,10 +85,10 @@ def _walk(layers, roles, table, itemsize, pick):
     the layer's {scheme: (backlog, alone)}, returns a scheme name."""
     backlog = {"peers": 0.0, "servers": 0.0}
     choices, modelled = {}, {}
-    for rec in sorted(layers, key=lambda r: -r["index"]):
-        li = rec["index"]
+    for rec in sorted(layers, key=lambda r: -r.index):
+        li = rec.index
         own, transfers = {}, {}
-        for name in rec["candidates"]:
+        for name in rec.candidates:
             cls = scheme_class(name)
             transfer, compute = scheme_seconds(cls, rec, roles, table, itemsize)
             transfers[name] = transfer
@@ -102,7 +102,7 @@ def _walk(layers, roles, table, itemsize, pick):
 def modelled_seconds(layers, roles, table, itemsize, choices):
     """{layer: {scheme: seconds}} the model gives (uncorrected, contention included) when the
     layers run `choices` {layer: scheme}."""
-    modelled = _walk(layers, roles, table, itemsize, lambda rec, own: choices[rec["index"]])[1]
+    modelled = _walk(layers, roles, table, itemsize, lambda rec, own: choices[rec.index])[1]
     return {li: {n: b + a for n, (b, a) in own.items()} for li, own in modelled.items()}
 
 
@@ -125,7 +125,7 @@ def _plan(layers, roles, table, itemsize, current=None, correction=None):
     predicted = {}
 
     def pick(rec, own):
-        li = rec["index"]
+        li = rec.index
         mine = predicted[li] = {n: b + a * (correction.factor(li, n) if correction else 1.0)
                                 for n, (b, a) in own.items()}
         best = choose_scheme(rec, roles.workers, roles.servers, predicted=mine)
@@ -333,7 +333,7 @@ class Planner:
             self.table = self.injected.table_at(start, self.roles)
         if self.table is None:
             raise DistError("the coordinator got sync times before any link costs (the probe)")
-        layers = [rec for rec in book.layers if rec.get("candidates")]
+        layers = [rec for rec in book.layers if rec.candidates]
         choices, predicted, modelled = _plan(
             layers, self.roles, self.table, int(book.data["itemsize"]), current=self.current,
             correction=self.corrections if corrected else None)

@@ -62,18 +62,18 @@ class CostSync:
 
     def _take(self, obj):
         start = obj["from"]
-        before = {rec["index"]: self.book.best_scheme(rec["index"], start)
+        before = {rec.index: self.book.best_scheme(rec.index, start)
                   for rec in self.book.layers}
         self.book.publish(start, {int(li): n for li, n in obj["choices"].items()})
         self.predicted = {int(li): p for li, p in (obj.get("predicted") or {}).items()}
         if self.rank != 0:
             return
         for rec in self.book.layers:
-            li = rec["index"]
+            li = rec.index
             now = self.book.best_scheme(li, start)
             seconds = self.predicted_seconds(li, now)
             if now != before[li] or not self._told:
-                log.info(f"  from iteration {start}: {rec['name']} -> {now.upper()}"
+                log.info(f"  from iteration {start}: {rec.name} -> {now.upper()}"
                          f"{f' (predicted {seconds * 1e3:.3g} ms)' if seconds else ''}"
                          f"{f', was {before[li].upper()}' if now != before[li] else ''}")
         self._told = True
@@ -92,7 +92,7 @@ class CostSync:
         call = self._due.pop(it, None)
         if call is None:
             return
-        layers = [rec["index"] for rec in self.book.layers]
+        layers = [rec.index for rec in self.book.layers]
         old = {li: self.book.best_scheme(li, it) for li in layers}
         self._take(self.client.published(call, timeout=self.slow))
         moved = [li for li in layers if self.book.best_scheme(li, it) != old[li]]
@@ -108,8 +108,8 @@ class CostSync:
             self.client.barrier("scheme-switch", timeout=self.slow)
 
     def _params(self, layers):
-        return [p["id"] for p in self.book.params if p["scheme"] is not None
-                and p["layer"] in layers]
+        return [p.id for p in self.book.params if p.scheme is not None
+                and p.layer in layers]
 
     def _history_from_servers(self, layers, net, history):
         pids = self._params(layers)
@@ -123,7 +123,7 @@ class CostSync:
         pids = set(self._params(layers))
         self.kv.init(it, lambda pid: [host_flat(net.learnable_params[pid].data)] +
                      [host_flat(h) for h in history[pid]],
-                     pairs=[p for p in self.book.pairs if p["param"] in pids])
+                     pairs=[p for p in self.book.pairs if p.param in pids])
 
     def after_iteration(self, it, stats):
         """Add the iteration's sync times to the window; at its end, report it: each layer's

@@ -52,11 +52,11 @@ class KVClient:
         acknowledged."""
         t, cache = self.transport, {}
         for pair in self.book.pairs if pairs is None else pairs:
-            pid = pair["param"]
+            pid = pair.param
             if pid not in cache:
                 cache[pid] = values_of(pid)
-            off, n = pair["offset"], pair["length"]
-            t.send(self.server_rank(pair["server"]), Msg.KV_INIT, iteration=it, key=pair["id"],
+            off, n = pair.offset, pair.length
+            t.send(self.server_rank(pair.server), Msg.KV_INIT, iteration=it, key=pair.id,
                    arrays=[a[off:off + n] for a in cache[pid]])
         servers = self.roles.server_ranks()
         for r in servers:
@@ -73,18 +73,18 @@ class KVClient:
         t = self.transport
         seq = self._get_seq
         self._get_seq += 1
-        pairs = [p for p in self.book.pairs if pids is None or p["param"] in pids]
+        pairs = [p for p in self.book.pairs if pids is None or p.param in pids]
         for pair in pairs:
-            t.send(self.server_rank(pair["server"]), Msg.KV_GET, iteration=seq, key=pair["id"])
+            t.send(self.server_rank(pair.server), Msg.KV_GET, iteration=seq, key=pair.id)
         hosts = {}
         for pair in pairs:
-            pid = pair["param"]
-            msg = t.receive(Msg.KV_GET_REPLY, pair["id"], seq, timeout=self.slow,
-                            senders=[self.server_rank(pair["server"])],
-                            what=f"the solver state of KV pair {pair['id']} for the snapshot")[0]
+            pid = pair.param
+            msg = t.receive(Msg.KV_GET_REPLY, pair.id, seq, timeout=self.slow,
+                            senders=[self.server_rank(pair.server)],
+                            what=f"the solver state of KV pair {pair.id} for the snapshot")[0]
             if pid not in hosts:
                 hosts[pid] = [numpy.empty(counts[pid], dtype) for _ in range(history_len(pid) + 1)]
-            off, n = pair["offset"], pair["length"]
+            off, n = pair.offset, pair.length
             for k, h in enumerate(hosts[pid]):
                 h[off:off + n] = msg.arrays[k]
         return hosts

@@ -44,11 +44,11 @@ class PairState:
                  "grads", "have", "count", "iteration", "receipts", "shared")
 
     def __init__(self, rec, param, workers, dtype, rule):
-        self.id, self.param = rec["id"], rec["param"]
-        self.offset, self.length = rec["offset"], rec["length"]
+        self.id, self.param = rec.id, rec.param
+        self.offset, self.length = rec.offset, rec.length
         self.value = numpy.zeros(self.length, dtype)
         self.state = rule.init_state((self.length,), numpy, dtype)
-        self.lr_mult, self.decay_mult = param["lr_mult"], param["decay_mult"]
+        self.lr_mult, self.decay_mult = param.lr_mult, param.decay_mult
         self.grads = [None] * workers         # each worker's pushed array of the iteration
         self.have = [False] * workers
         self.count = 0
@@ -108,14 +108,14 @@ class KVServer:
         self.dtype = numpy.dtype(book.data["dtype"])
         self.grad_scale = book.data["grad_scale"]
         self.log = log or (lambda line: None)
-        params = {p["id"]: p for p in book.params}
-        self.pairs = {rec["id"]: PairState(rec, params[rec["param"]], self.workers, self.dtype, rule)
+        params = {p.id: p for p in book.params}
+        self.pairs = {rec.id: PairState(rec, params[rec.param], self.workers, self.dtype, rule)
                       for rec in book.pairs_on_server(self.index)}
-        self.bundles = {b["id"]: [self.pairs[k] for k in b["pairs"]]
+        self.bundles = {b.id: [self.pairs[k] for k in b.pairs]
                         for b in book.bundles_on_server(self.index)}
         self.handler = HANDLERS[handler](self)
         # an answer goes out at the priority of the sync it answers (transport/scheduler.py)
-        self.priority = {b["id"]: b["layer"] for b in book.bundles_on_server(self.index)}
+        self.priority = {b.id: b.layer for b in book.bundles_on_server(self.index)}
         self.policy = make_policy(self, book.options)
         self.segment = None                   # kvshm.Segment: values and gradients, shared
         if memory is not None and self.policy is None and self.handler.name == "update":
@@ -330,7 +330,7 @@ class KVServer:
             if pair.have[r] or pair.iteration != it:
                 del self._suspects[(pid, r)]
             elif now - since > self.report_after:
-                param = self.book.params[pair.param].get("name", pair.param)
+                param = self.book.params[pair.param].name
                 raise DistError(f"{self.roles.name(r)} and {other} disagree about KV pair {pid} "
                                 f"(parameter '{param}'): {why}; nothing valid came "
                                 f"from {self.roles.name(r)} for {self.report_after:g} s "

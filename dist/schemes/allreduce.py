@@ -23,6 +23,8 @@ it is added or passed on (`_take`): every worker checks its own gradient before 
 a piece is a member's fault (or a sum that overflowed), and taking it would put NaN into every
 replica with nothing to say where it came from.
 """
+import math
+
 import numpy
 from poseidon.engine.solvers.health import all_finite
 
@@ -40,7 +42,7 @@ PIECE_FLOATS = 1 << 18
 
 
 def plan_of(rec, workers):
-    return ring_plan(layer_floats(rec), workers, rec.get("piece_floats") or PIECE_FLOATS)
+    return ring_plan(layer_floats(rec), workers, rec.piece_floats or PIECE_FLOATS)
 
 
 @register_scheme
@@ -53,7 +55,7 @@ class AllReduceScheme(Scheme):
     def applies_to(rec):
         """Every layer with parameters (the ring moves the gradient, whatever made it) whose index
         a piece's key can carry (ring.MAX_LAYERS)."""
-        return rec.get("index", 0) < MAX_LAYERS
+        return rec.index < MAX_LAYERS
 
     @staticmethod
     def cost(rec, P1, P2):
@@ -86,8 +88,9 @@ class AllReduceScheme(Scheme):
         for pid in syncer.pids:
             self.params.append((pid, params[pid], offset))
             offset += params[pid].count
-        self.plan = plan_of({"shapes": [params[pid].shape for pid in syncer.pids],
-                             "piece_floats": syncer.rec.get("piece_floats")}, len(ring))
+        # the ring of a bucket carries every member's parameters (floats as layer_floats counts)
+        self.plan = ring_plan(sum(math.prod(params[pid].shape) for pid in syncer.pids), len(ring),
+                              syncer.rec.piece_floats or PIECE_FLOATS)
         self.receipts = []
         self._own = None
 
@@ -197,4 +200,4 @@ class AllReduceScheme(Scheme):
                 grad = stage.device_array(grad, ctx.net.xp)
             p = ctx.book.params[pid]
             ctx.rule.update(blob.data, grad.reshape(blob.data.shape), ctx.history[pid], it,
-                            p["lr_mult"], p["decay_mult"], ctx.grad_scale)
+                            p.lr_mult, p.decay_mult, ctx.grad_scale)

@@ -55,7 +55,7 @@ class Scheme:
 
     @staticmethod
     def applies_to(rec):
-        """Whether it can sync the layer the book describes as `rec` (type, M, N, K, sfb, ...)."""
+        """Whether it can sync the layer the book describes as `rec` (a LayerRecord)."""
         return True
 
     @staticmethod
@@ -106,7 +106,7 @@ class Scheme:
         ctx = self.ctx
         for pid in self.syncer.pids:
             if not all_finite(ctx.net.learnable_params[pid].diff):
-                li, bi = ctx.book.params[pid]["owner"]
+                li, bi = ctx.book.params[pid].owner
                 where = (f" (of layer '{ctx.net.layer_names[li]}')"
                          if len(self.syncer.members) > 1 else "")   # a bucket of several layers
                 return f"{param_label(bi)} gradient{where}"

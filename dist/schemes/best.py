@@ -14,6 +14,7 @@ With the measured cost model (dist/cost/model.py) the comparison is on predicted
 `--sync A+B` is a hybrid over the named schemes alone: `ps+sfb` is the paper's Algorithm 1 as
 published, beside which the hybrid over every registered scheme can be measured.
 """
+from ..coord.records import LayerRecord
 from ..errors import DistError
 from .base import SCHEMES, scheme_class
 
@@ -72,7 +73,8 @@ def choose_scheme(rec, P1, P2, sync="hybrid", relaxed=None, predicted=None):
 
 def best_scheme(sfb_capable, M, N, K, P1, P2, sync="hybrid", relaxed=None):
     """choose_scheme for a layer given by its GEMM shape: M outputs, N inputs, K rows a worker."""
-    return choose_scheme({"sfb": sfb_capable, "M": M, "N": N, "K": K}, P1, P2, sync, relaxed)
+    rec = LayerRecord(index=0, name="", type="", M=M, N=N, K=K, sfb=sfb_capable, params=())
+    return choose_scheme(rec, P1, P2, sync, relaxed)
 
 
 def possible_schemes(rec, sync="hybrid", relaxed=None):

@@ -41,9 +41,9 @@ class PSScheme(Scheme):
                                 f"book places none of it on a server")
             self.params.append((pid, blob))
             for pair in pairs:
-                where[pair["id"]] = (pid, pair["offset"], pair["length"])
-        self.bundles = [(b["id"], ctx.kv.server_rank(b["server"]), [where[k] for k in b["pairs"]],
-                         b["pairs"]) for b in ctx.book.bundles_of_layer(syncer.li)]
+                where[pair.id] = (pid, pair.offset, pair.length)
+        self.bundles = [(b.id, ctx.kv.server_rank(b.server), [where[k] for k in b.pairs],
+                         list(b.pairs)) for b in ctx.book.bundles_of_layer(syncer.li)]
         self.receipts = []
         self._shared = None                 # bundle id -> the server's kvshm.Segment or None
         self._in_place = set()              # bundles whose parameters are all placed there
@@ -53,7 +53,7 @@ class PSScheme(Scheme):
 
     @staticmethod
     def cost(rec, P1, P2):
-        return ps_cost(rec["M"], rec["N"], P1, P2)
+        return ps_cost(rec.M, rec.N, P1, P2)
 
     @staticmethod
     def traffic(rec, P1, P2):
@@ -62,7 +62,7 @@ class PSScheme(Scheme):
         the P1 - 1 remote workers (at least one round trip: P1 = P2 = 1 still crosses a socket).
         No arithmetic on the worker: the servers update."""
         return {"messages": max(2 * (P1 + P2 - 2), 2),
-                "floats": ps_cost(rec["M"], rec["N"], P1, P2), "flops": 0.0}
+                "floats": ps_cost(rec.M, rec.N, P1, P2), "flops": 0.0}
 
     def _segments(self):
         """Each bundle's server memory, looked up at the first sync (after the start barrier and

@@ -41,10 +41,9 @@ def layer_floats(rec):
     """Floats of the layer's flat gradient: every synced learnable blob of it (weight and bias).
     A record without shapes (BestScheme asked with M, N, K alone) is taken to have a bias of M,
     Caffe's default, so that it is costed as the book would cost the layer."""
-    shapes = rec.get("shapes")
-    if shapes is None:
-        return rec["M"] * rec["N"] + rec["M"]
-    return sum(math.prod(s) for s in shapes)
+    if rec.shapes is None:
+        return rec.M * rec.N + rec.M
+    return sum(math.prod(s) for s in rec.shapes)
 
 
 class RingPlan:

@@ -41,17 +41,17 @@ class SFBScheme(Scheme):
     def applies_to(rec):
         """InnerProduct layers that alone own a learned weight, with iter_size 1 (the book's 'sfb'
         flag: the factors of one pass are the iteration's gradient)."""
-        return bool(rec["sfb"]) and rec.get("weight_grad", True)
+        return bool(rec.sfb) and rec.weight_grad is not False
 
     @staticmethod
     def peer_arrays(rec, arrays):
         """G (K×M), X (K×N) and, with a bias, its gradient (M)."""
-        expected = f"[{rec['K']}, {rec['M']}], [{rec['K']}, {rec['N']}], [{rec['M']}]"
+        expected = f"[{rec.K}, {rec.M}], [{rec.K}, {rec.N}], [{rec.M}]"
         if not 2 <= len(arrays) <= 3:
             return None, expected
         rows = arrays[0].shape[0] if arrays[0].ndim == 2 else -1
-        want = [(rows, rec["M"]), (rows, rec["N"])] + [(rec["M"],)] * (len(arrays) - 2)
-        if rows != rec["K"]:
+        want = [(rows, rec.M), (rows, rec.N)] + [(rec.M,)] * (len(arrays) - 2)
+        if rows != rec.K:
             want[0] = want[1] = None
         return want, expected
 
@@ -65,7 +65,7 @@ class SFBScheme(Scheme):
         self.layer = layer
         self.weight = self.bias = None
         for pid in syncer.pids:
-            li, bi = ctx.book.params[pid]["owner"]
+            li, bi = ctx.book.params[pid].owner
             if bi == 0:
                 self.weight = pid
             elif bi == 1:
@@ -79,14 +79,14 @@ class SFBScheme(Scheme):
 
     @staticmethod
     def cost(rec, P1, P2):
-        return sfb_cost(rec["M"], rec["N"], rec["K"], P1)
+        return sfb_cost(rec.M, rec.N, rec.K, P1)
 
     @staticmethod
     def traffic(rec, P1, P2):
         """Its factors to and from each of the P1 - 1 peers; the rebuild of the weight gradient
         from all P1 workers' factors, a GEMM of 2·K·P1·M·N flops, on every worker (all of it is
         counted: it runs inside the sync, whose observed time the prediction is compared with)."""
-        M, N, K = rec["M"], rec["N"], rec["K"]
+        M, N, K = rec.M, rec.N, rec.K
         return {"messages": 2 * max(P1 - 1, 0), "floats": sfb_cost(M, N, K, P1),
                 "flops": 2.0 * K * P1 * M * N}
 
@@ -162,12 +162,12 @@ class SFBScheme(Scheme):
         ctx = self.ctx
         p = ctx.book.params[self.weight]
         update_from_factors(self.layer, ctx.rule, ctx.net.learnable_params[self.weight].data,
-                            ctx.history[self.weight], g_all, x_all, it, p["lr_mult"],
-                            p["decay_mult"], ctx.grad_scale, ctx.rule.rate(it), self._buffers)
+                            ctx.history[self.weight], g_all, x_all, it, p.lr_mult,
+                            p.decay_mult, ctx.grad_scale, ctx.rule.rate(it), self._buffers)
 
     def _apply(self, pid, grad, it):
         ctx = self.ctx
         p = ctx.book.params[pid]
         blob = ctx.net.learnable_params[pid]
-        ctx.rule.update(blob.data, grad.reshape(blob.data.shape), ctx.history[pid], it, p["lr_mult"],
-                      p["decay_mult"], ctx.grad_scale)
+        ctx.rule.update(blob.data, grad.reshape(blob.data.shape), ctx.history[pid], it, p.lr_mult,
+                      p.decay_mult, ctx.grad_scale)

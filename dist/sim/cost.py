@@ -55,19 +55,19 @@ class LayerTime:
 # bytes and FLOPs, shared with the discrete-event model
 # ------------------------------------------------------------------------------------------------
 def has_bias(rec):
-    return len(rec["params"]) > 1
+    return len(rec.params) > 1
 
 
 def factor_bytes(rec, devices, itemsize):
     """One node's SFB message: the K rows of (M + N) factors of each of its devices, and the
     layer's bias gradient (M floats, summed on the node)."""
-    M, N, K = rec["M"], rec["N"], rec["K"]
+    M, N, K = rec.M, rec.N, rec.K
     return (devices * K * (M + N) + (M if has_bias(rec) else 0)) * itemsize
 
 
 def rebuild_flops(rec, replicas):
     """Each device rebuilds the weight gradient from the other replicas' factors."""
-    return 2.0 * rec["M"] * rec["N"] * rec["K"] * (replicas - 1)
+    return 2.0 * rec.M * rec.N * rec.K * (replicas - 1)
 
 
 def ring_bytes(nbytes, members):
@@ -110,15 +110,15 @@ def paper_scheme(rec, P1, P2, devices=1):
     """Algorithm 1 as the paper states it: SFB where it applies and Table 1's float count on the
     busiest node, 2·K·(P1−1)·(M+N), is at most PS's 2·M·N·(P1+P2−2)/P2; PS elsewhere. A node's
     SFB message carries its G devices' rows."""
-    M, N, K = rec["M"], rec["N"], rec["K"] * devices
-    return "sfb" if rec.get("sfb") and sfb_cost(M, N, K, P1) <= ps_cost(M, N, P1, P2) else "ps"
+    M, N, K = rec.M, rec.N, rec.K * devices
+    return "sfb" if rec.sfb and sfb_cost(M, N, K, P1) <= ps_cost(M, N, P1, P2) else "ps"
 
 
 # ------------------------------------------------------------------------------------------------
 # one layer's predicted time
 # ------------------------------------------------------------------------------------------------
 def layer_times(rec, nbytes, count, shape, net, flop_rate, itemsize):
-    """{scheme: LayerTime} for the schemes that can sync the layer `rec` (describe_net format)."""
+    """{scheme: LayerTime} for the schemes that can sync the layer `rec` (a LayerRecord)."""
     P1, G = shape.nodes, shape.devices
     lat, bw = net.latency, net.bandwidth
 
@@ -144,9 +144,9 @@ def layer_times(rec, nbytes, count, shape, net, flop_rate, itemsize):
         link=ring_steps(P1) * lat + wire(ar_bytes) + host(2 * staged, net.pcie)
         + local("allreduce"),
         gpu=host(reduction_flops(count, P1), flop_rate))
-    if rec.get("sfb"):
+    if rec.sfb:
         f = factor_bytes(rec, G, itemsize)
-        one = rec["K"] * (rec["M"] + rec["N"]) * itemsize
+        one = rec.K * (rec.M + rec.N) * itemsize
         out["sfb"] = LayerTime(
             link=(lat if P1 > 1 else 0.0) + wire((P1 - 1) * f) + host(P1 * f, net.pcie)
             + local("sfb", one),
@@ -168,16 +168,16 @@ def plan_by_time(records, times, backward_end, compute_end):
     end is soonest: the later of the GPU's end (backward plus all GPU work so far) and the link's
     end (this layer's sync plus, at best, the cheapest sync of every layer below); ties go to
     the scheme with less time of its own, then to the order of SCHEMES."""
-    order = sorted(records, key=lambda r: -r["index"])
-    cheapest = {rec["index"]: min(t.total for t in times[rec["index"]].values()) for rec in order}
+    order = sorted(records, key=lambda r: -r.index)
+    cheapest = {rec.index: min(t.total for t in times[rec.index].values()) for rec in order}
     below = {}
     rest = 0.0
     for rec in reversed(order):
-        below[rec["index"]] = rest
-        rest += cheapest[rec["index"]]
+        below[rec.index] = rest
+        rest += cheapest[rec.index]
     link_free, gpu_extra, plan = 0.0, 0.0, {}
     for rec in order:
-        li = rec["index"]
+        li = rec.index
         ready = backward_end[li] + gpu_extra
         start = max(link_free, ready)
 
@@ -210,14 +210,14 @@ def profile_flop_rate(profile):
 
 def algorithm1_plan(profile, workers, servers, devices=1):
     """{layer index: scheme} by the paper's Algorithm 1, PS or SFB (dist/sim/cost.paper_scheme)."""
-    return {rec["index"]: paper_scheme(rec, workers, servers, devices)
+    return {rec.index: paper_scheme(rec, workers, servers, devices)
             for rec in profile["description"]["layers"]}
 
 
 def single_scheme_plan(profile, scheme):
     """{layer index: scheme} with `scheme` wherever it applies (SFB: InnerProducts) and PS
     elsewhere."""
-    return {rec["index"]: scheme if scheme != "sfb" or rec["sfb"] else "ps"
+    return {rec.index: scheme if scheme != "sfb" or rec.sfb else "ps"
             for rec in profile["description"]["layers"]}
 
 
@@ -228,11 +228,11 @@ def predicted_plan(profile, workers, net, servers=None, devices=1):
     rate = net.gemm_rate if net.gemm_rate is not None else profile_flop_rate(profile)
     desc = profile["description"]
     itemsize = 8 if desc.get("dtype") == "float64" else 4
-    count = {p["id"]: p["count"] for p in desc["params"]}
+    count = {p.id: p.count for p in desc["params"]}
     times = {}
     for rec in desc["layers"]:
-        n = sum(count[p] for p in rec["params"])
-        times[rec["index"]] = layer_times(rec, n * itemsize, n, shape, net, rate, itemsize)
+        n = sum(count[p] for p in rec.params)
+        times[rec.index] = layer_times(rec, n * itemsize, n, shape, net, rate, itemsize)
     layers = profile["layers"]
     t = sum(r["forward_ms"] for r in layers) / 1e3
     backward_end = {}

@@ -6,6 +6,9 @@ A profile is a JSON file that describes one training step of a model on one devi
      "layers": [{"name", "type", "forward_ms", "backward_ms", "flops_forward", "flops_backward"}, ...],
      "description": <dist.book.describe_net format: synced layers with M, N, K, sfb, params>}
 
+In memory the description's layers and parameters are records (dist/coord/records.py);
+load_profile and write_profile convert them from and to the file's JSON objects.
+
 Why a file: the paper's figures were taken on a Titan X we do not have, so the profiles shipped in
 dist/sim/profiles/ take a single-GPU throughput (img/s: the paper's for its models, a stated published
 figure for ResNet-152) and apportion the step time over the layers by their FLOPs. The shapes come from walking the prototxt (no arrays are allocated, so
@@ -19,6 +22,8 @@ from importlib import resources
 
 from poseidon.engine import prototxt
 from poseidon.engine.errors import PoseidonError
+
+from ..coord.records import LayerRecord, ParamRecord, description_from_wire, description_to_wire
 
 PROFILE_DIR = str(resources.files(__package__) / "profiles")   # package data; wheels install unzipped
 
@@ -169,7 +174,8 @@ def layer_flops(lp, bottoms, tops, first_with_params):
 
 
 def describe_from_shapes(param, source="<net>"):
-    """(per-layer rows, a description in dist.book.describe_net's format) from a deploy file."""
+    """(per-layer rows, a description in dist.book.describe_net's format, its layers and
+    parameters as records) from a deploy file."""
     rows = walk_shapes(param, source)
     layers, params, out_layers = [], [], []
     seen_params = False
@@ -187,10 +193,10 @@ def describe_from_shapes(param, source="<net>"):
             dm = specs[bi].decay_mult if bi < len(specs) and specs[bi].HasField("decay_mult") \
                 else 1.0
             pid = len(params)
-            params.append({"id": pid, "name": f"{lp.name}.{bi}", "layer": li, "owner": [li, bi],
-                           "shape": list(shape), "count": int(math.prod(shape)),
-                           "lr_mult": float(lr), "decay_mult": float(dm), "shared": False,
-                           "synced": lr != 0})
+            params.append(ParamRecord(id=pid, name=f"{lp.name}.{bi}", layer=li, owner=(li, bi),
+                                      shape=tuple(shape), count=int(math.prod(shape)),
+                                      lr_mult=float(lr), decay_mult=float(dm), shared=False,
+                                      synced=lr != 0))
             if lr != 0:
                 pids.append(pid)
         if not pids:
@@ -202,10 +208,10 @@ def describe_from_shapes(param, source="<net>"):
             ip = lp.inner_product_param
             axis = ip.axis if ip.HasField("axis") else 1
             K = int(math.prod(bottoms[0][:axis]))
-        out_layers.append({"index": li, "name": lp.name, "type": lp.type, "M": int(M), "N": N,
-                           "K": K, "sfb": lp.type == "InnerProduct"
-                           and any(params[p]["owner"][1] == 0 for p in pids),
-                           "params": pids, "shapes": [params[p]["shape"] for p in pids]})
+        out_layers.append(LayerRecord(
+            index=li, name=lp.name, type=lp.type, M=int(M), N=N, K=K,
+            sfb=lp.type == "InnerProduct" and any(params[p].owner[1] == 0 for p in pids),
+            params=tuple(pids), shapes=tuple(params[p].shape for p in pids)))
     desc = {"net": param.name, "dtype": "float32", "iter_size": 1, "layers": out_layers,
             "params": params}
     return layers, desc
@@ -272,6 +278,11 @@ def load_profile(path_or_name):
             raise ProfileError(f"{path}: synced layer '{rec.get('name')}' has index "
                                f"{rec.get('index')!r}, outside the {n_layers} timed layers: "
                                f"regenerate the profile")
+    try:
+        prof["description"] = description_from_wire(prof["description"])
+    except (KeyError, TypeError) as e:
+        raise ProfileError(f"{path}: a layer or parameter of its description is not readable "
+                           f"({type(e).__name__}: {e}): regenerate the profile") from None
     for i, r in enumerate(prof["layers"]):
         for key in ("forward_ms", "backward_ms"):
             v = r.get(key)
@@ -289,5 +300,5 @@ def shipped_profiles():
 
 def write_profile(prof, path):
     with open(path, "w") as f:
-        json.dump(prof, f, indent=1)
+        json.dump(dict(prof, description=description_to_wire(prof["description"])), f, indent=1)
         f.write("\n")

@@ -51,6 +51,14 @@ def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES
     return InformationBook.build(desc, workers, servers, options)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVMessage:
+    """A bundle as the model moves it: its id, its server, the elements of all its pairs."""
+    id: int
+    server: int
+    length: int
+
+
 # ------------------------------------------------------------------------------------------------
 # one iteration
 # ------------------------------------------------------------------------------------------------
@@ -64,7 +72,7 @@ class _Iteration:
         self.flop_rate = net.gemm_rate if net.gemm_rate is not None else profile_flop_rate(profile)
         self.plan = plan
         records = profile["description"]["layers"]
-        ps_layers = [rec for rec in records if plan[rec["index"]] == "ps"]
+        ps_layers = [rec for rec in records if plan[rec.index] == "ps"]
         self.book = build_book(profile, workers, self.P2, "ps", net.kv_pair_bytes, ps_layers)
         self.itemsize = self.book.data["itemsize"]
         nodes = workers + (self.P2 if net.separate_servers else 0)
@@ -79,8 +87,8 @@ class _Iteration:
         self.cpu = queues("cpu", self.P2)
         self.sent = [0] * self.n_nodes
         self.received = [0] * self.n_nodes
-        self.synced = {rec["index"]: rec for rec in records}
-        self.params = {p["id"]: p for p in profile["description"]["params"]}
+        self.synced = {rec.index: rec for rec in records}
+        self.params = {p.id: p for p in profile["description"]["params"]}
         self.pending = [[] for _ in range(workers)]
         self.layer_done = [{} for _ in range(workers)]
         self.backward_done = [None] * workers
@@ -174,20 +182,20 @@ class _Iteration:
 
     # sync -------------------------------------------------------------------------------------
     def _layer_bytes(self, rec):
-        return sum(self.params[p]["count"] for p in rec["params"]) * self.itemsize
+        return sum(self.params[p].count for p in rec.params) * self.itemsize
 
     def _one_factor_bytes(self, rec):
-        return rec["K"] * (rec["M"] + rec["N"]) * self.itemsize
+        return rec.K * (rec.M + rec.N) * self.itemsize
 
     def _local(self, w, rec, which, then):
         """The node-local step before (0) or after (1) a layer's sync, when G devices share it."""
-        nbytes = intra_bytes(self.plan[rec["index"]], self._layer_bytes(rec),
+        nbytes = intra_bytes(self.plan[rec.index], self._layer_bytes(rec),
                              self._one_factor_bytes(rec), self.shape)[which]
         if nbytes == 0:
             then()
             return
         self.intra[w].submit(after(seconds(nbytes, self.net.intra_bandwidth)), then,
-                             priority=rec["index"])
+                             priority=rec.index)
 
     def _sync(self, w, li):
         rec = self.synced[li]
@@ -202,57 +210,56 @@ class _Iteration:
         self._local(w, self.synced[li], 1, record)
 
     def _sync_ps(self, w, rec):
-        li = rec["index"]
+        li = rec.index
         pairs = self._messages(rec)
         # each worker starts with a different server, so the first pushes do not all land on one
-        pairs.sort(key=lambda p: ((p["server"] - w) % self.P2, p["id"]))
+        pairs.sort(key=lambda p: ((p.server - w) % self.P2, p.id))
         self.got[w][li] = 0
         nbytes = self._layer_bytes(rec)
 
         def push_all():
             for pair in pairs:
-                size = pair["length"] * self.itemsize
-                self.transfer(self.worker_node(w), self.server_node(pair["server"]), size,
+                size = pair.length * self.itemsize
+                self.transfer(self.worker_node(w), self.server_node(pair.server), size,
                               lambda pair=pair, size=size: self._server_add(pair, size, rec),
                               priority=li)
         self.d2h[w].submit(after(seconds(nbytes, self.net.pcie)), push_all, priority=li)
 
     def _messages(self, rec):
-        """The layer's KV messages (bundles of pairs, as the KV store sends them) as pseudo-pairs:
-        id, server and the length of all their pairs."""
-        length = {p["id"]: p["length"] for pid in rec["params"]
+        """The layer's KV messages (bundles of pairs, as the KV store sends them), each moved as
+        one pair of the length of all its pairs."""
+        length = {p.id: p.length for pid in rec.params
                   for p in self.book.pairs_of_param(pid)}
-        return [{"id": b["id"], "server": b["server"],
-                 "length": sum(length[k] for k in b["pairs"])}
-                for b in self.book.bundles_of_layer(rec["index"])]
+        return [KVMessage(id=b.id, server=b.server, length=sum(length[k] for k in b.pairs))
+                for b in self.book.bundles_of_layer(rec.index)]
 
     def _server_add(self, pair, size, rec):
-        s, li = pair["server"], rec["index"]
+        s, li = pair.server, rec.index
 
         def added():
-            n = self.pair_count.get(pair["id"], 0) + 1
-            self.pair_count[pair["id"]] = n
+            n = self.pair_count.get(pair.id, 0) + 1
+            self.pair_count[pair.id] = n
             if n == self.P1:
                 self.cpu[s].submit(after(seconds(size, self.net.update_rate)),
                                    lambda: self._pull_all(pair, size, rec), priority=li)
         self.cpu[s].submit(after(seconds(size, self.net.update_rate)), added, priority=li)
 
     def _pull_all(self, pair, size, rec):
-        s = pair["server"]
-        order = sorted(range(self.P1), key=lambda w: (w - pair["id"]) % self.P1)
+        s = pair.server
+        order = sorted(range(self.P1), key=lambda w: (w - pair.id) % self.P1)
         for w in order:
             self.transfer(self.server_node(s), self.worker_node(w), size,
-                          lambda w=w: self._worker_pulled(w, rec), priority=rec["index"])
+                          lambda w=w: self._worker_pulled(w, rec), priority=rec.index)
 
     def _worker_pulled(self, w, rec):
-        li = rec["index"]
+        li = rec.index
         self.got[w][li] += 1
         if self.got[w][li] == len(self.book.bundles_of_layer(li)):
             self.h2d[w].submit(after(seconds(self._layer_bytes(rec), self.net.pcie)),
                                lambda: self._finish(w, li), priority=li)
 
     def _sync_sfb(self, w, rec):
-        li = rec["index"]
+        li = rec.index
         fbytes = factor_bytes(rec, self.G, self.itemsize)
         peers = [(w + d) % self.P1 for d in range(1, self.P1)]
         self.got[w].setdefault(li, 0)
@@ -265,7 +272,7 @@ class _Iteration:
         self.d2h[w].submit(after(seconds(fbytes, self.net.pcie)), send_all, priority=li)
 
     def _factors_in(self, w, rec, fbytes):
-        li = rec["index"]
+        li = rec.index
         self.got[w][li] = self.got[w].get(li, 0) + 1
         if self.got[w][li] < self.P1:
             return
@@ -280,7 +287,7 @@ class _Iteration:
         2·(P1−1)/P1 of the layer to its right-hand neighbour. The 2·(P1−1) steps are one stream
         per link here (the ring pipelines them), which keeps the bytes and the step count's
         latencies but not each step's wait for the slowest link."""
-        li = rec["index"]
+        li = rec.index
         staged = min(self._layer_bytes(rec), self.net.chunk_bytes)
 
         def ready():
@@ -291,8 +298,8 @@ class _Iteration:
         self.d2h[w].submit(after(seconds(staged, self.net.pcie)), ready, priority=li)
 
     def _ring(self, rec, staged):
-        li, P1 = rec["index"], self.P1
-        count = sum(self.params[p]["count"] for p in rec["params"])
+        li, P1 = rec.index, self.P1
+        count = sum(self.params[p].count for p in rec.params)
         reduce_s = seconds(reduction_flops(count, P1), self.flop_rate)
         left = [P1]
 
@@ -335,7 +342,7 @@ class _Iteration:
         t = max(ends)
         compute = compute_seconds(self.profile)
         replicas = self.P1 * self.G
-        names = {rec["index"]: rec["name"] for rec in self.synced.values()}
+        names = {rec.index: rec.name for rec in self.synced.values()}
         return Result(mode=self.mode, workers=self.P1, servers=self.P2, iteration_s=t,
                       compute_s=compute, devices=self.G,
                       speedup=replicas * compute / t if t > 0 else float(replicas),

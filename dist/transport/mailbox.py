@@ -109,7 +109,7 @@ class Mailbox:
     # ----- bytes ----------------------------------------------------------------------------------
     def size_for(self, book):
         """Derive the byte limits from the model the book describes (see PEER_MODELS)."""
-        model = (sum(int(p["count"]) for p in book.params)
+        model = (sum(int(p.count) for p in book.params)
                  * numpy.dtype(book.data["dtype"]).itemsize)
         with self._lock:
             self.peer_limit = max(PEER_BYTES, PEER_MODELS * model)

@@ -52,6 +52,7 @@ from poseidon.engine.solvers.hooks import SolverHooks
 from ..job import faults
 from . import replicas
 from ..coord.book import describe_net, relaxed_consistency
+from ..coord.records import description_to_wire
 from ..cost.sync import CostSync
 from ..errors import DistError
 from .iterrecord import IterationRecorder
@@ -96,9 +97,9 @@ class WorkerHooks(SolverHooks):
         check_solver(solver, session)
         self.solver, self.net = solver, solver.net
         self.book = session.register({"role": "worker",
-                                      "description": describe_net(solver.net,
-                                                                  solver.param.iter_size,
-                                                                  solver.replicas.count),
+                                      "description": description_to_wire(describe_net(
+                                          solver.net, solver.param.iter_size,
+                                          solver.replicas.count)),
                                       "solver": solver_text(solver.param)})
         self.relaxed = relaxed_consistency(self.book.options)
         # one worker: the mean loss is its own, and the coordinator shares this process (it runs

@@ -77,22 +77,22 @@ def receive_state(transport, name, net, history, it, timeout):
 def _kv_spot(book, transport, kv, net, rank, pid):
     """(values, gradient) views of parameter pid in a server's shared memory, or None."""
     p = book.params[pid]
-    if p.get("scheme") is None or not scheme_class(p["scheme"]).uses_servers:
+    if p.scheme is None or not scheme_class(p.scheme).uses_servers:
         return None
-    if book.switchable(p["layer"]):
+    if book.switchable(p.layer):
         return None          # it may leave the servers: its arrays must stay the worker's own
-    owner = net.layers[p["owner"][0]]
+    owner = net.layers[p.owner[0]]
     if owner.holds_param_arrays:
         return None          # user code may keep the blob's arrays: their storage stays
-    pairs = sorted(book.pairs_of_param(pid), key=lambda rec: rec["offset"])
-    if not pairs or len({rec["server"] for rec in pairs}) != 1:
+    pairs = sorted(book.pairs_of_param(pid), key=lambda rec: rec.offset)
+    if not pairs or len({rec.server for rec in pairs}) != 1:
         return None
-    segment = transport.kv_segment(kv.server_rank(pairs[0]["server"]))
+    segment = transport.kv_segment(kv.server_rank(pairs[0].server))
     if segment is None:
         return None
-    slots = [segment.layout.slots[rec["id"]] for rec in pairs]
+    slots = [segment.layout.slots[rec.id] for rec in pairs]
     start = slots[0][0]
-    if any(off != start + rec["offset"] for (off, _), rec in zip(slots, pairs)):
+    if any(off != start + rec.offset for (off, _), rec in zip(slots, pairs)):
         return None                          # not back to back
     count = net.learnable_params[pid].count
     if sum(n for _, n in slots) != count:

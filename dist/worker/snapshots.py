@@ -69,8 +69,8 @@ class JobSnapshots:
         book, last = self.kv.book, max(solver.iter - 1, 0)   # the iteration just updated
         on_servers = None                # all the servers hold, unless a layer may leave them
         if book.measured:                # (the measured cost model): those PS syncs now
-            on_servers = [p["id"] for p in book.params if p["scheme"] is not None
-                          and scheme_class(book.scheme_of_param(p["id"], last)).uses_servers]
+            on_servers = [p.id for p in book.params if p.scheme is not None
+                          and scheme_class(book.scheme_of_param(p.id, last)).uses_servers]
         hosts = self.kv.fetch_state(counts, net.dtype, lambda pid: len(solver.history[pid]),
                                     pids=on_servers)
         for pid, (value, *arrays) in hosts.items():

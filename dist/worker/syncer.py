@@ -147,9 +147,9 @@ class Syncer:
         book = ctx.book
         self.rec = book.layer(li)
         self.members = book.group_members(li)      # li, or its bucket in backward order
-        self.name = "+".join(book.layer(m)["name"] for m in self.members)
+        self.name = "+".join(book.layer(m).name for m in self.members)
         self.layer = ctx.net.layers[li]
-        self.pids = [p for m in self.members for p in book.layer(m)["params"]]
+        self.pids = [p for m in self.members for p in book.layer(m).params]
         # on the wire, the sync goes at its lowest layer's priority (a bucket's lowest member
         # too): lower layers are needed first by the next forward (transport/scheduler.py)
         self.priority = min(self.members)

@@ -15,11 +15,13 @@ Run: python -m pytest tests/dist/test_allreduce.py -q
 """
 import json
 import time
+from dataclasses import replace
 
 import numpy
 import pytest
 
 from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.records import LayerRecord, description_from_wire
 from poseidon.dist.coord.checks import WireRules
 from poseidon.dist.cost.formulas import allreduce_cost, ps_cost, sfb_cost
 from poseidon.dist.errors import DistError
@@ -63,7 +65,7 @@ def run_and_compare(data, tmp_path, net_text, K, P1, P2, **options):
     for s in solvers[1:]:
         for a, b in zip(params_of(s), first):
             assert numpy.array_equal(a, b), f"{label}: replicas differ"
-    return solvers, {rec["name"]: rec["scheme"] for rec in solvers[0].book.layers}
+    return solvers, {rec.name: rec.scheme for rec in solvers[0].book.layers}
 
 
 # ----- the plan ------------------------------------------------------------------------------------
@@ -94,20 +96,26 @@ def test_the_plan_covers_the_gradient_and_matches_the_cost(floats, P, piece):
         assert ring_address(ring_key(17, slot)) == (17, slot)
 
 
+def _layer(M, N, K=1, sfb=False, shapes=None, index=0):
+    """A layer's record with the fields the costs read."""
+    return LayerRecord(index=index, name=f"l{index}", type="InnerProduct", M=M, N=N, K=K, sfb=sfb,
+                       params=(), shapes=None if shapes is None else tuple(map(tuple, shapes)))
+
+
 def test_cost_and_traffic_of_the_scheme():
-    rec = {"M": 64, "N": 576, "K": 32, "sfb": False, "shapes": [[64, 576], [64]]}
+    rec = _layer(64, 576, 32, shapes=[[64, 576], [64]])
     F = 64 * 576 + 64
     cls = SCHEMES["allreduce"]
-    assert layer_floats(rec) == F == layer_floats({"M": 64, "N": 576})   # no shapes: a bias of M
+    assert layer_floats(rec) == F == layer_floats(_layer(64, 576))   # no shapes: a bias of M
     assert cls.cost(rec, 4, 2) == allreduce_cost(F, 4) == 2 * 2 * 3 / 4 * F
     traffic = cls.traffic(rec, 4, 2)
     assert traffic["floats"] == cls.cost(rec, 4, 2) and traffic["flops"] == 3 / 4 * F
     assert traffic["messages"] == 2 * 2 * 3 * ring_plan(F, 4, allreduce.PIECE_FLOATS).pieces
     assert cls.cost(rec, 1, 1) == 0 and cls.traffic(rec, 1, 0)["messages"] == 0
     # a layer index a piece's key cannot carry: the ring does not apply, BestScheme takes another
-    assert cls.applies_to(dict(rec, index=(1 << 15) - 1))
-    assert not cls.applies_to(dict(rec, index=1 << 15))
-    assert choose_scheme(dict(rec, index=1 << 15), 4, 1, sync="allreduce") == "ps"
+    assert cls.applies_to(replace(rec, index=(1 << 15) - 1))
+    assert not cls.applies_to(replace(rec, index=1 << 15))
+    assert choose_scheme(replace(rec, index=1 << 15), 4, 1, sync="allreduce") == "ps"
     assert "allreduce" in sync_choices()
 
 
@@ -116,7 +124,7 @@ def test_best_scheme_takes_the_cheapest_of_three():
     serverless) and loses to it by the bias otherwise; with fewer servers it beats PS; SFB still
     wins on a wide fully connected layer with a small batch."""
     def rec(M, N, K, sfb, bias=True):
-        return {"M": M, "N": N, "K": K, "sfb": sfb, "shapes": [[M, N]] + ([[M]] if bias else [])}
+        return _layer(M, N, K, sfb, shapes=[[M, N]] + ([[M]] if bias else []))
     conv, wide, nobias = rec(64, 576, 32, False), rec(4096, 4096, 32, True), \
         rec(1000, 1024, 128, True, bias=False)
     for P1, P2 in ((2, 2), (8, 8), (4, 1), (8, 2)):
@@ -180,7 +188,7 @@ def test_hybrid_chooses_each_of_the_three_and_equals_one_process(data, tmp_path,
     for rec in solvers[0].book.layers:                  # what BestScheme picks is the cheapest
         costs = {name: cls.cost(rec, P1, P1) for name, cls in SCHEMES.items()
                  if cls.applies_to(rec)}
-        assert costs[rec["scheme"]] == min(costs.values()), (rec["name"], costs)
+        assert costs[rec.scheme] == min(costs.values()), (rec.name, costs)
 
 
 @pytest.mark.slow
@@ -190,7 +198,7 @@ def test_sync_a_plus_b_chooses_among_the_named_schemes_alone(data, tmp_path, sma
     process; a name not registered is one line."""
     _, schemes = run_and_compare(data, tmp_path, mixed_net, 8, 2, 2, sync="ps+sfb")
     assert schemes == {"conv1": "ps", "conv2": "ps", "ip1": "sfb", "ip2": "ps"}
-    rec = {"M": 1000, "N": 1024, "K": 128, "sfb": False, "shapes": [[1000, 1024]]}
+    rec = _layer(1000, 1024, 128, shapes=[[1000, 1024]])
     assert choose_scheme(rec, 8, 8, sync="sfb+allreduce") == "allreduce"
     assert choose_scheme(rec, 8, 8, sync="ps+sfb") == "ps"
     for bad in ("ps+nccl", "ps+ps"):
@@ -230,7 +238,7 @@ def test_bytes_per_layer_are_the_plan_and_the_cost_model(data, tmp_path, small_p
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=3), P1, 1, sync="allreduce",
                           stats=stats, timeline=trace)
     book = solvers[0].book
-    floats = {rec["name"]: layer_floats(rec) for rec in book.layers}
+    floats = {rec.name: layer_floats(rec) for rec in book.layers}
     exact = set()
     for rank in range(P1):
         with open(role_path(stats, "worker", rank), encoding="utf-8") as f:
@@ -274,7 +282,8 @@ def _description(layers):
                            "lr_mult": 1.0, "decay_mult": 1.0, "shared": False, "synced": True})
         recs.append({"index": li, "name": f"l{li}", "type": kind, "M": M, "N": N, "K": K,
                      "sfb": sfb, "params": pids, "shapes": [[M, N], [M]]})
-    return {"net": "t", "dtype": "float64", "iter_size": 1, "layers": recs, "params": params}
+    return description_from_wire({"net": "t", "dtype": "float64", "iter_size": 1, "layers": recs,
+                                  "params": params})
 
 
 @pytest.mark.slow
@@ -282,16 +291,16 @@ def test_relaxed_consistency_falls_back_to_ps(data):
     desc = _description([("Convolution", 64, 576, 32, False), ("InnerProduct", 100, 40, 64, True)])
     base = {"kv_pair_bytes": 1 << 20}
     bsp = InformationBook.build(desc, 4, 1, dict(base, sync="hybrid"))
-    assert [rec["scheme"] for rec in bsp.layers] == ["allreduce", "allreduce"]
+    assert [rec.scheme for rec in bsp.layers] == ["allreduce", "allreduce"]
     for relax in ({"staleness": 2}, {"straggler_timeout": 1.0}):
         book = InformationBook.build(desc, 4, 1, dict(base, sync="hybrid", **relax))
-        assert [rec["scheme"] for rec in book.layers] == ["ps", "ps"]
+        assert [rec.scheme for rec in book.layers] == ["ps", "ps"]
         assert [book.best_scheme(li) for li in (0, 1)] == ["ps", "ps"]
     with pytest.raises(DistError, match="--sync allreduce cannot be combined with --staleness"):
         InformationBook.build(desc, 4, 1, dict(base, sync="allreduce", staleness=1))
     # and a job: the layers the ring would take under BSP go by PS, and it trains
     solvers = run_threads(solver_param(conv_net(data, 2), max_iter=2), 3, 1, staleness=1)
-    assert {rec["scheme"] for rec in solvers[0].book.layers} == {"ps"}
+    assert {rec.scheme for rec in solvers[0].book.layers} == {"ps"}
 
 
 def test_a_bad_piece_is_dropped_at_the_door():

@@ -13,6 +13,7 @@ import numpy
 import pytest
 
 from poseidon.dist.coord.coordinator import Coordinator, CoordinatorClient
+from poseidon.dist.coord.records import description_to_wire
 from poseidon.dist.errors import AbortError, DistError
 from poseidon.dist.kv.store import KVServer
 from poseidon.dist.schemes import choose_scheme
@@ -64,7 +65,7 @@ def register_all(roles, clients, desc, options):
     def reg(rank):
         info = {"role": roles.role(rank), "options": options, "pid": rank}
         if roles.is_worker(rank):
-            info.update(description=desc, solver="base_lr: 0.1\n")
+            info.update(description=description_to_wire(desc), solver="base_lr: 0.1\n")
         books[rank] = clients[rank].register(info)
     threads = [threading.Thread(target=reg, args=(r,)) for r in range(roles.size)]
     for t in threads:
@@ -102,6 +103,8 @@ def test_services(local0):
         assert choose_scheme(book.layer(1), 3, 1, sync="ps+sfb") == "ps"
         # Query over the socket
         assert clients[1].query("best_scheme", index=0) == book.best_scheme(0)
+        assert clients[1].query("layer", index=1) == book.layer(1).to_wire()
+        assert clients[2].query("pairs", server=0) == [p.to_wire() for p in book.pairs]
         assert clients[3].query("cluster")["workers"] == 3
         with pytest.raises(DistError, match="unknown query"):
             clients[0].query("nonsense")
@@ -141,7 +144,7 @@ def register_all_but(roles, clients, absent):
     def reg(rank):
         try:
             clients[rank].register({"role": roles.role(rank), "options": dict(OPTIONS, workers=2),
-                                    "description": desc, "solver": ""})
+                                    "description": description_to_wire(desc), "solver": ""})
         except DistError as e:
             errors[rank] = e
     threads = [threading.Thread(target=reg, args=(r,)) for r in range(roles.size) if r != absent]
@@ -229,29 +232,29 @@ def test_server_sums_in_rank_order_then_handles(handler):
     t = FakeTransport(3)
     server = KVServer(t, book, Roles(3, 1), make_rule(param), handler=handler)
     bundle = book.bundles[0]                 # the layer's weight and bias: one message each way
-    pairs = [book.pairs[k] for k in bundle["pairs"]]
-    assert [p["param"] for p in pairs] == [0, 1]
+    pairs = [book.pairs[k] for k in bundle.pairs]
+    assert [p.param for p in pairs] == [0, 1]
     for pair in pairs:
-        server.on_init(Msg_(Msg.KV_INIT, 0, 0, pair["id"], [numpy.ones(pair["length"])]))
-    grads = [[numpy.full(pair["length"], g * (k + 1)) for k, pair in enumerate(pairs)]
+        server.on_init(Msg_(Msg.KV_INIT, 0, 0, pair.id, [numpy.ones(pair.length)]))
+    grads = [[numpy.full(pair.length, g * (k + 1)) for k, pair in enumerate(pairs)]
              for g in (1.0, 2.0, 6.0)]
     for r in (2, 0, 1):                                      # arrival order does not matter
-        server.on_push(Msg_(Msg.KV_PUSH, r, 0, bundle["id"], grads[r]))
+        server.on_push(Msg_(Msg.KV_PUSH, r, 0, bundle.id, grads[r]))
         if r != 1:
             assert not [s for s in t.sent if s[1] == Msg.KV_VALUE]
     replies = [s for s in t.sent if s[1] == Msg.KV_VALUE]
     assert [s[0] for s in replies] == [0, 1, 2]
     mean = (1.0 + 2.0 + 6.0) / 3
     for s in replies:
-        assert s[3] == bundle["id"] and len(s[4]) == 2
+        assert s[3] == bundle.id and len(s[4]) == 2
         for k, values in enumerate(s[4]):
             expected = 1.0 - 0.5 * mean * (k + 1) if handler == "update" else mean * (k + 1)
             numpy.testing.assert_allclose(values, expected)
-    server.on_push(Msg_(Msg.KV_PUSH, 0, 5, bundle["id"], grads[0]))   # dropped, not fatal
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 5, bundle.id, grads[0]))   # dropped, not fatal
     assert len(t.dropped) == 1 and "the pair is at iteration 1" in t.dropped[0]
-    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, bundle["id"], grads[0][:1]))   # half a message
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, bundle.id, grads[0][:1]))   # half a message
     assert len(t.dropped) == 2 and "carries 1 arrays, its message holds 2 pairs" in t.dropped[1]
-    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, pairs[1]["id"], grads[0][1:]))   # not a message key
+    server.on_push(Msg_(Msg.KV_PUSH, 0, 1, pairs[1].id, grads[0][1:]))   # not a message key
     assert len(t.dropped) == 3 and "is not the first pair of a message" in t.dropped[2]
     assert len(t.sent) == len(replies)
 

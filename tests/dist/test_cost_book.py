@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from poseidon.dist.coord.book import InformationBook, first_difference
+from poseidon.dist.coord.records import description_from_wire, description_to_wire
 from poseidon.dist.schemes import best_scheme
 from poseidon.dist.cost.formulas import adam_cost, ps_cost, sfb_cost
 from poseidon.dist.errors import DistError
@@ -56,6 +57,7 @@ def test_adam_comparator():
 
 
 def _description(layers):
+    """A net's description as its records (description_to_wire: as a worker sends it)."""
     params, recs = [], []
     for li, (kind, M, N, K, sfb) in enumerate(layers):
         pids = []
@@ -67,7 +69,8 @@ def _description(layers):
             pids.append(pid)
         recs.append({"index": li, "name": f"l{li}", "type": kind, "M": M, "N": N, "K": K,
                      "sfb": sfb, "params": pids, "shapes": [[M, N], [M]]})
-    return {"net": "t", "dtype": "float32", "iter_size": 1, "layers": recs, "params": params}
+    return description_from_wire({"net": "t", "dtype": "float32", "iter_size": 1, "layers": recs,
+                                  "params": params})
 
 
 def test_book_decides_per_layer_and_places_only_ps_parameters():
@@ -75,9 +78,9 @@ def test_book_decides_per_layer_and_places_only_ps_parameters():
                          ("InnerProduct", 1000, 1024, 128, True)])
     book = InformationBook.build(desc, 8, 8, {"sync": "hybrid", "kv_pair_bytes": 2 << 20})
     assert [book.best_scheme(li) for li in (0, 1, 2)] == ["ps", "sfb", "ps"]
-    placed = {p["param"] for p in book.pairs}
+    placed = {p.param for p in book.pairs}
     assert placed == {0, 1, 4, 5}                         # conv and the 1000x1024 layer
-    assert all(p["length"] * 4 <= 2 << 20 for p in book.pairs)
+    assert all(p.length * 4 <= 2 << 20 for p in book.pairs)
     assert book.query("best_scheme", index=1) == "sfb"
     assert book.query("costs", index=1)["sfb"] == sfb_cost(4096, 4096, 32, 8)
 
@@ -100,7 +103,7 @@ def test_servers_zero_needs_every_layer_serverless():
 def test_first_difference_names_the_layer():
     a = _description([("InnerProduct", 10, 20, 4, True)])
     b = _description([("InnerProduct", 10, 30, 4, True)])
-    assert "['l0'].N: 20 vs 30" in first_difference(a, b)
+    assert "['l0'].N: 20 vs 30" in first_difference(description_to_wire(a), description_to_wire(b))
 
 
 # ----- KV pairs and placement -------------------------------------------------------------------------
@@ -169,14 +172,14 @@ def _check_bundles(book, fusion):
     a bundle of several pairs within the fusion size."""
     seen = []
     for b in book.bundles:
-        pairs = [book.pairs[k] for k in b["pairs"]]
-        assert b["id"] == b["pairs"][0] and b["pairs"] == sorted(b["pairs"])
-        assert {p["server"] for p in pairs} == {b["server"]}
-        assert all(book.params[p["param"]]["layer"] == b["layer"] for p in pairs)
+        pairs = [book.pairs[k] for k in b.pairs]
+        assert b.id == b.pairs[0] and list(b.pairs) == sorted(b.pairs)
+        assert {p.server for p in pairs} == {b.server}
+        assert all(book.params[p.param].layer == b.layer for p in pairs)
         if len(pairs) > 1:
-            assert sum(p["length"] for p in pairs) * book.data["itemsize"] <= fusion
-        seen += b["pairs"]
-    assert sorted(seen) == [p["id"] for p in book.pairs]
+            assert sum(p.length for p in pairs) * book.data["itemsize"] <= fusion
+        seen += b.pairs
+    assert sorted(seen) == [p.id for p in book.pairs]
 
 
 def test_book_bundles_a_small_layer_into_one_message_on_one_server():
@@ -187,17 +190,17 @@ def test_book_bundles_a_small_layer_into_one_message_on_one_server():
     _check_bundles(book, 2 << 20)
     # the conv (weight 147 kB + bias) and the classifier: one message each, although 3 servers
     assert [len(book.bundles_of_layer(li)) for li in (0, 2)] == [1, 1]
-    assert [len(b["pairs"]) for li in (0, 2) for b in book.bundles_of_layer(li)] == [2, 2]
+    assert [len(b.pairs) for li in (0, 2) for b in book.bundles_of_layer(li)] == [2, 2]
     # fc (151 MB): 2 MB pairs, one per message, spread over every server
     big = book.bundles_of_layer(1)
-    assert len(big) == sum(len(book.pairs_of_param(p)) for p in book.layer(1)["params"])
-    assert {b["server"] for b in big} == {0, 1, 2}
+    assert len(big) == sum(len(book.pairs_of_param(p)) for p in book.layer(1).params)
+    assert {b.server for b in big} == {0, 1, 2}
     loads = book.server_bytes()
     assert max(loads) - min(loads) <= 2 << 20               # within one pair of each other
     # --fusion-bytes 0 and relaxed consistency: one message per pair
     for extra in ({"fusion_bytes": 0}, {"staleness": 2}, {"straggler_timeout": 1.0}):
         flat = InformationBook.build(desc, 4, 3, dict(opts, **extra))
-        assert [b["pairs"] for b in flat.bundles] == [[p["id"]] for p in flat.pairs], extra
+        assert [b.pairs for b in flat.bundles] == [(p.id,) for p in flat.pairs], extra
     # a larger fusion size packs the fc's bias with its last weight pair
     wide = InformationBook.build(desc, 4, 3, dict(opts, fusion_bytes=8 << 20))
     _check_bundles(wide, 8 << 20)
@@ -232,24 +235,24 @@ def test_buckets_join_consecutive_small_ps_layers_in_backward_order():
     opts = {"sync": "hybrid", "kv_pair_bytes": 2 << 20, "bucket_bytes": 300 << 10}
     book = InformationBook.build(desc, 4, 4, opts)
     assert book.best_scheme(2) == "sfb"
-    assert {rec["scheme"] for rec in book.layers if rec["index"] != 2} == {"ps"}
-    groups = {rec["index"]: rec["group"] for rec in book.layers}
+    assert {rec.scheme for rec in book.layers if rec.index != 2} == {"ps"}
+    groups = {rec.index: rec.group for rec in book.layers}
     # backward order 5, 4, 3: 2.6 + 262 kB fit, 205 more do not; then the SFB layer alone
     assert groups == {5: 4, 4: 4, 3: 3, 2: 2, 1: 0, 0: 0}
     assert book.synced_layers() == [0, 2, 3, 4]
     assert book.group_members(4) == [5, 4] and book.group_members(0) == [1, 0]
     assert len(book.bundles_of_layer(4)) == 1 and not book.bundles_of_layer(5)
     (bundle,) = book.bundles_of_layer(4)
-    params = {book.pairs[k]["param"] for k in bundle["pairs"]}
-    assert params == set(book.layer(4)["params"]) | set(book.layer(5)["params"])
-    assert len({book.pairs[k]["server"] for k in bundle["pairs"]}) == 1
+    params = {book.pairs[k].param for k in bundle.pairs}
+    assert params == set(book.layer(4).params) | set(book.layer(5).params)
+    assert len({book.pairs[k].server for k in bundle.pairs}) == 1
     for extra in ({"bucket_bytes": 0}, {"staleness": 2}, {}):
         alone = InformationBook.build(desc, 4, 4, dict(opts, **extra) if extra else
                                       {k: v for k, v in opts.items() if k != "bucket_bytes"})
-        assert all(rec["group"] == rec["index"] for rec in alone.layers), extra
+        assert all(rec.group == rec.index for rec in alone.layers), extra
         assert alone.synced_layers() == [0, 1, 2, 3, 4, 5]
     ring = InformationBook.build(desc, 4, 2, opts)
-    assert [rec["scheme"] for rec in ring.layers] == ["allreduce"] * 2 + ["sfb"] + ["allreduce"] * 3
+    assert [rec.scheme for rec in ring.layers] == ["allreduce"] * 2 + ["sfb"] + ["allreduce"] * 3
     assert ring.synced_layers() == [0, 1, 2, 3, 4, 5] and ring.pairs == []
 
 
@@ -278,7 +281,7 @@ def test_bucket_bytes_auto_buckets_on_one_host_only():
         book = InformationBook.build(desc, 2, 1, dict({"sync": "ps", "kv_pair_bytes": 2 << 20},
                                                       **extra), local=local)
         assert book.data["bucket_bytes"] == want, (extra, local)
-        bucketed = any(rec["group"] != rec["index"] for rec in book.layers)
+        bucketed = any(rec.group != rec.index for rec in book.layers)
         assert bucketed == (want >= 120 << 10), (extra, local)      # all three fit in 115 kB
         lines = "\n".join(book.summary_lines())
         assert ("one host: consecutive PS layers" in lines) == (want == AUTO_BUCKET_BYTES)
@@ -301,15 +304,15 @@ def test_shared_memory_merges_a_syncs_bundles_per_server_after_placement():
     plain = InformationBook.build(desc, P1, P2, base, local=shared | {3: dict(here)})
     merged = InformationBook.build(desc, P1, P2, base, local=shared)
     assert merged.data["merged_on_servers"] and not plain.data["merged_on_servers"]
-    assert [(p["id"], p["server"]) for p in merged.pairs] == \
-        [(p["id"], p["server"]) for p in plain.pairs]                 # placement unchanged
+    assert [(p.id, p.server) for p in merged.pairs] == \
+        [(p.id, p.server) for p in plain.pairs]                 # placement unchanged
     assert len(merged.bundles) < len(plain.bundles)
     for li in (0, 1):
         for s in range(P2):
-            want = [k for b in plain.bundles_of_layer(li) if b["server"] == s for k in b["pairs"]]
-            got = [b for b in merged.bundles_of_layer(li) if b["server"] == s]
-            assert [k for b in got for k in b["pairs"]] == want          # same pairs, same order
-            assert all(len(b["pairs"]) <= MAX_BUNDLE_ARRAYS and b["id"] == b["pairs"][0]
+            want = [k for b in plain.bundles_of_layer(li) if b.server == s for k in b.pairs]
+            got = [b for b in merged.bundles_of_layer(li) if b.server == s]
+            assert [k for b in got for k in b.pairs] == want          # same pairs, same order
+            assert all(len(b.pairs) <= MAX_BUNDLE_ARRAYS and b.id == b.pairs[0]
                        for b in got)
             assert len(got) == -(-len(want) // MAX_BUNDLE_ARRAYS)
     for extra, local in (({"fusion_bytes": 16 << 10}, shared),

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from poseidon.dist.coord.records import LayerRecord
 from poseidon.dist.cost.model import Corrections, Planner, modelled_seconds, scheme_seconds
 from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import scheme_class
@@ -26,8 +27,8 @@ REFRESH = 4
 
 
 def fc(K, index=0, M=512, N=512):
-    return {"index": index, "name": f"fc{index}", "type": "InnerProduct", "M": M, "N": N, "K": K,
-            "sfb": True, "candidates": ["ps", "sfb"]}
+    return LayerRecord(index=index, name=f"fc{index}", type="InnerProduct", M=M, N=N, K=K,
+                       sfb=True, params=(), candidates=("ps", "sfb"))
 
 
 # On these links a 512x512 layer at K=300 is predicted 16.8 ms by PS and 19.7 ms by SFB (so the
@@ -58,7 +59,7 @@ def drive(layers, true_seconds, windows, noise=0.0, seed=0, refresh=REFRESH):
         choices = {int(li): name for li, name in now["choices"].items()}
         ran.append(choices)
         reports = {w: {"observed": {
-            str(rec["index"]): true_seconds(k, rec, choices, planner)
+            str(rec.index): true_seconds(k, rec, choices, planner)
             * (1 + rng.uniform(-noise, noise)) for rec in layers}} for w in ROLES.worker_ranks()}
         published.append(planner.decide(book, reports, (k + 2) * refresh))
     return ran
@@ -71,7 +72,7 @@ def switches(ran, li):
 
 def ps_three_times(k, rec, choices, planner):
     """PS really takes 3x its prediction, SFB exactly its own: SFB is 2.5x faster at K=300."""
-    scheme = choices[rec["index"]]
+    scheme = choices[rec.index]
     return alone(rec, scheme, planner) * (3.0 if scheme == "ps" else 1.0)
 
 
@@ -115,7 +116,7 @@ def test_a_change_on_two_schemes_at_once_is_the_load():
 
 # ----- constant costs: one change at most, then it holds ----------------------------------------
 def test_truthful_costs_the_model_gets_right_change_nothing():
-    ran = drive([fc(300)], lambda k, rec, choices, p: alone(rec, choices[rec["index"]], p), 30)
+    ran = drive([fc(300)], lambda k, rec, choices, p: alone(rec, choices[rec.index], p), 30)
     assert switches(ran, 0) == [] and ran[0][0] == "ps"
 
 
@@ -137,12 +138,12 @@ def test_constant_costs_with_contention_settle_every_layer():
 
     def truth(k, rec, choices, planner):
         modelled = modelled_seconds(layers, ROLES, planner.table, 4, choices)
-        return modelled[rec["index"]][choices[rec["index"]]] * factor[choices[rec["index"]]]
+        return modelled[rec.index][choices[rec.index]] * factor[choices[rec.index]]
 
     ran = drive(layers, truth, 40)
     for rec in layers:
-        moved = switches(ran, rec["index"])
-        assert len(moved) <= 1 and all(k < 12 for k in moved), (rec["index"], moved)
+        moved = switches(ran, rec.index)
+        assert len(moved) <= 1 and all(k < 12 for k in moved), (rec.index, moved)
 
 
 # ----- noisy costs: no flip-flopping ------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_noise_does_not_move_a_layer_between_near_equal_schemes(seed, sfb_ms):
     measures within 7% of PS. With ±15% noise on every window, the layer never moves again
     whichever of the two is the cheaper."""
     def truth(k, rec, choices, planner):
-        return (30.0 if choices[rec["index"]] == "ps" else sfb_ms) * 1e-3
+        return (30.0 if choices[rec.index] == "ps" else sfb_ms) * 1e-3
     ran = drive([fc(300)], truth, 50, noise=0.15, seed=seed)
     assert len(switches(ran, 0)) == 1 and ran[-1][0] == "sfb", switches(ran, 0)
 
@@ -173,7 +174,7 @@ def test_a_step_in_the_running_schemes_cost_is_followed_within_two_windows():
     """The model is right until window 12, then PS takes 3x as long: the report of window 12 or
     13 moves the layer to SFB (in force two windows after the report, the protocol's delay)."""
     def truth(k, rec, choices, planner):
-        scheme = choices[rec["index"]]
+        scheme = choices[rec.index]
         return alone(rec, scheme, planner) * (3.0 if scheme == "ps" and k >= STEP_AT else 1.0)
     ran = drive([fc(300)], truth, 30)
     assert switches(ran, 0) == [switches(ran, 0)[0]] and ran[-1][0] == "sfb"
@@ -183,7 +184,7 @@ def test_a_step_in_the_running_schemes_cost_is_followed_within_two_windows():
 @pytest.mark.parametrize("seed", range(4))
 def test_a_step_is_followed_through_noise(seed):
     def truth(k, rec, choices, planner):
-        scheme = choices[rec["index"]]
+        scheme = choices[rec.index]
         return alone(rec, scheme, planner) * (3.0 if scheme == "ps" and k >= STEP_AT else 1.0)
     ran = drive([fc(300)], truth, 30, noise=0.15, seed=seed)
     assert len(switches(ran, 0)) == 1 and switches(ran, 0)[0] <= STEP_AT + 1 + 2
@@ -195,7 +196,7 @@ def test_a_layer_goes_back_when_the_scheme_it_took_gets_dearer():
     later = 24
 
     def truth(k, rec, choices, planner):
-        scheme = choices[rec["index"]]
+        scheme = choices[rec.index]
         if scheme == "ps":
             return alone(rec, scheme, planner) * 3.0
         return alone(rec, scheme, planner) * (4.0 if k >= later else 1.0)
@@ -210,12 +211,12 @@ def test_one_iteration_windows_need_eight_iterations_of_evidence():
     not move the layer; PS really 3x slower from iteration 40 does, within the 8 iterations that
     make a span of evidence there (and the protocol's delay)."""
     def burst(k, rec, choices, planner):
-        scheme = choices[rec["index"]]
+        scheme = choices[rec.index]
         return alone(rec, scheme, planner) * (3.0 if k in (20, 21) and scheme == "ps" else 1.0)
     assert switches(drive([fc(300)], burst, 60, refresh=1), 0) == []
 
     def step(k, rec, choices, planner):
-        scheme = choices[rec["index"]]
+        scheme = choices[rec.index]
         return alone(rec, scheme, planner) * (3.0 if k >= 40 and scheme == "ps" else 1.0)
     moved = switches(drive([fc(300)], step, 60, refresh=1), 0)
     assert len(moved) == 1 and 40 + 8 + 1 <= moved[0] <= 40 + 8 + 2, moved
@@ -235,6 +236,6 @@ def test_a_measured_job_rarely_switches(tmp_path):
     book = solvers[0].book
     counts = {}
     for rec in book.layers:
-        seq = [book.best_scheme(rec["index"], it) for it in range(iters)]
-        counts[rec["name"]] = sum(a != b for a, b in zip(seq, seq[1:]))
+        seq = [book.best_scheme(rec.index, it) for it in range(iters)]
+        counts[rec.name] = sum(a != b for a, b in zip(seq, seq[1:]))
     assert len(counts) == 3 and max(counts.values()) <= 2 and sum(counts.values()) <= 4, counts

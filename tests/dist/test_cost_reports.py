@@ -19,6 +19,7 @@ import pytest
 
 from poseidon.dist.cost import probe
 from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.records import description_from_wire
 from poseidon.dist.cost.model import LinkTable
 from poseidon.dist.cost.sync import CostSync
 from poseidon.dist.cost.probe import PROBE_BYTES, PROBE_ROUND_TRIPS, Prober
@@ -209,7 +210,8 @@ def measured_book(workers, servers):
                            "shared": False, "synced": True})
         recs.append({"index": li, "name": f"fc{li}", "type": "InnerProduct", "M": M, "N": N,
                      "K": 4, "sfb": True, "params": pids, "shapes": [[M, N], [M]]})
-    desc = {"net": "t", "dtype": "float64", "iter_size": 1, "layers": recs, "params": params}
+    desc = description_from_wire({"net": "t", "dtype": "float64", "iter_size": 1,
+                                  "layers": recs, "params": params})
     return InformationBook.build(desc, workers, servers,
                                  {"sync": "hybrid", "kv_pair_bytes": 1 << 20,
                                   "cost_model": "measured"})
@@ -238,7 +240,7 @@ def test_every_worker_files_the_published_choices():
     at every iteration, not Algorithm 1's, and all three books hold the same schedule."""
     workers = 3
     static = measured_book(workers, 1)
-    candidates = {rec["index"]: rec["candidates"] for rec in static.layers}
+    candidates = {rec.index: rec.candidates for rec in static.layers}
     assert all({"sfb", "allreduce"} <= set(c) for c in candidates.values()), candidates
     first, later = {}, {}
     for li in candidates:

@@ -9,6 +9,7 @@ import numpy
 import pytest
 
 from poseidon.dist.coord.book import cost_model
+from poseidon.dist.coord.records import LayerRecord
 from poseidon.dist.cost.formulas import ps_cost, sfb_cost
 from poseidon.dist.cost.model import (Link, LinkTable, Planner, load_cost_table, plan,
                                      window_ratios)
@@ -30,8 +31,8 @@ def table(roles, peers, servers, flops=1e10, encrypt=0.0, encrypted=False):
 
 
 def fc(M, N, K, index=0):
-    return {"index": index, "name": f"fc{index}", "type": "InnerProduct", "M": M, "N": N, "K": K,
-            "sfb": True, "candidates": ["ps", "sfb"]}
+    return LayerRecord(index=index, name=f"fc{index}", type="InnerProduct", M=M, N=N, K=K,
+                       sfb=True, params=(), candidates=("ps", "sfb"))
 
 
 # ----- the model --------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def test_snapshot_of_a_switching_run_resumes(data, tmp_path):
         return run_threads(p, 2, 1, snapshot=snapshot, weights=None if snapshot else weights,
                            cost_model="measured", cost_refresh=4, cost_table=str(path))
     full = run("a")
-    first = full[0].book.layers[0]["index"]
+    first = full[0].book.layers[0].index
     before, after = (full[0].book.best_scheme(first, it) for it in (7, 8))
     assert (before in ("sfb", "allreduce"), after) == (True, "ps"), (before, after)
     assert_params_close(params_of(full[0]), want, rtol=1e-5, label="snapshot at the switch")

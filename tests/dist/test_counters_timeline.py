@@ -43,9 +43,9 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync, ipc):
                           ipc=ipc)
                           # (on one host --bucket-bytes auto would share one sync between them)
     book = solvers[0].book
-    dims = {rec["name"]: (rec["M"], rec["N"]) for rec in book.layers}
-    pairs_of = {rec["name"]: len(book.bundles_of_layer(rec["index"])) for rec in book.layers}
-    arrays_of = {rec["name"]: sum(len(book.pairs_of_param(p)) for p in rec["params"])
+    dims = {rec.name: (rec.M, rec.N) for rec in book.layers}
+    pairs_of = {rec.name: len(book.bundles_of_layer(rec.index)) for rec in book.layers}
+    arrays_of = {rec.name: sum(len(book.pairs_of_param(p)) for p in rec.params)
                  for rec in book.layers}
     if sync == "ps" and ipc == "links":   # 8 kB pairs and messages: a small layer's bias
         assert pairs_of["ip1"] == arrays_of["ip1"] >= 2       # rides with its weight; full 8 kB
@@ -53,8 +53,8 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync, ipc):
     elif sync == "ps":  # in shared memory a layer's pairs on one server are one message
         assert book.data["merged_on_servers"]
         for rec in book.layers:
-            servers = {p["server"] for pid in rec["params"] for p in book.pairs_of_param(pid)}
-            assert pairs_of[rec["name"]] == len(servers) and arrays_of[rec["name"]] > 1
+            servers = {p.server for pid in rec.params for p in book.pairs_of_param(pid)}
+            assert pairs_of[rec.name] == len(servers) and arrays_of[rec.name] > 1
     for rank in range(P1):
         records = read_jsonl(role_path(stats, "worker", rank))
         assert [r["iter"] for r in records] == list(range(iters))
@@ -79,7 +79,7 @@ def test_payload_per_layer_per_iteration(data, tmp_path, sync, ipc):
             assert r["sent_payload"] == sum(v["sent_payload"] for v in r["layers"].values())
     for index in range(P2):
         records = read_jsonl(role_path(stats, "server", index))
-        held = sum(p["length"] for p in book.pairs_on_server(index)) * ITEM
+        held = sum(p.length for p in book.pairs_on_server(index)) * ITEM
         if sync == "sfb":
             assert records == []                         # nothing to hold
             continue

@@ -51,8 +51,8 @@ def test_workers_of_two_replicas_equal_one_process(data, combined, sync):
     for s in solvers:
         s.solver.replicas.shutdown()
     book = solvers[0].book
-    assert all(rec["K"] == K * G for rec in book.layers)       # a leader's factors: K·G rows
-    schemes = {rec["name"]: rec["scheme"] for rec in book.layers}
+    assert all(rec.K == K * G for rec in book.layers)       # a leader's factors: K·G rows
+    schemes = {rec.name: rec.scheme for rec in book.layers}
     if sync == "hybrid":
         assert "sfb" in schemes.values(), schemes
     else:

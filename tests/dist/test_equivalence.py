@@ -54,7 +54,7 @@ def test_equals_one_process_on_the_combined_batch(data, references, net, P1, P2,
     weights, want = references(net, P1)
     solvers = run_threads(solver_param(build(data, K), max_iter=ITERS), P1, P2, weights=weights,
                           sync=sync, no_overlap=no_overlap)
-    schemes = {rec["name"]: rec["scheme"] for rec in solvers[0].book.layers}
+    schemes = {rec.name: rec.scheme for rec in solvers[0].book.layers}
     if net == "conv":         # never SFB; under hybrid the cheaper of PS and the ring, which
         # moves the bias too: PS at 2 workers, the ring at 4 (3·168 floats against 2·162·(P1 +
         # P2 − 2)/P2 for conv1)
@@ -92,7 +92,7 @@ def test_hybrid_mixes_schemes_on_the_fc_net(data, references):
     the ring (3·125 floats against PS's 2·120·4/2 and SFB's 2·8·3·29)."""
     weights, _ = references("fc", 4)
     solvers = run_threads(solver_param(fc_net(data, 8), max_iter=2), 4, 2, weights=weights)
-    schemes = [rec["scheme"] for rec in solvers[0].book.layers]
+    schemes = [rec.scheme for rec in solvers[0].book.layers]
     assert schemes == ["sfb", "sfb", "allreduce"]
 
 
@@ -132,7 +132,7 @@ def test_iter_size_accumulates_then_syncs_once(data, tmp_path):
                      weights_out=weights)
     solvers = run_threads(solver_param(conv_net(data, K), max_iter=6, iter_size=2), P1, 1,
                           weights=weights)
-    assert {rec["scheme"] for rec in solvers[0].book.layers} == {"ps"}
+    assert {rec.scheme for rec in solvers[0].book.layers} == {"ps"}
     assert solvers[0].book.data["grad_scale"] == 1 / (P1 * 2)
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="iter_size 2")
 
@@ -184,7 +184,7 @@ def test_buckets_change_nothing_but_the_message_count(data, references, tmp_path
         assert numpy.array_equal(a, b), "a bucket changed the arithmetic"
     assert_params_close(bucketed, want, rtol=1e-5, label="bucketed")
     assert len(book.synced_layers()) == 1 < len(book_alone.synced_layers())
-    names = [rec["name"] for rec in sorted(book.layers, key=lambda r: -r["index"])]
+    names = [rec.name for rec in sorted(book.layers, key=lambda r: -r.index)]
     (key,) = rec_bucket[-1]["layers"]
     assert key == "+".join(names)                         # in backward order
     sent = {b: sum(layer["messages_sent"] for r in recs for layer in r["layers"].values())

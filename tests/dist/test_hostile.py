@@ -55,7 +55,7 @@ class Fuzzer:
         self.dtype = numpy.dtype(book.data["dtype"])
         self.pairs = book.pairs
         self.bundles = book.bundles
-        self.sfb = [rec for rec in book.layers if rec["scheme"] == "sfb"]
+        self.sfb = [rec for rec in book.layers if rec.scheme == "sfb"]
         self.kinds = {}
 
     # ----- templates: real messages but at an iteration that is never current -------------------
@@ -63,20 +63,20 @@ class Fuzzer:
         rs = self.rs
         if target == "server":
             bundle = self.bundles[rs.randint(len(self.bundles))]
-            return (Msg.KV_PUSH, int(rs.randint(P1)), bundle["id"], self.zeros(bundle))
+            return (Msg.KV_PUSH, int(rs.randint(P1)), bundle.id, self.zeros(bundle))
         if self.sfb and rs.rand() < 0.5:
             rec = self.sfb[rs.randint(len(self.sfb))]
             sender = 1 - target          # the other worker
-            return (Msg.SF, sender, rec["index"],
-                    [numpy.zeros((rec["K"], rec["M"]), self.dtype),
-                     numpy.zeros((rec["K"], rec["N"]), self.dtype),
-                     numpy.zeros(rec["M"], self.dtype)])
+            return (Msg.SF, sender, rec.index,
+                    [numpy.zeros((rec.K, rec.M), self.dtype),
+                     numpy.zeros((rec.K, rec.N), self.dtype),
+                     numpy.zeros(rec.M, self.dtype)])
         bundle = self.bundles[rs.randint(len(self.bundles))]
-        return (Msg.KV_VALUE, P1 + bundle["server"], bundle["id"], self.zeros(bundle))
+        return (Msg.KV_VALUE, P1 + bundle.server, bundle.id, self.zeros(bundle))
 
     def zeros(self, bundle):
         """The arrays of one KV message: one per pair of the bundle."""
-        return [numpy.zeros(self.pairs[k]["length"], self.dtype) for k in bundle["pairs"]]
+        return [numpy.zeros(self.pairs[k].length, self.dtype) for k in bundle.pairs]
 
     def frames(self, mtype, sender, iteration, key, arrays, flags=0):
         return [encode_header(mtype, sender, iteration, key, 0, arrays, flags)] + \
@@ -168,8 +168,8 @@ def test_ten_thousand_bad_frames_change_nothing(data, tmp_path):
     weights = initial_weights(param, tmp_path / "init.caffemodel")
     keys = security.make_keys()
     want, quiet = run_gated(param, P1, P2, CHUNKS, keys=keys, weights=weights)
-    book = InformationBook(quiet[0].book.data)
-    assert any(r["scheme"] == "sfb" for r in book.layers) and book.pairs, "need PS and SFB"
+    book = InformationBook.from_wire(quiet[0].book.to_wire())
+    assert any(r.scheme == "sfb" for r in book.layers) and book.pairs, "need PS and SFB"
 
     targets = {}
     fuzzer = Fuzzer(book)
@@ -235,11 +235,11 @@ def test_ring_pieces_far_ahead_are_refused_during_training(data, tmp_path, capfd
     keys = security.make_keys()
     job = dict(keys=keys, weights=weights, sync="allreduce")
     want, quiet = run_gated(param, P1, P2, CHUNKS, **job)
-    book = InformationBook(quiet[0].book.data)
-    ring = [rec for rec in book.layers if rec["scheme"] == "allreduce"]
+    book = InformationBook.from_wire(quiet[0].book.to_wire())
+    ring = [rec for rec in book.layers if rec.scheme == "allreduce"]
     assert ring, "need layers on the ring"
     dtype = numpy.dtype(book.data["dtype"])
-    pieces = [(ring_key(rec["index"], slot), plan_of(rec, P1).expected_length(slot, 1))
+    pieces = [(ring_key(rec.index, slot), plan_of(rec, P1).expected_length(slot, 1))
               for rec in ring for slot in range(plan_of(rec, P1).slots)]
     flood, seen = 300, {}
 
@@ -304,12 +304,12 @@ def test_a_worker_that_really_pushes_the_wrong_dtype_is_named_with_the_other(cap
     try:
         server = KVServer(t, book, roles, make_rule(solver_param(fc_net("x", 1))))
         bundle = book.bundles_on_server(0)[0]
-        sizes = [book.pairs[k]["length"] for k in bundle["pairs"]]
-        for k, n in zip(bundle["pairs"], sizes):
+        sizes = [book.pairs[k].length for k in bundle.pairs]
+        for k, n in zip(bundle.pairs, sizes):
             server.on_init(Message(Msg.KV_INIT, 0, 0, k, 0, [numpy.zeros(n)], None, 30, 8))
-        server.on_push(Message(Msg.KV_PUSH, 0, 0, bundle["id"], 0,
+        server.on_push(Message(Msg.KV_PUSH, 0, 0, bundle.id, 0,
                                [numpy.ones(n) for n in sizes], None, 30, 8))
-        server.on_push(Message(Msg.KV_PUSH, 1, 0, bundle["id"], 0,
+        server.on_push(Message(Msg.KV_PUSH, 1, 0, bundle.id, 0,
                                [numpy.ones(n, numpy.float32) for n in sizes], None, 30, 8))
         assert t.counters()["dropped_messages"] == 1
         server._check_disagreements()                     # not yet: it may be a stray message
@@ -335,7 +335,7 @@ def test_a_peer_whose_factors_really_disagree_is_named_in_the_deadline_error():
     from poseidon.dist.transport import ZmqTransport
     roles = Roles(2, 1)
     book = _small_book()
-    rec = [r for r in book.layers if r["scheme"] == "sfb"][0]
+    rec = [r for r in book.layers if r.scheme == "sfb"][0]
     a = ZmqTransport(0, namer=roles.name, timeout=2.0, rules=WireRules(0, roles, roles.name))
     b = ZmqTransport(1, namer=roles.name, timeout=2.0, rules=WireRules(1, roles, roles.name))
     try:
@@ -344,16 +344,16 @@ def test_a_peer_whose_factors_really_disagree_is_named_in_the_deadline_error():
             t.set_book(book)
             t.start()
         b.connect(0, a.address)
-        K, M, N = rec["K"], rec["M"], rec["N"]
-        b.send(0, Msg.SF, iteration=3, key=rec["index"],
+        K, M, N = rec.K, rec.M, rec.N
+        b.send(0, Msg.SF, iteration=3, key=rec.index,
                arrays=[numpy.ones((K, M)), numpy.ones((K, N + 1)), numpy.ones(M)])
         with pytest.raises(DeadlineError) as err:
-            a.receive(Msg.SF, rec["index"], 3, senders=[1], timeout=1.0,
-                      what=f"the sufficient factors of layer '{rec['name']}' for iteration 3")
+            a.receive(Msg.SF, rec.index, 3, senders=[1], timeout=1.0,
+                      what=f"the sufficient factors of layer '{rec.name}' for iteration 3")
         # a good message afterwards is taken
-        b.send(0, Msg.SF, iteration=4, key=rec["index"],
+        b.send(0, Msg.SF, iteration=4, key=rec.index,
                arrays=[numpy.ones((K, M)), numpy.ones((K, N)), numpy.ones(M)])
-        assert a.receive(Msg.SF, rec["index"], 4, senders=[1])[0].sender == 1
+        assert a.receive(Msg.SF, rec.index, 4, senders=[1])[0].sender == 1
     finally:
         a.close(0)
         b.close(0)

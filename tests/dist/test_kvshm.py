@@ -14,6 +14,7 @@ import os
 import numpy
 import pytest
 
+from poseidon.dist.coord.records import Pair
 from poseidon.dist.transport import ZmqTransport
 from poseidon.dist.transport.onehost import kvshm
 
@@ -183,8 +184,8 @@ def test_fc_net_with_sfb_layers_places_only_what_goes_by_ps(data, tmp_path):
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=ITERS), P1, P1, weights=weights,
                           sync="hybrid", ipc="auto")
     book = solvers[0].book
-    ps = {p["id"] for p in book.params if p.get("scheme") == "ps"}
-    assert [rec["scheme"] for rec in book.layers] == ["sfb", "sfb", "ps"]
+    ps = {p.id for p in book.params if p.scheme == "ps"}
+    assert [rec.scheme for rec in book.layers] == ["sfb", "sfb", "ps"]
     assert solvers[0].placed == ps and len(ps) < len(book.params)
     for s in solvers:
         for a, b in zip(params_of(s), want):
@@ -192,17 +193,19 @@ def test_fc_net_with_sfb_layers_places_only_what_goes_by_ps(data, tmp_path):
 
 
 class _Book:
+    """The book's pairs, given as [(server, length)] with ids in order."""
+
     def __init__(self, pairs, dtype="float32"):
         self.data = {"dtype": dtype}
-        self._pairs = pairs
+        self._pairs = [Pair(id=i, param=i, offset=0, length=n, server=s)
+                       for i, (s, n) in enumerate(pairs)]
 
     def pairs_on_server(self, index):
-        return [p for p in self._pairs if p["server"] == index]
+        return [p for p in self._pairs if p.server == index]
 
 
 def test_layout_aligns_each_pair_and_gives_each_worker_a_region():
-    book = _Book([{"id": 0, "server": 0, "length": 5}, {"id": 1, "server": 1, "length": 7},
-                  {"id": 2, "server": 0, "length": 32}, {"id": 3, "server": 0, "length": 1}])
+    book = _Book([(0, 5), (1, 7), (0, 32), (0, 1)])
     layout = kvshm.Layout(book, 0, workers=2)
     assert layout.slots == {0: (0, 5), 2: (16, 32), 3: (48, 1)}
     assert layout.region == 64 and layout.nbytes == 3 * 64 * 4
@@ -218,7 +221,7 @@ def test_layout_aligns_each_pair_and_gives_each_worker_a_region():
 
 
 def test_a_mapping_that_is_not_what_was_advertised_is_refused(tmp_path):
-    book = _Book([{"id": 0, "server": 0, "length": 100}])
+    book = _Book([(0, 100)])
     layout = kvshm.Layout(book, 0, workers=1)
     memory = kvshm.ServerMemory.make()
     info = memory.describe()
@@ -228,7 +231,7 @@ def test_a_mapping_that_is_not_what_was_advertised_is_refused(tmp_path):
     assert kvshm.open_segment(dict(info, ino=info["ino"] + 1), layout) is None
     assert kvshm.open_segment(dict(info, fd=10 ** 6), layout) is None
     assert kvshm.open_segment({"pid": "x"}, layout) is None
-    bigger = kvshm.Layout(_Book([{"id": 0, "server": 0, "length": 1000}]), 0, workers=1)
+    bigger = kvshm.Layout(_Book([(0, 1000)]), 0, workers=1)
     assert kvshm.open_segment(info, bigger) is None
 
 
@@ -259,7 +262,7 @@ def test_a_server_without_shared_memory_refuses_a_shared_push():
     param = solver_param(fc_net("unused", 2))
     t = Transport()
     server = KVServer(t, book, Roles(2, 1), make_rule(param))
-    key = book.bundles_on_server(0)[0]["id"]
+    key = book.bundles_on_server(0)[0].id
     for pair in server.pairs.values():
         pair.iteration = 0
     msg = Msg_(Msg.KV_PUSH, 0, 0, key, [])
@@ -274,7 +277,7 @@ def test_the_sized_memory_is_sealed_so_no_process_of_this_user_can_shrink_it():
     (unsealed, the shrink succeeded and the server's next access there was a SIGBUS)."""
     import subprocess
     import sys
-    book = _Book([{"id": 0, "server": 0, "length": 4096}])
+    book = _Book([(0, 4096)])
     layout = kvshm.Layout(book, 0, workers=1)
     memory = kvshm.ServerMemory.make()
     segment = memory.allocate(layout)

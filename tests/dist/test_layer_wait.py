@@ -67,7 +67,7 @@ def test_equals_one_process_with_the_per_layer_wait(data, tmp_path, sync, P1):
                           sync=sync)
     assert solvers[0].hooks.layer_wait
     if sync != "hybrid":
-        assert {rec["scheme"] for rec in solvers[0].book.layers} == {sync}
+        assert {rec.scheme for rec in solvers[0].book.layers} == {sync}
     for s in solvers:
         assert s.iter == ITERS
         assert_params_close(params_of(s), want, rtol=1e-5, label=f"{sync} P1={P1}")
@@ -165,7 +165,7 @@ def test_a_slow_zero_copy_sync_is_not_overwritten_by_the_next_iteration(data, tm
     want = reference(solver_param(slow_top_net(data, 2 * 4), max_iter=4), weights_out=weights)
     solvers = run_threads(solver_param(slow_top_net(data, 4), max_iter=4), 2, 1, weights=weights,
                           sync=sync, **CAPPED)
-    assert {rec["scheme"] for rec in solvers[0].book.layers} == {sync}
+    assert {rec.scheme for rec in solvers[0].book.layers} == {sync}
     for s in solvers:
         assert_params_close(params_of(s), want, rtol=1e-5, label=f"slow ip3, {sync}")
 

@@ -308,7 +308,7 @@ def test_no_servers_with_an_all_fc_net(data, tmp_path):
     from .helpers import reference, params_of
     want = reference(ref, weights_out=weights)
     solvers = run_threads(solver_param(fc_net(data, 4), max_iter=5), 2, 0, weights=weights)
-    assert all(rec["scheme"] == "sfb" for rec in solvers[0].book.layers)
+    assert all(rec.scheme == "sfb" for rec in solvers[0].book.layers)
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="servers 0")
 
 

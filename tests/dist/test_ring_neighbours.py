@@ -20,6 +20,7 @@ import pytest
 
 from poseidon.dist.coord.book import InformationBook
 from poseidon.dist.coord.checks import WireRules
+from poseidon.dist.coord.records import LayerRecord, description_from_wire
 from poseidon.dist.errors import DistError
 from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import allreduce
@@ -69,10 +70,10 @@ def scheme_at(rank, workers, transport=None, seed=0, piece_floats=None):
                                      data=numpy.zeros(shape), diff=rs.standard_normal(shape)))
     ctx = SimpleNamespace(rank=rank, roles=Roles(workers, 1), transport=transport,
                           net=SimpleNamespace(learnable_params=blobs, xp=numpy),
-                          book=SimpleNamespace(params=[{"lr_mult": 1.0, "decay_mult": 1.0}] * 2),
+                          book=SimpleNamespace(params=[SimpleNamespace(lr_mult=1.0, decay_mult=1.0)] * 2),
                           rule=Rule(), history={0: [], 1: []}, grad_scale=1.0)
-    rec = {"index": LAYER, "name": "fc", "shapes": [list(x) for x in SHAPES],
-           "piece_floats": piece_floats}
+    rec = LayerRecord(index=LAYER, name="fc", type="InnerProduct", M=7, N=9, K=4, sfb=True,
+                      params=(0, 1), shapes=tuple(map(tuple, SHAPES)), piece_floats=piece_floats)
     syncer = SimpleNamespace(ctx=ctx, li=LAYER, name="fc", pids=[0, 1], stage=Stage(), rec=rec)
     return allreduce.AllReduceScheme(syncer)
 
@@ -89,7 +90,8 @@ def ring_book(workers):
                        "shared": False, "synced": True})
     rec = {"index": LAYER, "name": "fc", "type": "InnerProduct", "M": 7, "N": 9, "K": 4,
            "sfb": True, "params": pids, "shapes": [list(x) for x in SHAPES]}
-    desc = {"net": "t", "dtype": "float64", "iter_size": 1, "layers": [rec], "params": params}
+    desc = description_from_wire({"net": "t", "dtype": "float64", "iter_size": 1,
+                                  "layers": [rec], "params": params})
     return InformationBook.build(desc, workers, 1, {"sync": "allreduce",
                                                     "kv_pair_bytes": 1 << 20})
 

@@ -24,6 +24,7 @@ from poseidon.dist.coord.checks import WireRules
 import zmq
 
 from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.records import description_from_wire
 from poseidon.dist.errors import DistError
 from poseidon.dist.job.roles import Roles
 from poseidon.dist.schemes import allreduce
@@ -48,7 +49,8 @@ def ring_book(M, N, workers=2):
                "count": M, "lr_mult": 1.0, "decay_mult": 1.0, "shared": False, "synced": True}]
     rec = {"index": LAYER, "name": "fc", "type": "InnerProduct", "M": M, "N": N, "K": 4,
            "sfb": True, "params": [0, 1], "shapes": [[M, N], [M]]}
-    desc = {"net": "t", "dtype": "float64", "iter_size": 1, "layers": [rec], "params": params}
+    desc = description_from_wire({"net": "t", "dtype": "float64", "iter_size": 1,
+                                  "layers": [rec], "params": params})
     return InformationBook.build(desc, workers, 1, {"sync": "allreduce",
                                                     "kv_pair_bytes": 1 << 20})
 
@@ -75,7 +77,7 @@ class Worker1:
         self.member = self.ctx.socket(zmq.PUSH)
         self.member.setsockopt(zmq.LINGER, 0)
         self.member.connect(self.t.address)
-        plan = ring_plan(sum(int(numpy.prod(s)) for s in book.layers[0]["shapes"]), 2,
+        plan = ring_plan(sum(int(numpy.prod(s)) for s in book.layers[0].shapes), 2,
                          allreduce.PIECE_FLOATS)
         self.slots = plan.slots
         self.length = plan.expected_length(0, 1)

@@ -6,9 +6,12 @@ batch (float64, 1e-5).
 The scheme: every worker sends its whole gradient of the layer to every peer (an all-gather), adds
 the P1 gradients in rank order and applies the solver's rule itself, as SFB does with its factors.
 """
+from dataclasses import replace
+
 import numpy
 import pytest
 
+from poseidon.dist.coord.records import LayerRecord
 from poseidon.dist.cost.formulas import ps_cost
 from poseidon.dist.errors import DistError
 from poseidon.dist.schemes import SCHEMES, Scheme, choose_scheme, register_scheme, sync_choices
@@ -30,13 +33,13 @@ class AllGatherScheme(Scheme):
 
     @staticmethod
     def cost(rec, P1, P2):
-        if rec.get("name") in CHEAP_FOR:
+        if rec.name in CHEAP_FOR:
             return 0.0
-        return 2 * ps_cost(rec["M"], rec["N"], P1, max(P2, 1)) + 1.0   # never cheapest otherwise
+        return 2 * ps_cost(rec.M, rec.N, P1, max(P2, 1)) + 1.0   # never cheapest otherwise
 
     @staticmethod
     def peer_arrays(rec, arrays):
-        shapes = [tuple(s) for s in rec["shapes"]]
+        shapes = [tuple(s) for s in rec.shapes]
         return (shapes if len(arrays) == len(shapes) else None), str(shapes)
 
     def send(self, it, stats):
@@ -62,7 +65,7 @@ class AllGatherScheme(Scheme):
             p = ctx.book.params[pid]
             blob = net.learnable_params[pid]
             ctx.rule.update(blob.data, total.reshape(blob.data.shape), ctx.history[pid], it,
-                            p["lr_mult"], p["decay_mult"], ctx.grad_scale)
+                            p.lr_mult, p.decay_mult, ctx.grad_scale)
         for r in self.receipts:
             r.wait()
 
@@ -87,7 +90,7 @@ def check_equivalence(data, tmp_path, build, K, P1, P2, **options):
                           **options)
     for s in solvers:
         assert_params_close(params_of(s), want, rtol=1e-5, label=str(options))
-    return {rec["name"]: rec["scheme"] for rec in solvers[0].book.layers}
+    return {rec.name: rec.scheme for rec in solvers[0].book.layers}
 
 
 def test_registration_is_checked(registered):
@@ -101,11 +104,12 @@ def test_registration_is_checked(registered):
 
 
 def test_best_scheme_picks_it_where_it_is_cheapest(registered):
-    rec = {"name": "ip2", "sfb": True, "M": 4096, "N": 4096, "K": 32}
+    rec = LayerRecord(index=0, name="ip2", type="InnerProduct", M=4096, N=4096, K=32, sfb=True,
+                      params=())
     assert choose_scheme(rec, 4, 2) == "sfb"
     CHEAP_FOR.add("ip2")
     assert choose_scheme(rec, 4, 2) == NAME
-    assert choose_scheme(dict(rec, name="ip1"), 4, 2) == "sfb"
+    assert choose_scheme(replace(rec, name="ip1"), 4, 2) == "sfb"
     assert choose_scheme(rec, 4, 2, relaxed="--staleness") == "ps"      # BSP only
 
 

@@ -96,7 +96,7 @@ def test_diffs_cleared_per_layer_per_iteration(data, tmp_path, monkeypatch):
     solvers = run_threads(solver_param(fc_net(data, K), max_iter=3), 4, 2)
     ds = solvers[0]
     net = ds.solver.net
-    assert [rec["scheme"] for rec in ds.hooks.book.layers] == ["sfb", "sfb", "allreduce"]
+    assert [rec.scheme for rec in ds.hooks.book.layers] == ["sfb", "sfb", "allreduce"]
     weights = {net.layers[net.layer_names.index(n)].blobs[0] for n in ("ip1", "ip2")}
     params = net.learnable_params
     assert not any(b.diff.any() for b in weights)            # kept at zero through the run
@@ -142,6 +142,6 @@ def test_an_inner_product_off_the_loss_path_is_not_rebuilt_from_factors(data, tm
     weights = str(tmp_path / "init.caffemodel")
     want = reference(solver_param(with_aux(2 * K), max_iter=3), weights_out=weights)
     solvers = run_threads(solver_param(with_aux(K), max_iter=3), 2, 1, sync="sfb", weights=weights)
-    schemes = {rec["name"]: (rec["weight_grad"], rec["scheme"]) for rec in solvers[0].book.layers}
+    schemes = {rec.name: (rec.weight_grad, rec.scheme) for rec in solvers[0].book.layers}
     assert schemes["aux"] == (False, "ps") and schemes["ip1"] == (True, "sfb")
     assert_params_close(params_of(solvers[0]), want, rtol=1e-5, label="aux")

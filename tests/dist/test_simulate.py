@@ -22,6 +22,7 @@ import pytest
 
 from poseidon.dist.sim import profile as simprofile
 from poseidon.dist.coord.book import describe_net
+from poseidon.dist.coord.records import description_from_wire
 from poseidon.dist.schemes import best_scheme
 from poseidon.dist.cost.formulas import ps_cost, sfb_cost
 from poseidon.dist.sim.simulate import MODES, Network, simulate
@@ -37,17 +38,18 @@ def profiles():
 
 
 def one_layer_profile(M, N, K, bias=True, forward_ms=10.0, backward_ms=20.0):
-    """A net of one InnerProduct layer, described by hand in describe_net's format."""
+    """A net of one InnerProduct layer, described by hand in describe_net's format (as records)."""
     params = [{"id": 0, "name": "fc.0", "layer": 0, "owner": [0, 0], "shape": [M, N],
                "count": M * N, "lr_mult": 1.0, "decay_mult": 1.0, "shared": False, "synced": True}]
     if bias:
         params.append({"id": 1, "name": "fc.1", "layer": 0, "owner": [0, 1], "shape": [M],
                        "count": M, "lr_mult": 2.0, "decay_mult": 0.0, "shared": False,
                        "synced": True})
-    desc = {"net": "one", "dtype": "float32", "iter_size": 1, "params": params,
-            "layers": [{"index": 0, "name": "fc", "type": "InnerProduct", "M": M, "N": N, "K": K,
-                        "sfb": True, "params": [p["id"] for p in params],
-                        "shapes": [p["shape"] for p in params]}]}
+    desc = description_from_wire({
+        "net": "one", "dtype": "float32", "iter_size": 1, "params": params,
+        "layers": [{"index": 0, "name": "fc", "type": "InnerProduct", "M": M, "N": N, "K": K,
+                    "sfb": True, "params": [p["id"] for p in params],
+                    "shapes": [p["shape"] for p in params]}]})
     return {"model": "one", "batch": K, "description": desc,
             "layers": [{"name": "fc", "type": "InnerProduct", "forward_ms": forward_ms,
                         "backward_ms": backward_ms}]}
@@ -138,14 +140,14 @@ def test_schemes_are_algorithm_1(profiles):
     for model, prof in profiles.items():
         for p in (2, 4, 8, 16, 32):
             r = simulate(prof, p, "poseidon", Network.ideal())
-            want = {rec["name"]: best_scheme(rec["sfb"], rec["M"], rec["N"], rec["K"], p, p)
+            want = {rec.name: best_scheme(rec.sfb, rec.M, rec.N, rec.K, p, p)
                     for rec in prof["description"]["layers"]}
             assert r.schemes == want, (model, p)
             for rec in prof["description"]["layers"]:
-                by_cost = ("sfb" if rec["type"] == "InnerProduct" and
-                           sfb_cost(rec["M"], rec["N"], rec["K"], p) <=
-                           ps_cost(rec["M"], rec["N"], p, p) else "ps")
-                assert r.schemes[rec["name"]] == by_cost, (model, p, rec["name"])
+                by_cost = ("sfb" if rec.type == "InnerProduct" and
+                           sfb_cost(rec.M, rec.N, rec.K, p) <=
+                           ps_cost(rec.M, rec.N, p, p) else "ps")
+                assert r.schemes[rec.name] == by_cost, (model, p, rec.name)
     # GoogLeNet's only FC layer (1000 x 1024, K = 128) stays on PS from 8 nodes up
     for p in (8, 16, 32):
         assert set(simulate(profiles["googlenet"], p, "poseidon", Network.ideal())
@@ -173,15 +175,15 @@ def test_shape_walker_agrees_with_the_real_net():
     _, walked = simprofile.describe_from_shapes(prototxt.read_net(str(path)))
     real = describe_net(Net(str(path), "TEST"))
     keys = ("name", "type", "M", "N", "K", "sfb", "shapes")
-    assert [{k: r[k] for k in keys} for r in walked["layers"]] == \
-        [{k: r[k] for k in keys} for r in real["layers"]]
-    assert [p["count"] for p in walked["params"]] == [p["count"] for p in real["params"]]
+    assert [{k: getattr(r, k) for k in keys} for r in walked["layers"]] == \
+        [{k: getattr(r, k) for k in keys} for r in real["layers"]]
+    assert [p.count for p in walked["params"]] == [p.count for p in real["params"]]
 
 
 def test_shipped_profiles_match_the_models(profiles):
     counts = {"vgg19": 143_667_240, "vgg19_22k": 229_052_817, "googlenet": 6_998_552}
     for model, prof in profiles.items():
-        assert sum(p["count"] for p in prof["description"]["params"]) == counts[model]
+        assert sum(p.count for p in prof["description"]["params"]) == counts[model]
         batch, rate = simprofile.PAPER_SINGLE_GPU[model]
         step = sum(r["forward_ms"] + r["backward_ms"] for r in prof["layers"])
         assert step == pytest.approx(1e3 * batch / rate, rel=1e-9)

@@ -10,10 +10,12 @@ dist/sim/cost.py, dist/sim/profile.py).
 * the ResNet-152 profile loads and has ResNet-152's layers and parameters.
 """
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from poseidon.dist.coord.records import LayerRecord
 from poseidon.dist.sim import profile as simprofile
 from poseidon.dist.sim.cost import (Shape, algorithm1_plan, layer_times, paper_scheme,
                                    predicted_plan)
@@ -70,7 +72,7 @@ def test_the_prediction_counts_the_sfb_rebuild(profiles):
     # PS alone; the prediction counts the rebuild GEMM (and the backward PS hides under) and keeps
     # them off SFB. At 10 GbE the bytes dominate and SFB is the prediction's choice too.
     prof = profiles["vgg19_22k"]
-    fc = {rec["index"]: rec["name"] for rec in prof["description"]["layers"] if rec["sfb"]}
+    fc = {rec.index: rec.name for rec in prof["description"]["layers"] if rec.sfb}
     fast = net_at("40Gbit")
     plan = predicted_plan(prof, 32, fast)
     assert {plan[li] for li in fc} != {"sfb"}
@@ -85,13 +87,14 @@ def test_the_prediction_counts_the_sfb_rebuild(profiles):
 
 
 def rec_size(prof, li):
-    rec = next(r for r in prof["description"]["layers"] if r["index"] == li)
-    return rec["M"] * rec["N"]
+    rec = next(r for r in prof["description"]["layers"] if r.index == li)
+    return rec.M * rec.N
 
 
 def test_predicted_times_by_hand():
     # one 1000 x 3000 InnerProduct at K = 16 on 4 nodes, 1 GB/s, 1e-4 s a message, 1e12 FLOP/s
-    rec = {"index": 0, "M": 1000, "N": 3000, "K": 16, "sfb": True, "params": [0]}
+    rec = LayerRecord(index=0, name="fc", type="InnerProduct", M=1000, N=3000, K=16, sfb=True,
+                      params=(0,))
     nbytes, count = 1000 * 3000 * 4, 1000 * 3000
     net = Network.ideal(bandwidth=1e9, latency=1e-4)
     t = layer_times(rec, nbytes, count, Shape(4, 4), net, 1e12, 4)
@@ -101,16 +104,17 @@ def test_predicted_times_by_hand():
     assert t["allreduce"].gpu == pytest.approx((3 / 4 * count + 4 * count) / 1e12)
     assert t["sfb"].link == pytest.approx(1e-4 + 3 * 16 * 4000 * 4 / 1e9)
     assert t["sfb"].gpu == pytest.approx(2 * 1000 * 3000 * 16 * 3 / 1e12)
-    assert "sfb" not in layer_times(dict(rec, sfb=False), nbytes, count, Shape(4, 4), net, 1e12, 4)
+    assert "sfb" not in layer_times(replace(rec, sfb=False), nbytes, count, Shape(4, 4), net, 1e12, 4)
 
 
 def test_paper_scheme_is_table_1():
-    rec = {"M": 4096, "N": 4096, "K": 32, "sfb": True}
+    rec = LayerRecord(index=0, name="fc", type="InnerProduct", M=4096, N=4096, K=32, sfb=True,
+                      params=())
     for P in (2, 8, 32, 64):
         sfb = 2 * 32 * (P - 1) * (4096 + 4096)
         ps = 2 * 4096 * 4096 * (2 * P - 2) / P
         assert paper_scheme(rec, P, P) == ("sfb" if sfb <= ps else "ps")
-    assert paper_scheme(dict(rec, sfb=False), 8, 8) == "ps"
+    assert paper_scheme(replace(rec, sfb=False), 8, 8) == "ps"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,10 +170,10 @@ def test_priority_lets_the_next_forward_start_while_upper_layers_sync():
 def two_layer_profile():
     one = one_layer_profile(1000, 4000, 8, bias=False, forward_ms=5.0, backward_ms=5.0)
     desc = one["description"]
-    params = [dict(desc["params"][0]), dict(desc["params"][0], id=1, name="b.0", layer=1,
-                                              owner=[1, 0])]
-    layers = [dict(desc["layers"][0], name="a", sfb=False),
-              dict(desc["layers"][0], index=1, name="b", sfb=False, params=[1])]
+    params = [desc["params"][0], replace(desc["params"][0], id=1, name="b.0", layer=1,
+                                         owner=(1, 0))]
+    layers = [replace(desc["layers"][0], name="a", sfb=False),
+              replace(desc["layers"][0], index=1, name="b", sfb=False, params=(1,))]
     timed = [dict(one["layers"][0], name=n) for n in ("a", "b")]
     return {"model": "two", "batch": 8, "layers": timed,
             "description": dict(desc, params=params, layers=layers)}
@@ -222,13 +226,13 @@ def test_resnet152_profile_has_its_layers(profiles):
     assert prof["model"] == "resnet152" and prof["batch"] == 32
     assert len(prof["layers"]) == 671                      # Input + the deploy file's 670 layers
     synced = prof["description"]["layers"]
-    types = [rec["type"] for rec in synced]
+    types = [rec.type for rec in synced]
     assert (types.count("Convolution"), types.count("Scale"), types.count("InnerProduct")) == \
         (155, 155, 1)
     # 152 weight layers on the main path: the convolutions but the 4 projection shortcuts, and fc
-    main = [rec for rec in synced if rec["type"] != "Scale" and "branch1" not in rec["name"]]
+    main = [rec for rec in synced if rec.type != "Scale" and "branch1" not in rec.name]
     assert len(main) == 152
-    assert sum(p["count"] for p in prof["description"]["params"]) == 60_192_808
+    assert sum(p.count for p in prof["description"]["params"]) == 60_192_808
     batch, rate, _ = simprofile.OTHER_SINGLE_GPU["resnet152"]
     step = sum(r["forward_ms"] + r["backward_ms"] for r in prof["layers"])
     assert step == pytest.approx(1e3 * batch / rate, rel=1e-9)

@@ -13,6 +13,7 @@ import numpy
 import pytest
 
 from poseidon.dist.coord.book import InformationBook
+from poseidon.dist.coord.records import description_from_wire
 from poseidon.dist.errors import DistError
 from poseidon.dist.job.options import DistOptions
 from poseidon.engine.solvers import get_solver
@@ -94,16 +95,17 @@ def test_options_and_schemes():
         DistOptions(straggler_timeout=30.0, timeout=30.0)
     layer = {"index": 1, "name": "ip", "type": "InnerProduct", "M": 4096, "N": 4096, "K": 32,
              "sfb": True, "params": [0], "shapes": [[4096, 4096]]}
-    desc = {"net": "n", "dtype": "float32", "layers": [layer],
-            "params": [{"id": 0, "name": "w", "layer": 1, "owner": [1, 0], "shape": [4096, 4096],
-                        "count": 4096 * 4096, "lr_mult": 1.0, "decay_mult": 1.0, "shared": False,
-                        "synced": True}]}
+    desc = description_from_wire({
+        "net": "n", "dtype": "float32", "layers": [layer],
+        "params": [{"id": 0, "name": "w", "layer": 1, "owner": [1, 0], "shape": [4096, 4096],
+                    "count": 4096 * 4096, "lr_mult": 1.0, "decay_mult": 1.0, "shared": False,
+                    "synced": True}]})
     schemes = {}
     for name, extra in (("bsp", {}), ("s0", {"staleness": 0}), ("s2", {"staleness": 2}),
                         ("drop", {"straggler_timeout": 1.0})):
         opts = DistOptions(workers=8, servers=8, **extra).shared()
         book = InformationBook.build(desc, 8, 8, opts)
-        schemes[name] = (book.layers[0]["scheme"], book.best_scheme(1))
+        schemes[name] = (book.layers[0].scheme, book.best_scheme(1))
     print(f"\nschemes of a 4096x4096 InnerProduct, 8 workers: {schemes}")
     assert schemes["bsp"] == schemes["s0"] == ("sfb", "sfb")
     assert schemes["s2"] == schemes["drop"] == ("ps", "ps")

@@ -244,7 +244,7 @@ def test_with_priority_on_the_job_still_equals_one_process(data, tmp_path, sync)
     solvers = run_threads(solver_param(fc_net(data, 4), max_iter=6), 2, 1, weights=weights,
                           sync=sync, bucket_bytes=0, slice_bytes=8192, priority="on",
                           credit_bytes=16384)
-    assert {rec["scheme"] for rec in solvers[0].book.layers} == {sync}
+    assert {rec.scheme for rec in solvers[0].book.layers} == {sync}
     for s in solvers:
         assert_params_close(params_of(s), want, rtol=1e-5, label="--priority on")
     for a, b in zip(params_of(solvers[1]), params_of(solvers[0])):

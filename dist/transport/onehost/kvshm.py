@@ -51,8 +51,8 @@ class Layout:
         self.slots = {}
         offset = 0
         for rec in book.pairs_on_server(server_index):
-            self.slots[rec["id"]] = (offset, rec["length"])
-            offset += -(-rec["length"] // step) * step
+            self.slots[rec.id] = (offset, rec.length)
+            offset += -(-rec.length // step) * step
         self.region = offset                 # elements in one region
         self.workers = workers
         self.nbytes = (1 + workers) * offset * self.dtype.itemsize
