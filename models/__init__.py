@@ -20,13 +20,14 @@ from poseidon.models import alexnet, cifar, fc_heavy, googlenet, inception_v3, r
 class Model:
     name: str          # folder under prototxt/
     module: str        # source file that builds it, for the header of the generated files
-    build: Callable    # build(deploy: bool) -> caffe_pb2.NetParameter
+    build: Callable    # build(deploy: bool, **builder options) -> caffe_pb2.NetParameter
     solver: Callable   # solver() -> caffe_pb2.SolverParameter
 
 
 def _model(name, module, fn):
     return Model(name, f"models/{module.__name__.rsplit('.', 1)[-1]}.py",
-                 lambda deploy=False: fn(deploy=deploy), getattr(solvers, name))
+                 lambda deploy=False, **options: fn(deploy=deploy, **options),
+                 getattr(solvers, name))
 
 
 MODELS = {m.name: m for m in (

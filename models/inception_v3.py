@@ -4,9 +4,12 @@
 branches, 3x3 AVE pool pad 1), reduction A, four B modules with asymmetric 1x7/7x1 convolutions
 (pad 0x3 / 3x0), reduction B, two C modules (1x3/3x1 splits; the second pools with MAX, as that file
 does), global AVE pool, dropout 0.2, 1000-way classifier. Every convolution: bias_term false,
-BatchNorm (eps 0.001) and Scale(bias_term: true), ReLU. 23,834,568 learnable parameters (no
-auxiliary head). The paper benchmarks it at batch 32 per node. train_val reads data/ilsvrc12 with
-inputs scaled to [-1, 1] (mean 128, scale 1/128).
+BatchNorm (eps 0.001) and Scale(bias_term: true), ReLU. 23,834,568 learnable parameters without
+the auxiliary head (the generated files have none); ``aux_head=True`` adds the head of the Inception-v3
+paper on the last 17x17 module (5x5/3 AVE pool, 1x1 conv 128, 5x5 conv 768, 1000-way classifier,
+loss weight 0.4 in train_val), 27,161,264 in all, the size the Poseidon paper's TensorFlow runs trained.
+The paper benchmarks it at batch 32 per node. train_val reads data/ilsvrc12 with inputs scaled to
+[-1, 1] (mean 128, scale 1/128).
 """
 
 from poseidon.models.builder import NetBuilder
@@ -89,8 +92,21 @@ class _Inception:
         bp = self.cbr(p + "1x1", bp, 192, 1)
         return self.n.concat(p + "concat", [b1, b2a, b2b, b3a, b3b, bp])
 
+    def aux_head(self, x, num_classes):
+        """The auxiliary classifier on a 17x17 module's output (its own loss, weight 0.4)."""
+        n = self.n
+        a = n.pool("aux_pool_5x5_s3", x, "AVE", 5, 3)
+        a = self.cbr("aux_conv_1x1", a, 128, 1)
+        a = self.cbr("aux_conv_5x5", a, 768, 5)
+        a = n.fc("aux_classifier", a, num_classes, weight_filler={"type": "xavier"},
+                 bias_filler={"type": "constant", "value": 0})
+        if self.deploy:
+            n.softmax("aux_prob", a)
+        else:
+            n.softmax_loss("aux_loss", a, loss_weight=0.4)
 
-def inception_v3(deploy=False, batch=32, num_classes=1000):
+
+def inception_v3(deploy=False, batch=32, num_classes=1000, aux_head=False):
     n = NetBuilder("Inception-v3")
     if deploy:
         x = n.input("data", (batch, 3, 299, 299))
@@ -110,6 +126,8 @@ def inception_v3(deploy=False, batch=32, num_classes=1000):
     x = m.reduction_a(x)
     for tag, c7 in (("b1", 128), ("b2", 160), ("b3", 160), ("b4", 192)):
         x = m.block_b(tag, x, c7)
+    if aux_head:
+        m.aux_head(x, num_classes)
     x = m.reduction_b(x)
     x = m.block_c("c1", x, "AVE")
     x = m.block_c("c2", x, "MAX")

@@ -32,14 +32,28 @@ PROFILE_DIR = str(resources.files(__package__) / "profiles")   # package data; w
 PAPER_SINGLE_GPU = {"vgg19": (32, 35.5), "vgg19_22k": (32, 34.2), "googlenet": (128, 257.0)}
 
 # Models the paper did not time in Caffe: model -> (batch per node, img/s, where the rate is from).
+# Each rate is a published single-GPU training figure taken as it is, not scaled to a Titan X or
+# to Caffe (any such factor would be a guess); a slower device only makes the network matter less.
 # ResNet-152: 16 images forward and backward in 366.97 ms on a Maxwell GTX Titan X (Torch with
 # cuDNN 5; the cnn-benchmarks tables of J. Johnson), taken as the same rate at batch 32. The
 # same tables have VGG19 at 49.5 img/s where the paper's Caffe had 35.5, so Caffe may have been
-# slower here too: a slower device only makes the network matter less.
+# slower here too. AlexNet: the same tables, taken as the rate at the deploy batch of 256.
+# Inception-v3: no Titan X figure was found; the nearest is a Maxwell Tesla M60 at batch 32.
+# cifar10_quick: no figure of its era was found; the rate is this project's engine on one H100.
 OTHER_SINGLE_GPU = {
     "resnet152": (32, 16 / 0.36697, "GTX Titan X (Maxwell), Torch + cuDNN 5, 366.97 ms for "
                                     "forward and backward of 16 images (cnn-benchmarks)"),
+    "alexnet": (256, 16 / 0.02371, "GTX Titan X (Maxwell), Torch + cuDNN 5, 23.71 ms for "
+                                   "forward and backward of 16 images (cnn-benchmarks)"),
+    "inception_v3": (32, 50.05, "Tesla M60 (Maxwell), MXNet 1.2 + cuDNN 7.0.5, training at "
+                                "batch 32 (MXNet's performance FAQ)"),
+    "cifar10_quick": (100, 9263.0, "this project's engine (CuPy) training on one H100 at batch "
+                                   "100, docs/performance.md; no figure of the paper's era found"),
 }
+
+# Shipped profiles whose net is not prototxt/<name>/deploy.prototxt: the builder's variant, as the
+# paper counted the model. Inception-v3 with its auxiliary head (27.2 M parameters, not 23.8 M).
+BUILT_VARIANTS = {"inception_v3": {"aux_head": True}}
 
 _SAME_SHAPE = {"ReLU", "Dropout", "LRN", "Softmax", "Sigmoid", "TanH", "BatchNorm", "Scale",
                "Split", "PReLU", "ELU", "Power", "AbsVal", "BNLL", "Exp", "Log"}
@@ -219,9 +233,14 @@ def describe_from_shapes(param, source="<net>"):
 
 def profile_from_throughput(model_file, img_per_s, source_note, model=None):
     """A profile whose step time is batch / img_per_s, apportioned over the layers by FLOPs."""
-    param = prototxt.read_net(model_file)
-    layers, desc = describe_from_shapes(param, model_file)
-    rows = walk_shapes(param, model_file)
+    return profile_from_net(prototxt.read_net(model_file), img_per_s, source_note, model,
+                            source=model_file)
+
+
+def profile_from_net(param, img_per_s, source_note, model=None, source="<net>"):
+    """profile_from_throughput for a NetParameter already in memory (a builder's net)."""
+    layers, desc = describe_from_shapes(param, source)
+    rows = walk_shapes(param, source)
     batch = rows[0][2][0][0] if rows and rows[0][2] else 1
     step_ms = 1e3 * batch / img_per_s
     total = sum(r["flops_forward"] + r["flops_backward"] for r in layers)
@@ -242,15 +261,24 @@ def paper_profile(name, prototxt_root):
 
 
 def shipped_profile(name, prototxt_root):
-    """The shipped profile of `name`, rebuilt from its deploy file: the paper's figure when the
-    paper has one, else the rate OTHER_SINGLE_GPU states with its source."""
+    """The shipped profile of `name`, rebuilt from its deploy file (or, for BUILT_VARIANTS, from
+    the builder's variant): the paper's figure when the paper has one, else the rate
+    OTHER_SINGLE_GPU states with its source."""
     if name in PAPER_SINGLE_GPU:
         return paper_profile(name, prototxt_root)
     batch, rate, where = OTHER_SINGLE_GPU[name]
     note = (f"{rate:.1f} img/s ({where}); per-layer times apportioned by FLOPs (GEMM layers 2 "
             f"per multiply-add, others 1 per element)")
-    path = os.path.join(prototxt_root, name, "deploy.prototxt")
-    return profile_from_throughput(path, rate, note, model=name)
+    if name in BUILT_VARIANTS:
+        from poseidon.models import MODELS
+        net = MODELS[name].build(deploy=True, **BUILT_VARIANTS[name])
+        prof = profile_from_net(net, rate, note, model=name, source=f"models: {name}")
+    else:
+        path = os.path.join(prototxt_root, name, "deploy.prototxt")
+        prof = profile_from_throughput(path, rate, note, model=name)
+    if prof["batch"] != batch:
+        raise ProfileError(f"{name}: the net's batch is {prof['batch']}, the rate's {batch}")
+    return prof
 
 
 def load_profile(path_or_name):
