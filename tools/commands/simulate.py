@@ -23,13 +23,16 @@ DEFAULT_MODES = "ps-nooverlap,wfbp,poseidon"
 # the modes of dist/sim/simulate.py (spelled out so that --help needs no import of dist)
 MODE_NAMES = ("ps-nooverlap", "wfbp", "poseidon", "sfb", "allreduce", "hybrid-nooverlap",
               "ps-sfb-ar", "ps-sfb-ar-priority")
+# the profiles in dist/sim/profiles/ (spelled out for the same reason; a test keeps them in step)
+SHIPPED_MODELS = ("vgg19", "vgg19_22k", "googlenet", "resnet152", "inception_v3", "alexnet",
+                  "cifar10_quick")
 
 
 def add(sub):
     p = sub.add_parser("simulate", help="speedup tables from a discrete-event model of one "
                                         "iteration (paper's models shipped as profiles)")
-    p.add_argument("--model", help="a shipped profile (vgg19, vgg19_22k, googlenet, resnet152) "
-                                   "or, with --measure or --img-per-s, a prototxt file")
+    p.add_argument("--model", help="a shipped profile (" + ", ".join(SHIPPED_MODELS) + ") or, "
+                                   "with --measure or --img-per-s, a prototxt file")
     p.add_argument("--profile", help="a profile JSON file (from --write-profile)")
     p.add_argument("--measure", action="store_true",
                    help="time the model's layers with the engine on this machine")
@@ -131,8 +134,8 @@ def load_or_build_profile(args):
     if args.profile:
         return simprofile.load_profile(args.profile)
     if not args.model:
-        raise PoseidonError("give --model (vgg19, vgg19_22k, googlenet, resnet152 or a prototxt "
-                            "with --measure) or --profile FILE")
+        raise PoseidonError(f"give --model ({', '.join(SHIPPED_MODELS)} or a prototxt with "
+                            f"--measure) or --profile FILE")
     if args.measure:
         iters = _positive_ints(args.iterations, "iterations")[0]
         return measure_profile(_prototxt_for(args.model), iters)
