@@ -10,8 +10,8 @@ In memory the description's layers and parameters are records (dist/coord/record
 load_profile and write_profile convert them from and to the file's JSON objects.
 
 Why a file: the paper's figures were taken on a Titan X we do not have, so the profiles shipped in
-dist/sim/profiles/ take a single-GPU throughput (img/s: the paper's for its models, a stated published
-figure for ResNet-152) and apportion the step time over the layers by their FLOPs. The shapes come from walking the prototxt (no arrays are allocated, so
+dist/sim/profiles/ take a measured single-GPU throughput (img/s: the paper's for its Caffe models, a
+figure with its stated source for the others) and apportion the step time over the layers by their FLOPs. The shapes come from walking the prototxt (no arrays are allocated, so
 VGG19-22K costs nothing to describe); a profile measured with the engine on this machine
 (`poseidon simulate --measure`) uses the real Net and `describe_net` instead.
 """
