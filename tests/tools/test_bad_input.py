@@ -110,7 +110,7 @@ def caffe_pb2_net(name, layers):
 def evil_cifar(folder):
     """A CIFAR-10 python folder whose first batch names numpy.f2py.__main__ (importing it runs
     f2py's command line); the other batches are sound."""
-    from .test_data import cifar_folder
+    from tests.engine.test_data import cifar_folder
     cifar_folder(folder, b"cnumpy.f2py.__main__\nndarray\n.")
 
 
