@@ -56,17 +56,19 @@ def speedup(profiles, model, nodes, line, mode):
 
 
 def test_host_copy_rate_comes_from_the_single_node_figures():
-    assert PAPER_HOST_COPY_RATE == pytest.approx(2.3077e9, rel=1e-3)
+    assert PAPER_HOST_COPY_RATE == pytest.approx((2.3077e9 + 1.9138e9) / 2, rel=1e-3)
     assert host_copy_rate(8e8, 32, 32.0, 16.0) == pytest.approx(1.6e9)
 
 
-def test_single_node_caffe_ps_rate(profiles):
-    prof = profiles["vgg19_22k"]
+@pytest.mark.parametrize("model,paper", [("vgg19_22k", 18.5), ("vgg19", 21.3)])
+def test_single_node_caffe_ps_rate(profiles, model, paper):
+    prof = profiles[model]
     r = simulate(prof, 1, "ps-nooverlap", Network())
     img_s = prof["batch"] / r.iteration_s
-    print(f"\nVGG19-22K, one node, Caffe+PS: {img_s:.1f} img/s (paper 18.5)")
-    assert img_s == pytest.approx(18.5, rel=TOLERANCE)
-    assert simulate(prof, 1, "wfbp", Network()).speedup > 0.9
+    print(f"\n{model}, one node, Caffe+PS: {img_s:.1f} img/s (paper {paper})")
+    assert img_s == pytest.approx(paper, rel=TOLERANCE)
+    # Poseidon hides the same copies under the backward pass (paper: 34.2 of Caffe's 34.6)
+    assert simulate(prof, 1, "wfbp", Network()).speedup > 0.97
 
 
 def test_baseline_rows(profiles):
