@@ -22,7 +22,8 @@ from .common import out
 DEFAULT_MODES = "ps-nooverlap,wfbp,poseidon"
 # the modes of dist/sim/simulate.py (spelled out so that --help needs no import of dist)
 MODE_NAMES = ("ps-nooverlap", "wfbp", "poseidon", "sfb", "allreduce", "hybrid-nooverlap",
-              "ps-sfb-ar", "ps-sfb-ar-priority", "tf", "horovod")
+              "ps-sfb-ar", "ps-sfb-ar-priority", "tf", "horovod", "nodwbp-2015", "dwbp-2015",
+              "sacp-2015")
 # the profiles in dist/sim/profiles/ (spelled out for the same reason; a test keeps them in step)
 SHIPPED_MODELS = ("vgg19", "vgg19_22k", "googlenet", "resnet152", "inception_v3", "alexnet",
                   "cifar10_quick")
