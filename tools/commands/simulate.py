@@ -244,6 +244,7 @@ def _rate(bps):
 def run(args):
     from poseidon.dist.sim import profile as simprofile
     from poseidon.dist.sim.simulate import MODES, scaling_table
+    from poseidon.dist.sim.systems import resolve
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -285,6 +286,7 @@ def run(args):
     if args.json:
         payload = {"model": name, "profile_source": profile.get("source"),
                    "network": dict(net.__dict__), "servers": servers,
+                   "systems": {m: dict(resolve(net, MODES[m].system).__dict__) for m in modes},
                    "results": {m: {str(p): r.as_dict() for p, r in rows.items()}
                                for m, rows in table.items()}}
         with open(args.json, "w") as f:
