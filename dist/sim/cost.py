@@ -20,6 +20,7 @@ discrete-event model's own: it calls these same functions.
 from dataclasses import dataclass
 
 from ..cost.formulas import ps_cost, sfb_cost
+from .systems import POSEIDON, resolve
 
 SCHEMES = ("ps", "sfb", "allreduce")
 # the plans a by-time choice is checked against: one scheme everywhere it applies
@@ -118,7 +119,9 @@ def paper_scheme(rec, P1, P2, devices=1):
 # one layer's predicted time
 # ------------------------------------------------------------------------------------------------
 def layer_times(rec, nbytes, count, shape, net, flop_rate, itemsize):
-    """{scheme: LayerTime} for the schemes that can sync the layer `rec` (a LayerRecord)."""
+    """{scheme: LayerTime} for the schemes that can sync the layer `rec` (a LayerRecord); figures
+    `net` leaves open are Poseidon's, whose engine runs the by-time modes."""
+    net = resolve(net, POSEIDON)
     P1, G = shape.nodes, shape.devices
     lat, bw = net.latency, net.bandwidth
 

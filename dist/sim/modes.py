@@ -8,7 +8,7 @@ model alone.
 import math
 from dataclasses import dataclass, field
 
-from ..coord.placement import DEFAULT_PAIR_BYTES
+from .systems import CAFFE_PS, HOROVOD, POSEIDON, POSEIDON_2015, TENSORFLOW, System
 
 
 @dataclass(frozen=True)
@@ -16,16 +16,18 @@ class Mode:
     """How one mode syncs: `plan` is ps, sfb (every FC layer), hybrid (Algorithm 1), allreduce or
     timed (per layer by predicted time, dist/sim/cost.py); `overlap` is WFBP; `priority` serves
     lower layers first on every queue; `layerwise` lets the next forward start on a layer as soon
-    as that layer is synced."""
+    as that layer is synced; `system` gives the host, sharding and TCP figures
+    (dist/sim/systems.py)."""
     plan: str
     overlap: bool
     priority: bool = False
     layerwise: bool = False
     label: str = ""
+    system: System = POSEIDON
 
 
 MODES = {
-    "ps-nooverlap": Mode("ps", False, label="PS, no overlap"),   # Caffe+PS
+    "ps-nooverlap": Mode("ps", False, label="PS, no overlap", system=CAFFE_PS),   # Caffe+PS
     "wfbp": Mode("ps", True, label="WFBP (PS)"),                 # Caffe+WFBP
     "poseidon": Mode("hybrid", True, label="Poseidon (paper)"),  # WFBP + Algorithm 1 per layer
     "sfb": Mode("sfb", True, label="SFB for FC, PS elsewhere"),
@@ -34,28 +36,39 @@ MODES = {
     "ps-sfb-ar": Mode("timed", True, label="PS+SFB+all-reduce"),
     "ps-sfb-ar-priority": Mode("timed", True, priority=True, layerwise=True,
                                label="PS+SFB+all-reduce, priority"),
+    "tf": Mode("ps", False, label="TensorFlow (stock)", system=TENSORFLOW),
+    "horovod": Mode("allreduce", True, label="Horovod (ring all-reduce)", system=HOROVOD),
+    # the 2015 paper's three settings: traditional BP, DWBP (its WFBP), DWBP + SACP (its HybComm)
+    "nodwbp-2015": Mode("ps", False, label="Poseidon 2015, no DWBP", system=POSEIDON_2015),
+    "dwbp-2015": Mode("ps", True, label="Poseidon 2015, DWBP", system=POSEIDON_2015),
+    "sacp-2015": Mode("hybrid", True, label="Poseidon 2015, DWBP+SACP", system=POSEIDON_2015),
 }
 
 
 @dataclass
 class Network:
-    """Link and host figures; rates in bytes/s (math.inf for 'free'), latency in seconds."""
-    bandwidth: float = 40e9 / 8
+    """Link and host figures; rates in bytes/s (math.inf for 'free'), latency in seconds. A
+    figure left None is the mode's system's (dist/sim/systems.py, `resolve`)."""
+    bandwidth: float = 40e9 / 8        # the line rate, each direction
     latency: float = 5e-6
-    pcie: float = 12e9                 # PCIe 3.0 x16 as measured in practice, each direction
-    update_rate: float = 10e9          # bytes/s a server adds or applies (16-core Xeon, memory bound)
+    pcie: float = None                 # GPU<->host copies, each direction
+    update_rate: float = None          # bytes/s a server adds or applies
     gemm_rate: float = None            # FLOP/s of the SFB rebuild and all-reduce's reduction
     #                                    (None: the profile's own rate, its FLOPs over its time)
     intra_bandwidth: float = 12e9      # between the G devices of a node and their leader (PCIe)
-    chunk_bytes: int = DEFAULT_PAIR_BYTES   # messages cross the wire in pieces of at most this
-    kv_pair_bytes: int = DEFAULT_PAIR_BYTES
+    chunk_bytes: int = None            # messages cross the wire in pieces of at most this
+    kv_pair_bytes: int = None
     separate_servers: bool = False     # servers on their own nodes instead of beside the workers
+    goodput: float = None              # given: the link runs at min(bandwidth, goodput) instead
+    tcp_efficiency: float = None       # TCP's share of the line rate
+    stack_rate: float = None           # the most a node's TCP stack moves, each direction
 
     @classmethod
     def ideal(cls, **kw):
         """Everything but compute free: the speedup must then be P1."""
         base = dict(bandwidth=math.inf, latency=0.0, pcie=math.inf, update_rate=math.inf,
-                    gemm_rate=math.inf, intra_bandwidth=math.inf)
+                    gemm_rate=math.inf, intra_bandwidth=math.inf, tcp_efficiency=1.0,
+                    stack_rate=math.inf)
         base.update(kw)
         return cls(**base)
 

@@ -37,14 +37,15 @@ PAPER_SINGLE_GPU = {"vgg19": (32, 35.5), "vgg19_22k": (32, 34.2), "googlenet": (
 # ResNet-152: 16 images forward and backward in 366.97 ms on a Maxwell GTX Titan X (Torch with
 # cuDNN 5; the cnn-benchmarks tables of J. Johnson), taken as the same rate at batch 32. The
 # same tables have VGG19 at 49.5 img/s where the paper's Caffe had 35.5, so Caffe may have been
-# slower here too. AlexNet: the same tables, taken as the rate at the deploy batch of 256.
+# slower here too. AlexNet: the 2015 paper's own Table 2, 0.96 s an iteration at batch 256 (the
+# Caffe of its K20-era GPUs), since only that paper trained it.
 # Inception-v3: the paper timed it under TensorFlow only, 43.2 img/s on its Titan X.
 # cifar10_quick: no figure of its era was found; the rate is this project's engine on one H100.
 OTHER_SINGLE_GPU = {
     "resnet152": (32, 16 / 0.36697, "GTX Titan X (Maxwell), Torch + cuDNN 5, 366.97 ms for "
                                     "forward and backward of 16 images (cnn-benchmarks)"),
-    "alexnet": (256, 16 / 0.02371, "GTX Titan X (Maxwell), Torch + cuDNN 5, 23.71 ms for "
-                                   "forward and backward of 16 images (cnn-benchmarks)"),
+    "alexnet": (256, 256 / 0.96, "the 2015 paper's own Table 2: 0.96 s an iteration at batch "
+                                 "256, Caffe on the GPUs of its time"),
     "inception_v3": (32, 43.2, "the paper's own single-node figure: TensorFlow on its Titan X, "
                                "batch 32"),
     "cifar10_quick": (100, 9263.0, "this project's engine (CuPy) training on one H100 at batch "

@@ -39,6 +39,7 @@ from .cost import (Shape, algorithm1_plan, candidate_plans, compute_seconds, fac
                       ring_steps, single_scheme_plan)
 from .engine import EventQueue, Fifo, after, seconds
 from .modes import MODES, Network, Result
+from .systems import resolve
 
 
 def build_book(profile, workers, servers, sync, kv_pair_bytes=DEFAULT_PAIR_BYTES, layers=None):
@@ -376,7 +377,7 @@ def simulate(profile, workers, mode="poseidon", net=None, servers=None, devices=
             raise ValueError(f"the number of {what} must be at least 1, got {value}")
     if servers is not None and servers < 1:
         raise ValueError(f"the number of servers must be at least 1, got {servers}")
-    net = net or Network()
+    net = resolve(net or Network(), MODES[mode].system)
     if MODES[mode].plan != "timed":
         plan = mode_plan(profile, workers, mode, servers, devices)
         return _run(profile, workers, mode, net, servers, devices, plan, "")

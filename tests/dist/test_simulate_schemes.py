@@ -68,12 +68,13 @@ def test_by_time_never_below_the_best_single_scheme(profiles, model):
 
 
 def test_the_prediction_counts_the_sfb_rebuild(profiles):
-    # VGG19-22K, 32 nodes, 40 GbE: Algorithm 1 sends fc6-fc8 by SFB on a float count, and loses to
-    # PS alone; the prediction counts the rebuild GEMM (and the backward PS hides under) and keeps
-    # them off SFB. At 10 GbE the bytes dominate and SFB is the prediction's choice too.
+    # VGG19-22K, 32 nodes, 40 GbE at its full line rate (TCP and the host stack not in the way):
+    # Algorithm 1 sends fc6-fc8 by SFB on a float count, and loses to PS alone; the prediction
+    # counts the rebuild GEMM (and the backward PS hides under) and keeps them off SFB. At 10 GbE
+    # the bytes dominate and SFB is the prediction's choice too.
     prof = profiles["vgg19_22k"]
     fc = {rec.index: rec.name for rec in prof["description"]["layers"] if rec.sfb}
-    fast = net_at("40Gbit")
+    fast = net_at("40Gbit", tcp_efficiency=1.0, stack_rate=math.inf)
     plan = predicted_plan(prof, 32, fast)
     assert {plan[li] for li in fc} != {"sfb"}
     assert {algorithm1_plan(prof, 32, 32)[li] for li in fc} == {"sfb"}

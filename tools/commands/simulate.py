@@ -22,7 +22,8 @@ from .common import out
 DEFAULT_MODES = "ps-nooverlap,wfbp,poseidon"
 # the modes of dist/sim/simulate.py (spelled out so that --help needs no import of dist)
 MODE_NAMES = ("ps-nooverlap", "wfbp", "poseidon", "sfb", "allreduce", "hybrid-nooverlap",
-              "ps-sfb-ar", "ps-sfb-ar-priority")
+              "ps-sfb-ar", "ps-sfb-ar-priority", "tf", "horovod", "nodwbp-2015", "dwbp-2015",
+              "sacp-2015")
 # the profiles in dist/sim/profiles/ (spelled out for the same reason; a test keeps them in step)
 SHIPPED_MODELS = ("vgg19", "vgg19_22k", "googlenet", "resnet152", "inception_v3", "alexnet",
                   "cifar10_quick")
@@ -50,13 +51,15 @@ def add(sub):
                                                          "10GbE, 1.25GB/s, inf (rates: "
                                                          "docs/configuration.md)")
     p.add_argument("--goodput", default=None,
-                   help="the most a node's software stack moves per direction (default: the "
-                        "line rate); the link runs at min(bandwidth, goodput)")
+                   help="the most a node's software stack moves per direction (default: each "
+                        "system's TCP share and host stack, docs/simulate.md); the link runs at "
+                        "min(bandwidth, goodput)")
     p.add_argument("--latency", default="5us", help="per message, e.g. 5us, 0.1ms")
-    p.add_argument("--pcie", default="12GB/s", help="GPU<->host copy rate per direction (inf: "
-                                                    "no copies)")
-    p.add_argument("--update-rate", default="10GB/s",
-                   help="bytes/s a server adds or applies (KV-store CPU work)")
+    p.add_argument("--pcie", default=None, help="GPU<->host copy rate per direction (default: "
+                                                "the system's, 12GB/s; inf: no copies)")
+    p.add_argument("--update-rate", default=None,
+                   help="bytes/s a server adds or applies (default: the system's KV-store host "
+                        "rate, 2.31GB/s from the paper's single-node Caffe+PS)")
     p.add_argument("--gemm-rate", default="profile",
                    help="FLOP/s of the SFB rebuild and all-reduce's reduction (default: the "
                         "profile's own rate, its FLOPs over its step time)")
@@ -64,9 +67,10 @@ def add(sub):
                    help="G replicas per node, reduced into one leader before the inter-node sync")
     p.add_argument("--intra-bandwidth", default="12GB/s",
                    help="between a node's devices and their leader (PCIe-like), e.g. 12GB/s")
-    p.add_argument("--kv-pair", default="2MB",
-                   help="KV pair size (as --kv-pair-bytes of train); a huge value (1GB) puts "
-                        "each tensor whole on one server, as a PS without KV pairs does")
+    p.add_argument("--kv-pair", default=None,
+                   help="KV pair size (as --kv-pair-bytes of train; default: the system's, 2MB, "
+                        "whole tensors for tf); a huge value (1GB) puts each tensor whole on one "
+                        "server, as a PS without KV pairs does")
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma-separated: " + ", ".join(MODE_NAMES))
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -104,20 +108,19 @@ def network_from_args(args):
     from poseidon.dist.units import parse_latency, parse_rate
 
     def rate(flag):
-        return parse_rate(getattr(args, flag[2:].replace("-", "_")), flag, infinite=True)
+        value = getattr(args, flag[2:].replace("-", "_"))
+        return None if value is None else parse_rate(value, flag, infinite=True)
     try:
-        bandwidth = rate("--bandwidth")
-        if args.goodput is not None:
-            bandwidth = min(bandwidth, rate("--goodput"))
         latency = parse_latency(args.latency, "--latency")
-        pcie, update, intra = rate("--pcie"), rate("--update-rate"), rate("--intra-bandwidth")
-        pair = parse_bytes(args.kv_pair)
+        pair = None if args.kv_pair is None else parse_bytes(args.kv_pair)
+        return Network(bandwidth=rate("--bandwidth"), latency=latency, pcie=rate("--pcie"),
+                       update_rate=rate("--update-rate"), goodput=rate("--goodput"),
+                       gemm_rate=_flops(args.gemm_rate), intra_bandwidth=rate("--intra-bandwidth"),
+                       kv_pair_bytes=pair,
+                       chunk_bytes=None if pair is None else min(pair, DEFAULT_PAIR_BYTES),
+                       separate_servers=args.separate_servers)
     except ValueError as e:
         raise PoseidonError(str(e)) from None
-    return Network(bandwidth=bandwidth, latency=latency, pcie=pcie, update_rate=update,
-                   gemm_rate=_flops(args.gemm_rate), intra_bandwidth=intra, kv_pair_bytes=pair,
-                   chunk_bytes=min(pair, DEFAULT_PAIR_BYTES),
-                   separate_servers=args.separate_servers)
 
 
 def _prototxt_for(model):
@@ -220,13 +223,28 @@ def scheme_line(rows, nodes):
     return "; ".join(parts)
 
 
+def system_words(system, net):
+    """One mode's system and the figures it runs at, e.g. 'Poseidon KV store: link 18.5 Gbit/s,
+    PCIe 12 GB/s, server 2.31 GB/s, 2 MB pairs'."""
+    from poseidon.dist.sim.systems import WHOLE_TENSORS, resolve
+    r = resolve(net, system)
+    pair = ("whole tensors" if r.kv_pair_bytes >= WHOLE_TENSORS
+            else f"{r.kv_pair_bytes / 2**20:g} MB pairs")
+
+    def gbs(v):
+        return "unlimited" if v == math.inf else f"{v / 1e9:.3g} GB/s"
+    return (f"{system.name}: link {_rate(r.bandwidth)}, PCIe {gbs(r.pcie)}, server "
+            f"{gbs(r.update_rate)}, {pair}")
+
+
 def _rate(bps):
-    return "unlimited" if bps == math.inf else f"{bps * 8 / 1e9:g} Gbit/s"
+    return "unlimited" if bps == math.inf else f"{bps * 8 / 1e9:.3g} Gbit/s"
 
 
 def run(args):
     from poseidon.dist.sim import profile as simprofile
     from poseidon.dist.sim.simulate import MODES, scaling_table
+    from poseidon.dist.sim.systems import resolve
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -246,10 +264,11 @@ def run(args):
     out(f"{name}: batch {profile.get('batch')} per node, one-node step "
         f"{1e3 * next(iter(next(iter(table.values())).values())).compute_s:.1f} ms "
         f"({profile.get('source', 'profile')})")
-    out(f"network: {_rate(net.bandwidth)} per NIC and direction, latency {net.latency * 1e6:g} us; "
-        f"PCIe {'unlimited' if net.pcie == math.inf else f'{net.pcie / 1e9:g} GB/s'}; "
-        f"{servers or 'one'} server{'s' if servers and servers > 1 else ''} "
+    out(f"network: {_rate(net.bandwidth)} line rate per NIC and direction, latency "
+        f"{net.latency * 1e6:g} us; {servers or 'one'} server{'s' if servers and servers > 1 else ''} "
         f"{'in all' if servers else 'per node'}, {where}")
+    for m in modes:
+        out(f"  {m}: {system_words(MODES[m].system, net)}")
     if devices > 1:
         out(f"{devices} devices per node reduce into one leader over {_rate(net.intra_bandwidth)} "
             f"before the inter-node sync")
@@ -267,6 +286,7 @@ def run(args):
     if args.json:
         payload = {"model": name, "profile_source": profile.get("source"),
                    "network": dict(net.__dict__), "servers": servers,
+                   "systems": {m: dict(resolve(net, MODES[m].system).__dict__) for m in modes},
                    "results": {m: {str(p): r.as_dict() for p, r in rows.items()}
                                for m, rows in table.items()}}
         with open(args.json, "w") as f:
