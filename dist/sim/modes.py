@@ -8,7 +8,7 @@ model alone.
 import math
 from dataclasses import dataclass, field
 
-from .systems import CAFFE_PS, HOROVOD, POSEIDON, POSEIDON_2015, TENSORFLOW, System
+from .systems import CAFFE_PS, FIRST_POSEIDON, HOROVOD, POSEIDON, TENSORFLOW, System
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ MODES = {
     "tf": Mode("ps", False, label="TensorFlow (stock)", system=TENSORFLOW),
     "horovod": Mode("allreduce", True, label="Horovod (ring all-reduce)", system=HOROVOD),
     # the 2015 paper's three settings: traditional BP, DWBP (its WFBP), DWBP + SACP (its HybComm)
-    "nodwbp-2015": Mode("ps", False, label="Poseidon 2015, no DWBP", system=POSEIDON_2015),
-    "dwbp-2015": Mode("ps", True, label="Poseidon 2015, DWBP", system=POSEIDON_2015),
-    "sacp-2015": Mode("hybrid", True, label="Poseidon 2015, DWBP+SACP", system=POSEIDON_2015),
+    "nodwbp-2015": Mode("ps", False, label="Poseidon 2015, no DWBP", system=FIRST_POSEIDON),
+    "dwbp-2015": Mode("ps", True, label="Poseidon 2015, DWBP", system=FIRST_POSEIDON),
+    "sacp-2015": Mode("hybrid", True, label="Poseidon 2015, DWBP+SACP", system=FIRST_POSEIDON),
 }
 
 

@@ -71,8 +71,8 @@ TENSORFLOW = dataclasses.replace(POSEIDON, name="TensorFlow", kv_pair_bytes=WHOL
 # direction makes its baseline, AlexNet on 8 nodes without DWBP, come out at the paper's 2.2x
 # (its footnote: protocol and software kept it well under the line rate). DWBP and SACP on the
 # same nodes are then predictions.
-POSEIDON_2015_STACK_RATE = 0.1714e9
-POSEIDON_2015 = System("Poseidon 2015", stack_rate=POSEIDON_2015_STACK_RATE)
+STACK_RATE_2015 = 0.1714e9
+FIRST_POSEIDON = System("Poseidon 2015", stack_rate=STACK_RATE_2015)
 # Horovod: ring all-reduce, one TCP flow in and one out per node (no fan-in) and no CPU KV store.
 HOROVOD = System("Horovod", update_rate=math.inf, tcp_efficiency=1.0, stack_rate=math.inf)
 
