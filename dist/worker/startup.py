@@ -17,8 +17,8 @@ _NET_FIELDS = ("net", "net_param", "train_net", "train_net_param", "test_net", "
 
 
 def check_solver(solver, session):
-    """Refuse a solver whose train net reads another rank's data shard, or that needs what distributed
-    training cannot give yet (gradient clipping)."""
+    """Refuse a solver whose train net reads another rank's data shard, or that needs what
+    distributed training cannot give yet (gradient clipping)."""
     if tuple(solver.shard) != session.shard():
         raise DistError(f"{session.name}: the solver's train net reads data shard "
                         f"{tuple(solver.shard)}, not {session.shard()}: build it with "
